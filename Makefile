@@ -1,0 +1,36 @@
+# The README's two commands are `make run` (set up ./.venv, run the main job on the embedded default)
+# and `make test` (set up, build the local control plane once, run every check and test).
+PY := .venv/bin/python
+MANIFEST ?= examples/tiny-local.yaml
+
+.PHONY: setup run test lint typecheck imports crds crds-check controlplane pytest
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	.venv/bin/lockstep run $(MANIFEST)
+
+controlplane:
+	bash e2e/controlplane/build.sh
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+typecheck:
+	.venv/bin/mypy
+
+imports:
+	.venv/bin/lint-imports
+
+crds:
+	$(PY) -m lockstep.api.crdgen --out crds
+
+crds-check:
+	$(PY) -m lockstep.api.crdgen --out crds --check
+
+pytest:
+	$(PY) -m pytest
+
+test: setup controlplane lint typecheck imports crds-check pytest

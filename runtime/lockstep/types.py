@@ -1,0 +1,109 @@
+"""Hand-off types shared by rollout, training, weight transfer and the driver.
+
+Why it exists: every stage of the loop passes the same few things around (a sampled trajectory, a
+group of trajectories of one prompt, a published weight version). Defining them once, as slotted
+dataclasses, keeps the stages swappable and makes the five per-token equalities of the seed (§2)
+checkable: each sampled token carries its token ID, its rollout logprob and the weight version that
+produced it, and the trainer reads exactly these.
+
+Who uses it: lockstep.rollout (produces Samples), lockstep.train (consumes Groups), lockstep.driver
+(moves them), lockstep.weights (publishes WeightVersions). Nothing here imports torch.
+
+Glossary (the one word per concept used everywhere; docs/glossary.md has the full list):
+- version: an integer weight version, published to the rollout engines after training; 0 is the
+  weights loaded at start.
+- step: one optimizer step of the trainer (one batch of groups).
+- rank: one trainer process of torch.distributed.
+- replica: one rollout engine server.
+- sample: one trajectory (a prompt and everything after it).
+- group: the samples of one prompt (n_samples_per_prompt of them), the unit GRPO normalises over.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+WeightVersion = int
+"""A published policy weight version. Engines report it as `weight_version` (a string in SGLang)."""
+
+
+class SampleStatus(enum.StrEnum):
+    """How a trajectory ended."""
+
+    COMPLETED = "completed"
+    """Stopped on an end-of-sequence or stop token."""
+    TRUNCATED = "truncated"
+    """Hit the token budget; still trainable."""
+    ABORTED = "aborted"
+    """Aborted by the engine or the driver; never trained on."""
+    FAILED = "failed"
+    """The agent, environment or reward raised; never trained on."""
+
+
+@dataclass(slots=True)
+class Sample:
+    """One trajectory, token-exact as sampled (TITO): the trainer scores exactly these IDs.
+
+    Lengths: `response_ids`, `loss_mask`, `rollout_logprobs` and `token_versions` all have length R
+    (the number of tokens after the prompt, generated and environment tokens alike).
+    """
+
+    group_index: int
+    """Index of the prompt group this sample belongs to (unique within a run)."""
+    index: int
+    """Index of the sample within its group, 0..n_samples_per_prompt-1."""
+    prompt_ids: list[int]
+    """Token IDs of the prompt as sent to the engine, length P."""
+    response_ids: list[int] = field(default_factory=list)
+    """Token IDs after the prompt, length R: sampled tokens and environment tokens (tool results)."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Length R; 1 on tokens the policy sampled and that train, 0 on environment tokens."""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """Length R; the engine's logprob of each sampled token (0.0 where loss_mask is 0)."""
+    token_versions: list[int | None] = field(default_factory=list)
+    """Length R; the weight version that generated each token; None for environment tokens or unknown."""
+    reward: float | None = None
+    """Scalar reward from the reward function; None until scored."""
+    status: SampleStatus = SampleStatus.COMPLETED
+    """How the trajectory ended."""
+    routed_experts: bytes | None = None
+    """R3 routing replay data (int32, shape [P+R-1, layers, topk]) when enabled, else None."""
+    label: str | None = None
+    """Free label of the sample (e.g. the OPD teacher route)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Task data the reward function needs (e.g. the reference answer); never trained on."""
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def check(self) -> None:
+        """Raise ValueError when the per-token lists disagree in length (a broken TITO invariant)."""
+        r = len(self.response_ids)
+        for name in ("loss_mask", "rollout_logprobs", "token_versions"):
+            n = len(getattr(self, name))
+            if n != r:
+                raise ValueError(f"sample {self.group_index}/{self.index}: {name} has {n} entries, response_ids {r}")
+
+
+@dataclass(slots=True)
+class Group:
+    """The samples of one prompt; the trainer consumes complete groups only."""
+
+    index: int
+    """Unique group index within a run."""
+    samples: list[Sample]
+    """n_samples_per_prompt samples, in sample-index order."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward if s.reward is not None else 0.0 for s in self.samples]
+
+    def token_versions(self) -> list[int | None]:
+        """All per-token versions of the generated tokens of the group (for staleness, seed §5)."""
+        out: list[int | None] = []
+        for s in self.samples:
+            out.extend(v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m)
+        return out

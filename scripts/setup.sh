@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up ./.venv with Lockstep and everything its roles and tests need, from PyPI only.
+# Idempotent: a second run only checks. pip's cache (~/.cache/pip) stays warm between runs so a warm
+# CI run does not download torch again. Called by `make run`, `make test` and .ci/run (through make).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stamp=.venv/.lockstep-setup
+# Debian libraries that Mooncake's TransferEngine wheel loads (P2P weight transfer over TCP/RDMA).
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || ! ldconfig -p 2>/dev/null | grep -q libnuma.so.1; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q libibverbs1 libnuma1 >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 libnuma1 >/dev/null; }) \
+      || echo "setup: could not install libibverbs1 libnuma1; P2P tests will be skipped" >&2
+  fi
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+  .venv/bin/python -m pip install -q -e ".[runtime,p2p,dev]"
+  echo "$want" > "$stamp"
+fi
