@@ -138,6 +138,13 @@ class GroupBuffer:
             self._cond.notify_all()
         return True
 
+    async def wait_room(self) -> None:
+        """Wait until the queue is below capacity (the worker submits new groups only then)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._closed or len(self._queue) < self.capacity)
+            if self._closed:
+                raise BufferClosed("buffer closed")
+
     async def get(self) -> Consumed:
         """Take the oldest group that is fresh enough; wait while none is queued. Stale groups are dropped."""
         async with self._cond:
