@@ -1,0 +1,192 @@
+"""Tests of the fully-async loop over in-process hooks: versions, staleness, retract, eval attribution.
+
+`ToyEngine` is a test workload standing in for the engines' scheduling only: it emits one token per event
+loop turn tagged with the weight version it holds, and `publish` pauses it (in-flight trajectories wait,
+as with SGLang's pause mode retract), swaps the version and continues, so trajectories span versions
+exactly as on the real engine. The real-engine path is covered by test_async_driver.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from lockstep.driver.fully_async import (
+    AsyncLoop,
+    AsyncSettings,
+    ColocateRefused,
+    EvalOutcome,
+    LoopState,
+    check_schedule,
+)
+from lockstep.rollout.async_worker import Prompt
+from lockstep.types import Group, Sample
+
+
+class ToyEngine:
+    """Generates `prompt_ids[-1]` tokens per trajectory, one per loop turn, tagged with its version."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.running = asyncio.Event()
+        self.running.set()
+
+    async def __call__(self, sample: Sample) -> Sample:
+        for _ in range(sample.prompt_ids[-1]):
+            await self.running.wait()  # paused: retracted requests wait, then continue on the new weights
+            await asyncio.sleep(0)
+            sample.response_ids.append(7)
+            sample.loss_mask.append(1)
+            sample.rollout_logprobs.append(-0.5)
+            sample.token_versions.append(self.version)
+        sample.reward = 1.0 if sample.index == 0 else 0.0
+        return sample
+
+
+class Hooks:
+    """In-process hooks: record what the loop asked for."""
+
+    def __init__(self, engine: ToyEngine) -> None:
+        self.engine = engine
+        self.trained: list[list[int]] = []
+        self.logged: list[tuple[int, dict[str, float]]] = []
+        self.saved: list[LoopState] = []
+        self.eval_gate: asyncio.Event | None = None
+
+    def train(self, groups: list[Group], step: int) -> dict[str, float]:
+        assert all(len(g.samples) == 2 for g in groups)  # complete groups only
+        self.trained.append([g.index for g in groups])
+        return {"loss": 0.1 * step}
+
+    async def publish(self, version: int) -> dict[str, float]:
+        self.engine.running.clear()  # pause(mode=retract)
+        await asyncio.sleep(0)
+        self.engine.version = version  # push
+        self.engine.running.set()  # continue
+        return {"payload_bytes": 10.0}
+
+    async def evaluate(self, version: int) -> EvalOutcome:
+        seen = {self.engine.version}
+        if self.eval_gate is not None:
+            await self.eval_gate.wait()
+        seen.add(self.engine.version)
+        return EvalOutcome({"accuracy": version / 10}, seen)
+
+    def save(self, state: LoopState) -> None:
+        self.saved.append(state)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logged.append((step, metrics))
+
+
+def long_tail_prompts(start: int = 0) -> Iterator[Prompt]:
+    """Most trajectories 4 tokens, every 5th one 40 (a long tail)."""
+    for i in itertools.count(start):
+        yield Prompt([1, 40 if i % 5 == 0 else 4])
+
+
+def settings(**kw: object) -> AsyncSettings:
+    base: dict[str, object] = {"steps": 6, "batch_groups": 2, "n_samples_per_prompt": 2, "max_in_flight": 8}
+    base.update(kw)
+    return AsyncSettings(**base)  # type: ignore[arg-type]
+
+
+async def test_loop_trains_publishes_and_measures() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    loop = AsyncLoop(settings(save_interval=3), hooks, engine, long_tail_prompts())
+    state = await loop.run()
+    assert state.step == 6 and state.version == 6 and engine.version == 6
+    assert len(hooks.trained) == 6 and all(len(b) == 2 for b in hooks.trained)
+    flat = [i for b in hooks.trained for i in b]
+    assert len(set(flat)) == len(flat)  # each group trained once
+    steps = [s for s, _ in hooks.logged]
+    assert steps == list(range(6))
+    last = hooks.logged[-1][1]
+    for key in (
+        "queue_size",
+        "stale_groups_filtered",
+        "in_flight",
+        "weight_version_sample_coverage",
+        "staleness/s_old_mean",
+        "mixed_version_ratio",
+        "staleness/token_weighted_mean",
+    ):
+        assert key in last
+    assert last["weight_version_sample_coverage"] == 1.0
+    # Long trajectories outlive weight updates: some consumed group carries tokens of two versions.
+    assert loop.run_stats.mixed_groups > 0
+    assert max(loop.run_stats.s_old) >= 1
+    assert [s.step for s in hooks.saved] == [3, 6]
+    assert hooks.saved[-1].next_group_index >= 12
+
+
+async def test_staleness_bound_drops_groups() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    loop = AsyncLoop(settings(max_staleness=0, max_in_flight=12), hooks, engine, long_tail_prompts())
+    await loop.run()
+    assert max(loop.run_stats.s_old) == 0  # nothing older than the bound was trained on
+    dropped = hooks.logged[-1][1]["stale_groups_filtered"]
+    assert dropped > 0
+
+
+async def test_eval_attributed_to_its_step_with_latency() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    hooks.eval_gate = asyncio.Event()
+    loop = AsyncLoop(settings(eval_interval=2, eval_pins_version=False), hooks, engine, long_tail_prompts())
+
+    async def release_late(step: int, metrics: dict[str, float]) -> None:
+        if step == 4 and hooks.eval_gate is not None:
+            hooks.eval_gate.set()  # the eval launched after step 1 returns only now, steps later
+
+    loop.on_step = release_late
+    await loop.run()
+    by_step = {r.step: r for r in loop.evals}
+    assert set(by_step) == {1, 3, 5}
+    assert by_step[1].version == 2 and by_step[1].metrics == {"accuracy": 0.2}
+    assert by_step[1].mixed_versions  # unpinned: the engines moved on while it ran, and it says so
+    eval_logs = [(s, m) for s, m in hooks.logged if "eval/accuracy" in m]
+    assert {s for s, _ in eval_logs} == {1, 3, 5}
+    assert all(m["eval/latency_s"] >= 0.0 for _, m in eval_logs)
+
+
+async def test_pinned_eval_never_mixes_versions() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    loop = AsyncLoop(settings(eval_interval=1), hooks, engine, long_tail_prompts())
+    await loop.run()
+    assert len(loop.evals) == 6
+    assert not any(r.mixed_versions for r in loop.evals)
+    assert [r.version for r in sorted(loop.evals, key=lambda r: r.step)] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_resume_continues_from_state() -> None:
+    engine = ToyEngine()
+    engine.version = 3
+    hooks = Hooks(engine)
+    state = LoopState(step=3, version=3, next_group_index=40, prompts_consumed=40)
+    loop = AsyncLoop(settings(), hooks, engine, long_tail_prompts(40), state=state)
+    end = await loop.run()
+    assert end.step == 6 and end.version == 6
+    assert min(i for b in hooks.trained for i in b) >= 40
+    assert [s for s, _ in hooks.logged] == [3, 4, 5]
+
+
+def test_colocate_refused_at_start() -> None:
+    with pytest.raises(ColocateRefused, match="colocate"):
+        check_schedule("fully-async", colocate=True)
+    check_schedule("fully-async", colocate=False)
+    check_schedule("sync", colocate=True)
+
+
+def test_settings_checked() -> None:
+    with pytest.raises(ValueError, match="maxInFlight"):
+        settings(max_in_flight=1)
+    with pytest.raises(ValueError, match="batch_groups"):
+        settings(batch_groups=0)
+    assert settings().capacity == 4
+    assert settings(buffer_groups=7).capacity == 7
