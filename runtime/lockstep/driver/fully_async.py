@@ -45,13 +45,21 @@ class ColocateRefused(ValueError):
     """Fully-async was asked for with colocate: the two phases cannot overlap on shared GPUs."""
 
 
-def check_schedule(mode: str, colocate: bool) -> None:
+def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> None:
     """Fail at start when the schedule cannot keep its promise (seed §10)."""
-    if mode == "fully-async" and colocate:
+    if mode != "fully-async":
+        return
+    if colocate:
         raise ColocateRefused(
             "spec.schedule: mode fully-async cannot run with colocate: true; fully-async generates while "
             "the trainer trains, which needs separate resources for engines and trainer. Set colocate: false "
             "(separate GPUs, or on one machine the engine in its own process) or use mode: sync"
+        )
+    if pause_mode == "abort":
+        raise ValueError(
+            "spec.weightSync.pauseMode: abort cannot be used with schedule.mode fully-async: every weight "
+            "update would abort the in-flight trajectories and their groups would be dropped; use retract "
+            "(the default: requests resume under the new weights and record per-token versions)"
         )
 
 

@@ -181,6 +181,9 @@ def test_colocate_refused_at_start() -> None:
         check_schedule("fully-async", colocate=True)
     check_schedule("fully-async", colocate=False)
     check_schedule("sync", colocate=True)
+    with pytest.raises(ValueError, match="pauseMode"):
+        check_schedule("fully-async", colocate=False, pause_mode="abort")
+    check_schedule("fully-async", colocate=False, pause_mode="in_place")
 
 
 def test_settings_checked() -> None:
