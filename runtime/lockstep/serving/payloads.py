@@ -1,0 +1,304 @@
+"""Pydantic models of the SGLang HTTP payloads the runtime sends and reads.
+
+Why it exists: the runtime talks to real SGLang servers and to our reference engine through one
+client; both must accept exactly these bodies. Field names, defaults and shapes are taken from
+SGLang's source (python/sglang/srt/managers/io_struct.py: GenerateReqInput, AbortReq,
+PauseGenerationReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
+DestroyWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
+UpdateWeightsFromTensorReqInput, UpdateWeightVersionReqInput; sampling_params.py: SamplingParams;
+entrypoints/http_server.py for routes and replies). We model only the fields we use: requests are
+`extra="forbid"` (what we send is exactly this); replies are parsed with `extra="ignore"` since SGLang
+returns more than we read.
+
+Lockstep extension (documented, optional, ignored by stock SGLang clients):
+`meta_info.output_token_weight_versions` -- the weight version that sampled each output token, one
+int per output token. Our engine sets it; stock SGLang does not, and the client then derives
+versions honestly (see client.GenerateResult).
+
+Routes (ROUTES below): POST /generate, POST /abort_request, GET /health, GET /health_generate,
+GET|POST /flush_cache, POST /pause_generation, POST /continue_generation,
+POST /update_weights_from_disk, POST /init_weights_update_group, POST /destroy_weights_update_group,
+POST /update_weights_from_distributed, POST /update_weights_from_tensor, POST /update_weight_version,
+GET /model_info (carries weight_version; GET /get_weight_version is the older, now 404, spelling).
+
+Who calls it: lockstep.serving.client (builds requests, parses replies) and lockstep.engine (parses
+requests, builds replies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+ROUTES: dict[str, tuple[str, str]] = {
+    "generate": ("POST", "/generate"),
+    "abort_request": ("POST", "/abort_request"),
+    "health": ("GET", "/health"),
+    "health_generate": ("GET", "/health_generate"),
+    "flush_cache": ("POST", "/flush_cache"),
+    "pause_generation": ("POST", "/pause_generation"),
+    "continue_generation": ("POST", "/continue_generation"),
+    "update_weights_from_disk": ("POST", "/update_weights_from_disk"),
+    "init_weights_update_group": ("POST", "/init_weights_update_group"),
+    "destroy_weights_update_group": ("POST", "/destroy_weights_update_group"),
+    "update_weights_from_distributed": ("POST", "/update_weights_from_distributed"),
+    "update_weights_from_tensor": ("POST", "/update_weights_from_tensor"),
+    "update_weight_version": ("POST", "/update_weight_version"),
+    "get_weight_version": ("GET", "/get_weight_version"),
+    "model_info": ("GET", "/model_info"),
+}
+"""Endpoint name -> (HTTP method, path), as served by SGLang's http_server.py."""
+
+
+class SamplingParams(_Request):
+    """The subset of SGLang's SamplingParams the runtime sets (sampling_params.py)."""
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    """Budget of tokens to sample after the prompt; 0 only scores the prompt."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Drop tokens below min_p * max prob (SGLang field; our engine supports only 0)."""
+    stop_token_ids: list[int] | None = None
+    """Extra token IDs that end the sample (the stop token is kept in output_ids)."""
+    stop: str | list[str] | None = None
+    """Stop strings (SGLang field; our engine does not support them, use stop_token_ids)."""
+    ignore_eos: bool = False
+    """Keep sampling past the model's eos token."""
+    skip_special_tokens: bool = True
+    """Drop special tokens from the returned text (IDs are unaffected)."""
+    no_stop_trim: bool = False
+    """Keep the stop string in the returned text."""
+    sampling_seed: int | None = None
+    """Per-request seed for reproducible sampling (SGLang's deterministic-inference field)."""
+
+
+class GenerateRequest(_Request):
+    """POST /generate body (GenerateReqInput), token-in: we always send input_ids."""
+
+    input_ids: list[int] | list[list[int]]
+    """Prompt token IDs, one list (single request) or a list of lists (batch)."""
+    sampling_params: SamplingParams | list[SamplingParams] = Field(default_factory=SamplingParams)
+    """One set for all, or one per prompt of a batch."""
+    return_logprob: bool = False
+    """Return meta_info.output_token_logprobs."""
+    logprob_start_len: int = -1
+    """With return_logprob, also return input_token_logprobs from this prompt position; -1: none."""
+    top_logprobs_num: int = 0
+    """Top alternatives per position (SGLang field; our engine supports only 0)."""
+    return_text_in_logprobs: bool = False
+    """Fill the third element of each logprob triple with the token text."""
+    return_routed_experts: bool = False
+    """R3: return the routed expert IDs per token and MoE layer (base64 int32)."""
+    rid: str | list[str] | None = None
+    """Request ID(s), for /abort_request; generated by the server when absent."""
+    stream: bool = False
+    """Streaming replies (the runtime never streams)."""
+    lora_path: str | None = None
+    """LoRA adapter to sample with (SGLang field; our engine supports none)."""
+
+
+class FinishReason(_Reply):
+    """meta_info.finish_reason: FINISH_MATCHED_TOKEN -> {type: stop, matched: id}, FINISH_LENGTH ->
+    {type: length, length: n}, FINISH_ABORT -> {type: abort, message}."""
+
+    type: Literal["stop", "length", "abort"]
+    """Why sampling ended."""
+    matched: int | str | None = None
+    """The stop token ID (or stop string) that matched."""
+    length: int | None = None
+    """The max_new_tokens budget that was hit."""
+    message: str | None = None
+    """Abort reason."""
+
+
+class MetaInfo(_Reply):
+    """meta_info of a /generate reply (the fields the runtime reads)."""
+
+    id: str = ""
+    """The request ID."""
+    finish_reason: FinishReason | None = None
+    """Why the sample ended (None while streaming)."""
+    prompt_tokens: int = 0
+    """Prompt length in tokens."""
+    completion_tokens: int = 0
+    """Number of output tokens."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    weight_version: str | None = None
+    """The engine's weight version when the reply was made (a string in SGLang)."""
+    output_token_logprobs: list[list[Any]] | None = None
+    """Per output token [logprob, token_id, text-or-null]."""
+    input_token_logprobs: list[list[Any]] | None = None
+    """Per prompt token from logprob_start_len [logprob-or-null, token_id, text-or-null]."""
+    routed_experts: str | None = None
+    """R3 data: base64 of int32 [tokens-1, layers, topk]."""
+    output_token_weight_versions: list[int] | None = None
+    """Lockstep extension: the weight version that sampled each output token."""
+
+
+class GenerateReply(_Reply):
+    """One /generate reply (a batch request gets a list of these)."""
+
+    text: str = ""
+    """Decoded output text."""
+    output_ids: list[int] = Field(default_factory=list)
+    """Output token IDs (the stop token included when one matched)."""
+    meta_info: MetaInfo
+    """Logprobs, counts, finish reason and versions."""
+
+
+class AbortRequest(_Request):
+    """POST /abort_request body (AbortReq)."""
+
+    rid: str = ""
+    """The request to abort ("" with abort_all)."""
+    abort_all: bool = False
+    """Abort every request."""
+
+
+class PauseGenerationRequest(_Request):
+    """POST /pause_generation body (PauseGenerationReqInput)."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    """abort: end running requests; retract: hold them, KV recomputed after continue; in_place: keep KV."""
+
+
+class ContinueGenerationRequest(_Request):
+    """POST /continue_generation body (ContinueGenerationReqInput)."""
+
+    torch_empty_cache: bool = True
+    """Return cached CUDA blocks to the driver before resuming."""
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """POST /update_weights_from_disk body (UpdateWeightFromDiskReqInput)."""
+
+    model_path: str
+    """HF-layout checkpoint dir with the new weights."""
+    load_format: str | None = None
+    """Loader format (None: auto)."""
+    abort_all_requests: bool = False
+    """Abort running requests before loading."""
+    weight_version: str | None = None
+    """The version the engine reports after the update."""
+    flush_cache: bool = True
+    """Flush the prefix cache after loading."""
+
+
+class InitWeightsUpdateGroupRequest(_Request):
+    """POST /init_weights_update_group body (InitWeightsUpdateGroupReqInput)."""
+
+    master_address: str
+    """Rendezvous host (the trainer's rank 0 that broadcasts)."""
+    master_port: int
+    """Rendezvous port."""
+    rank_offset: int
+    """This engine's first rank in the group (the trainer source is rank 0)."""
+    world_size: int
+    """1 (the source) + all engine ranks."""
+    group_name: str = "weight_update_group"
+    """Name of the group (prefix of the rendezvous keys)."""
+    backend: str = "nccl"
+    """nccl on GPUs, gloo on CPU."""
+
+
+class DestroyWeightsUpdateGroupRequest(_Request):
+    """POST /destroy_weights_update_group body (DestroyWeightsUpdateGroupReqInput)."""
+
+    group_name: str = "weight_update_group"
+    """The group to tear down."""
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    """POST /update_weights_from_distributed body (UpdateWeightsFromDistributedReqInput).
+
+    The engine receives one broadcast from rank 0 per name, in order, with these dtypes and shapes.
+    """
+
+    names: list[str]
+    """HF parameter names, in broadcast order."""
+    dtypes: list[str]
+    """torch dtype names without the prefix, e.g. "bfloat16"."""
+    shapes: list[list[int]]
+    """Shape of each tensor."""
+    group_name: str = "weight_update_group"
+    """The group the broadcasts travel on."""
+    flush_cache: bool = True
+    """Flush the prefix cache after loading."""
+    abort_all_requests: bool = False
+    """Abort running requests before loading."""
+    weight_version: str | None = None
+    """The version the engine reports after the update."""
+    load_format: str | None = None
+    """Loader format (None: plain named tensors)."""
+
+
+class UpdateWeightsFromTensorRequest(_Request):
+    """POST /update_weights_from_tensor body (UpdateWeightsFromTensorReqInput).
+
+    serialized_named_tensors holds, per TP rank, base64 of SGLang's MultiprocessingSerializer output
+    (a ForkingPickler pickle of [(name, tensor), ...]). Unpickling is code execution: our engine
+    accepts it only when started with --allow-tensor-updates and then only torch's tensor rebuild
+    functions.
+    """
+
+    serialized_named_tensors: list[str]
+    """Base64 strings, one per TP rank."""
+    load_format: str | None = None
+    """None (named tensors) or "flattened_bucket" (not supported by our engine)."""
+    flush_cache: bool = True
+    """Flush the prefix cache after loading."""
+    abort_all_requests: bool = False
+    """Abort running requests before loading."""
+    weight_version: str | None = None
+    """The version the engine reports after the update."""
+
+
+class UpdateWeightVersionRequest(_Request):
+    """POST /update_weight_version body (UpdateWeightVersionReqInput)."""
+
+    new_version: str
+    """The version to report from now on."""
+    abort_all_requests: bool = True
+    """Abort running requests first (SGLang's default)."""
+
+
+class SuccessReply(_Reply):
+    """{success, message} reply of the weight endpoints (HTTP 200 on success, 400 on failure)."""
+
+    success: bool
+    """Whether the operation succeeded."""
+    message: str = ""
+    """Details or the error."""
+    num_paused_requests: int = 0
+    """Requests paused during a disk update (update_weights_from_disk only)."""
+
+
+class ModelInfoReply(_Reply):
+    """GET /model_info reply (the fields the runtime reads)."""
+
+    model_path: str = ""
+    """The model path the server loaded."""
+    is_generation: bool = True
+    """A generative model."""
+    weight_version: str | None = None
+    """The current weight version."""
+    model_type: str | None = None
+    """HF model_type, e.g. "qwen3"."""
+    architectures: list[str] | None = None
+    """HF architectures, e.g. ["Qwen3ForCausalLM"]."""

@@ -1,0 +1,88 @@
+"""The weight-update process group of /init_weights_update_group, shared by trainer and engine.
+
+Why it exists: SGLang's /init_weights_update_group makes the engine join a new torch.distributed
+group with the trainer's rank 0 (rank 0 = the source, engine ranks from rank_offset), rendezvous at
+tcp://master_address:master_port, keys under the group name. Both ends must build the group the
+same way, and neither may disturb its process's default group (the trainer's FSDP world). So the
+group is a standalone c10d backend (ProcessGroupGloo / ProcessGroupNCCL) on a TCPStore wrapped in
+PrefixStore(f"{group_name}/"), which is what torch's own new-group helper does; broadcasts go
+through the backend object directly.
+
+Who calls it: lockstep.engine (engine side, ranks >= 1) and lockstep.weights (trainer rank 0).
+torch is imported inside the functions so importing lockstep.serving stays light.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class WeightUpdateGroup:
+    """A standalone process group for weight broadcasts."""
+
+    name: str
+    """group_name of the request."""
+    backend: str
+    """gloo or nccl."""
+    rank: int
+    """This process's rank (0 = the trainer source)."""
+    world_size: int
+    """1 + the engine ranks."""
+    pg: Any
+    """The c10d backend object (ProcessGroupGloo or ProcessGroupNCCL)."""
+    store: Any
+    """The TCPStore, kept alive as long as the group."""
+
+    def broadcast(self, tensor: Any, src: int = 0) -> None:
+        """Broadcast `tensor` in place from rank `src` to every rank of the group; blocks until done."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        """Drop the group (NCCL communicators are aborted; gloo closes its sockets on delete)."""
+        shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "abort", None)
+        if shutdown is not None and self.backend == "nccl":
+            shutdown()
+        self.pg = None
+        self.store = None
+
+
+def open_weight_update_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    timeout_s: float = 300.0,
+) -> WeightUpdateGroup:
+    """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined."""
+    import torch
+    import torch.distributed as dist
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use gloo (CPU) or nccl (CUDA)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world_size {world_size}; check rank_offset and world_size")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(f"{group_name}/", store)  # type: ignore[attr-defined]
+    if backend == "gloo":
+        pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    return WeightUpdateGroup(
+        name=group_name, backend=backend, rank=rank, world_size=world_size, pg=pg, store=store
+    )
