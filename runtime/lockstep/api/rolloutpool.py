@@ -1,0 +1,86 @@
+"""RolloutPool: the engine replicas of one job behind one router Service.
+
+Why it exists: the pool is the unit that scales (`kubectl scale rolloutpool`, an HPA or KEDA through
+the /scale subresource) and that reports, per replica, which weight version it serves. The operator
+creates one per RLJob from spec.rollout; users rarely write one by hand.
+
+Who uses it: the operator (creates and reconciles pools, writes status), the driver (reads the
+engines' addresses and versions).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, ObjectMeta
+from lockstep.api.rljob import Autoscaling, EngineSpec, ModelSpec, PlacementSpec
+
+
+class RolloutPoolSpec(ApiModel):
+    """Desired state of a pool of rollout engine replicas."""
+
+    job: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """Name of the RLJob the pool serves."""
+    replicas: int = Field(default=1, ge=0, le=4096)
+    """Desired engine replicas (the /scale subresource writes this)."""
+    autoscaling: Autoscaling | None = None
+    """Bounds for replicas; unset allows any count."""
+    model: ModelSpec
+    """The model the engines serve (immutable)."""
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=EMPTY_DEFAULT)
+    """What each replica runs."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=EMPTY_DEFAULT)
+    """Where the replicas go."""
+
+
+class EngineStatus(ApiModel):
+    """One replica as observed."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Pod name of the replica."""
+    address: str | None = Field(default=None, max_length=256)
+    """`host:port` of its HTTP server."""
+    ready: bool = False
+    """Whether it passes /health_generate."""
+    weight_version: int | None = Field(default=None, ge=0)
+    """The weight version it reports."""
+
+
+class RolloutPoolStatus(ApiModel):
+    """Observed state of a pool."""
+
+    replicas: int = Field(default=0, ge=0)
+    """Replicas that exist (the /scale subresource reads this)."""
+    ready_replicas: int = Field(default=0, ge=0)
+    """Replicas ready to serve."""
+    selector: str | None = Field(default=None, max_length=1024)
+    """Label selector of the replica pods, as a string (for /scale and autoscalers)."""
+    weight_version: int | None = Field(default=None, ge=0)
+    """The weight version every ready replica holds; unset while they disagree."""
+    engines: list[EngineStatus] = Field(default_factory=list, max_length=4096)
+    """Per-replica status, including its weight version."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Conditions: Available, MinAvailableBreached, WeightsSynced."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The metadata.generation the status describes."""
+
+
+class RolloutPool(ApiModel):
+    """A pool of rollout engine replicas (kind RolloutPool)."""
+
+    api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
+    """rl.lockstep.dev/v1alpha1"""
+    kind: Literal["RolloutPool"] = "RolloutPool"
+    """RolloutPool"""
+    metadata: ObjectMeta
+    """Object metadata."""
+    spec: RolloutPoolSpec
+    """Desired state."""
+    status: RolloutPoolStatus | None = None
+    """Observed state."""

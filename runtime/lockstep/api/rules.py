@@ -1,0 +1,348 @@
+"""The cross-field rules of the Lockstep API, each declared once for CEL and for Python.
+
+Why it exists: some combinations cannot keep their promise (seed §10: fail early). Each rule here is
+one `Rule`: the model it sits on (its scope), one expression in lockstep.api.cel, the field to blame and
+a message that names the fix. lockstep.api.crdgen emits the expression as CEL into the CRD
+(x-kubernetes-validations, so `kubectl apply` refuses the object) and `check_rules` evaluates the same
+expression in Python (so `lockstep validate` and `lockstep run` refuse it offline, with the same
+message). Field-level limits (enums, minimums, lengths) live on the fields themselves.
+
+Who uses it: lockstep.api.crdgen, lockstep.api.manifest, docs/api.md (the table of rules), tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pydantic import BaseModel
+
+from lockstep.api.cel import Expr, field, has, old
+from lockstep.api.rljob import (
+    Autoscaling,
+    EngineSpec,
+    GangScheduling,
+    MismatchSpec,
+    ModelSpec,
+    OPDSpec,
+    RLJobSpec,
+    RolloutSpec,
+    TrainerSpec,
+)
+from lockstep.api.rolloutpool import RolloutPoolSpec
+
+TRUE_ON_POLICY_PROFILES: Final[tuple[str, ...]] = ("qwen3-0.6b", "qwen3-4b")
+"""`family-variant` pairs with a registered true-on-policy profile (Qwen3 dense 0.6B and 4B; seed §4.3)."""
+
+WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A rule that must hold on every object of type `scope` (and its subclasses)."""
+
+    name: str
+    """Short stable id, used in tests and docs."""
+    scope: type[BaseModel]
+    """The model the rule sits on; CEL `self` is that object."""
+    expr: Expr
+    """What must be true."""
+    field: str
+    """Dotted camelCase path, relative to the scope, of the field to blame ("" for the scope itself)."""
+    message: str
+    """What is wrong and how to fix it."""
+    transition: bool = False
+    """Compares with the previous object (`oldSelf`); checked on update only."""
+
+    def x_kubernetes_validation(self) -> dict[str, Any]:
+        """The CRD x-kubernetes-validations entry."""
+        out: dict[str, Any] = {"rule": self.expr.to_cel(), "message": self.message}
+        if self.field:
+            out["fieldPath"] = "." + self.field
+        out["reason"] = "FieldValueForbidden" if self.transition else "FieldValueInvalid"
+        return out
+
+
+def _rules() -> tuple[Rule, ...]:
+    mode, colocate = field("schedule.mode"), field("schedule.colocate")
+    transport = field("weightSync.transport")
+    streaming = transport.in_(WEIGHT_STREAMING_TRANSPORTS)
+    world = field("nodes") * field("gpusPerNode")
+    par = "parallelism."
+    return (
+        Rule(
+            "fully-async-colocate",
+            RLJobSpec,
+            ~(mode.eq("fully-async") & colocate.eq(True)),
+            "schedule.colocate",
+            "fully-async needs separate GPUs for rollout and training: set schedule.colocate to false "
+            "or schedule.mode to sync",
+        ),
+        Rule(
+            "staleness-needs-fully-async",
+            RLJobSpec,
+            has("schedule.maxWeightStaleness").implies(mode.eq("fully-async")),
+            "schedule.maxWeightStaleness",
+            "maxWeightStaleness bounds the fully-async buffer: remove it or set schedule.mode to fully-async",
+        ),
+        Rule(
+            "streaming-transport-colocate",
+            RLJobSpec,
+            streaming.implies(colocate.eq(False)),
+            "weightSync.transport",
+            "p2p and disk-delta do not support colocated engines: use transport cuda-ipc or auto, or "
+            "set schedule.colocate to false",
+        ),
+        Rule(
+            "streaming-transport-lora",
+            RLJobSpec,
+            streaming.implies(~has("model.lora")),
+            "weightSync.transport",
+            "p2p and disk-delta do not support LoRA: use transport broadcast or auto, or remove model.lora",
+        ),
+        Rule(
+            "streaming-transport-prefill-decode",
+            RLJobSpec,
+            streaming.implies(field("rollout.prefillDecode").eq(False)),
+            "weightSync.transport",
+            "p2p and disk-delta do not support prefill-decode disaggregation: use transport broadcast "
+            "or auto, or set rollout.prefillDecode to false",
+        ),
+        Rule(
+            "cuda-ipc-needs-colocate",
+            RLJobSpec,
+            transport.eq("cuda-ipc").implies(colocate.eq(True)),
+            "weightSync.transport",
+            "cuda-ipc shares GPU memory, so engines and trainer must share GPUs: set "
+            "schedule.colocate to true or use transport auto",
+        ),
+        Rule(
+            "nvfp4-serving-needs-nvfp4-training",
+            RLJobSpec,
+            field("rollout.precision").eq("nvfp4").implies(field("trainer.precision").eq("nvfp4")),
+            "rollout.precision",
+            "NVFP4 serving needs NVFP4 training (every stage that touches weights must quantize "
+            "alike): set trainer.precision to nvfp4 or serve bf16, fp8 or mxfp8",
+        ),
+        Rule(
+            "true-on-policy-profile",
+            RLJobSpec,
+            field("algorithm.trueOnPolicy")
+            .eq(True)
+            .implies(
+                has("model.variant")
+                & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
+            ),
+            "algorithm.trueOnPolicy",
+            "true-on-policy has profiles only for model family-variant "
+            + ", ".join(TRUE_ON_POLICY_PROFILES)
+            + ": set algorithm.trueOnPolicy to false or use a registered model",
+        ),
+        Rule(
+            "true-on-policy-fsdp",
+            RLJobSpec,
+            field("algorithm.trueOnPolicy").eq(True).implies(field("trainer.backend").eq("fsdp")),
+            "trainer.backend",
+            "true-on-policy runs on the fsdp backend only: set trainer.backend to fsdp or "
+            "algorithm.trueOnPolicy to false",
+        ),
+        Rule(
+            "in-flight-holds-a-group",
+            RLJobSpec,
+            field("rollout.maxInFlight").ge(field("algorithm.samplesPerPrompt")),
+            "rollout.maxInFlight",
+            "a whole group is submitted at a time: raise rollout.maxInFlight to at least "
+            "algorithm.samplesPerPrompt",
+        ),
+        Rule(
+            "eval-needs-prompts",
+            RLJobSpec,
+            has("schedule.evalInterval").implies(has("data.evalPrompts")),
+            "schedule.evalInterval",
+            "evaluation needs held-out prompts: set data.evalPrompts or remove schedule.evalInterval",
+        ),
+        Rule(
+            "trainer-parallelism-divides-gpus",
+            TrainerSpec,
+            (world % (field(par + "tensor") * field(par + "pipeline") * field(par + "context"))).eq(0),
+            "parallelism",
+            "tensor x pipeline x context parallel must divide nodes x gpusPerNode: change "
+            "trainer.parallelism or the trainer's GPU count",
+        ),
+        Rule(
+            "trainer-expert-parallelism-divides-gpus",
+            TrainerSpec,
+            ((world // field(par + "pipeline")) % (field(par + "expert") * field(par + "expertTensor"))).eq(
+                0
+            ),
+            "parallelism.expert",
+            "expert x expertTensor parallel must divide (nodes x gpusPerNode) / pipeline (EP reuses the "
+            "same ranks, it does not multiply GPUs): change trainer.parallelism.expert",
+        ),
+        Rule(
+            "megatron-needs-cuda",
+            TrainerSpec,
+            field("device").eq("cpu").implies(field("backend").eq("fsdp")),
+            "device",
+            "the megatron backend needs CUDA: set trainer.backend to fsdp for cpu ranks, or device to cuda",
+        ),
+        Rule(
+            "fsdp-offload-not-disk",
+            TrainerSpec,
+            field("offload").eq("disk").implies(field("backend").eq("megatron")),
+            "offload",
+            "fsdp offloads to host memory only: set trainer.offload to cpu or trainer.backend to megatron",
+        ),
+        Rule(
+            "backend-immutable",
+            TrainerSpec,
+            field("backend").eq(old("backend")),
+            "backend",
+            "the trainer backend cannot change after creation: create a new job",
+            transition=True,
+        ),
+        Rule(
+            "model-immutable",
+            ModelSpec,
+            field("checkpoint").eq(old("checkpoint")) & field("family").eq(old("family")),
+            "checkpoint",
+            "the model cannot change after creation: create a new job",
+            transition=True,
+        ),
+        Rule(
+            "engine-tp-divides-gpus",
+            EngineSpec,
+            (field("gpusPerEngine") % field("tensorParallel")).eq(0),
+            "tensorParallel",
+            "tensorParallel must divide gpusPerEngine: change one of them",
+        ),
+        Rule(
+            "engine-dp-attention-divides-tp",
+            EngineSpec,
+            (field("tensorParallel") % field("dataParallelAttention")).eq(0),
+            "dataParallelAttention",
+            "dataParallelAttention must divide tensorParallel: change one of them",
+        ),
+        Rule(
+            "replicas-within-autoscaling",
+            RolloutSpec,
+            has("autoscaling").implies(
+                field("replicas").ge(field("autoscaling.minReplicas"))
+                & field("replicas").le(field("autoscaling.maxReplicas"))
+            ),
+            "replicas",
+            "replicas must lie within autoscaling.minReplicas..maxReplicas: change replicas or the bounds",
+        ),
+        Rule(
+            "pool-replicas-within-autoscaling",
+            RolloutPoolSpec,
+            has("autoscaling").implies(
+                field("replicas").ge(field("autoscaling.minReplicas"))
+                & field("replicas").le(field("autoscaling.maxReplicas"))
+            ),
+            "replicas",
+            "replicas must lie within autoscaling.minReplicas..maxReplicas: scale within the bounds or "
+            "change them",
+        ),
+        Rule(
+            "autoscaling-bounds-ordered",
+            Autoscaling,
+            field("minReplicas").le(field("maxReplicas")),
+            "minReplicas",
+            "minReplicas must not exceed maxReplicas: swap or fix them",
+        ),
+        Rule(
+            "mismatch-bounds-ordered",
+            MismatchSpec,
+            field("low").lt(field("high")),
+            "low",
+            "the mismatch interval needs low < high (default [0, 2]): fix low or high",
+        ),
+        Rule(
+            "opd-default-teacher-exists",
+            OPDSpec,
+            has("defaultTeacher").implies(field("defaultTeacher").in_(field("teachers").map("name"))),
+            "defaultTeacher",
+            "defaultTeacher must name one of the teachers: fix the name or add that teacher",
+        ),
+        Rule(
+            "kueue-needs-queue",
+            GangScheduling,
+            field("scheduler").eq("kueue").implies(has("queueName")),
+            "queueName",
+            "kueue admits workloads through a LocalQueue: set placement.gang.queueName",
+        ),
+    )
+
+
+RULES: Final[tuple[Rule, ...]] = _rules()
+"""Every cross-field rule of the API."""
+
+
+def rules_for(model: type[BaseModel]) -> list[Rule]:
+    """The rules that sit on `model` (a rule on a base class applies to its subclasses too)."""
+    return [rule for rule in RULES if issubclass(model, rule.scope)]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a manifest: where, what value, what to do."""
+
+    path: str
+    """Dotted wire path, e.g. spec.schedule.colocate."""
+    value: Any
+    """The offending value (JSON form), or None."""
+    message: str
+    """What to do."""
+
+    def __str__(self) -> str:
+        shown = json.dumps(self.value, separators=(",", ":"))
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return f"{self.path}: {shown}: {self.message}"
+
+
+def walk(obj: BaseModel, path: str) -> Iterator[tuple[str, BaseModel]]:
+    """Every model inside obj (itself included), with its dotted wire path."""
+    yield path, obj
+    for name, info in type(obj).model_fields.items():
+        value = getattr(obj, name)
+        sub = f"{path}.{info.alias or name}" if path else (info.alias or name)
+        if isinstance(value, BaseModel):
+            yield from walk(value, sub)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from walk(item, f"{sub}[{i}]")
+
+
+def _dig(wire: Any, dotted: str) -> Any:
+    for key in dotted.split(".") if dotted else []:
+        if not isinstance(wire, dict) or key not in wire:
+            return None
+        wire = wire[key]
+    return wire
+
+
+def check_rules(obj: BaseModel, path: str = "", old_obj: BaseModel | None = None) -> list[Problem]:
+    """Evaluate every rule on every model inside obj; with old_obj, also the transition rules."""
+    olds = dict(walk(old_obj, path)) if old_obj is not None else {}
+    problems: list[Problem] = []
+    for where, node in walk(obj, path):
+        rules = rules_for(type(node))
+        if not rules:
+            continue
+        wire = node.model_dump(mode="json", by_alias=True, exclude_none=True)
+        for rule in rules:
+            env: dict[str, Any] = {"self": wire}
+            if rule.transition:
+                before = olds.get(where)
+                if before is None:
+                    continue
+                env["oldSelf"] = before.model_dump(mode="json", by_alias=True, exclude_none=True)
+            if not rule.expr.evaluate(env):
+                blamed = f"{where}.{rule.field}" if rule.field else where
+                problems.append(Problem(blamed, _dig(wire, rule.field), rule.message))
+    return problems

@@ -1,0 +1,75 @@
+"""WeightChannel: the path a weight version takes from a TrainerGroup to a RolloutPool.
+
+Why it exists: the transport (broadcast, p2p, disk-delta, cuda-ipc) is a choice of topology with its
+own resources (an NCCL group, registered buffers, a shared volume) and its own health (preflight,
+last published version, bytes on the wire). A kind of its own makes that choice and its reason
+visible (`kubectl get wch`) and lets it be re-established when the pool scales.
+
+Who uses it: the operator (creates it from spec.weightSync and the chosen transport, writes status),
+the driver and the weight transports (read it, report versions).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from pydantic import Field
+
+from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, ObjectMeta
+from lockstep.api.rljob import Transport, WeightSyncSpec
+
+
+class WeightChannelSpec(ApiModel):
+    """Desired state of a weight channel."""
+
+    job: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """Name of the RLJob."""
+    trainer_group: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """Name of the source TrainerGroup."""
+    rollout_pool: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """Name of the target RolloutPool."""
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, json_schema_extra=EMPTY_DEFAULT)
+    """Transport settings, as in the job."""
+
+
+class WeightChannelStatus(ApiModel):
+    """Observed state of a weight channel."""
+
+    transport: Transport | None = None
+    """The transport in use (never `auto` once chosen)."""
+    reason: str | None = Field(default=None, max_length=1024)
+    """Why this transport was chosen."""
+    weight_version: int | None = Field(default=None, ge=0)
+    """Last version delivered to every engine."""
+    last_update_seconds: float | None = Field(default=None, ge=0.0)
+    """Wall time of the last update, pause to continue."""
+    wire_bytes: int | None = Field(default=None, ge=0)
+    """Bytes that crossed the wire or hit the shared disk in the last update."""
+    last_update_time: dt.datetime | None = None
+    """When the last update finished."""
+    preflight_passed: bool | None = None
+    """Result of the weight-equality preflight; unset when not run."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """Conditions: Ready, PreflightPassed, Degraded."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The metadata.generation the status describes."""
+
+
+class WeightChannel(ApiModel):
+    """A trainer-to-engines weight path (kind WeightChannel)."""
+
+    api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
+    """rl.lockstep.dev/v1alpha1"""
+    kind: Literal["WeightChannel"] = "WeightChannel"
+    """WeightChannel"""
+    metadata: ObjectMeta
+    """Object metadata."""
+    spec: WeightChannelSpec
+    """Desired state."""
+    status: WeightChannelStatus | None = None
+    """Observed state."""
