@@ -1,0 +1,379 @@
+"""P2P weight transport through Mooncake's TransferEngine: each source writes only what a target needs (seed §7.2.3).
+
+Why it exists: broadcast sends every byte from one rank per stage to every engine GPU. P2P lets many
+trainer ranks write, by RDMA (TCP on CPU machines, same API), straight into each engine's registered
+memory, and each target receives only its own shards. The pieces, as the spec lays them out:
+
+1. Transfer plan (`plan_transfers`, pure): the first min(sources, targets) pairs are one-to-one, the
+   remaining targets are spread evenly (round-robin) over the sources, bounding each sender's sessions.
+2. Target metadata: each target (engine rank) exposes a `P2PTargetInfo`: its TransferEngine session,
+   the address of its registered receive buffer, its TP rank/size and the slot (offset, dtype, local
+   shape) of every tensor in that buffer. The engine side is `P2PReceiver`, served by
+   lockstep.engine.ext_weights (`GET /lockstep/p2p/info`, `POST /lockstep/p2p/commit`, our extension).
+3. Resharding into the target layout (`shard_for_target`): column-parallel weights split on dim 0,
+   row-parallel on dim 1, the rest replicated, as SGLang's TP loaders do.
+4. One reusable registered staging buffer per sender: tensors are packed into it and written with
+   batched writes; staging memory stays constant however many targets there are.
+
+Per bucket, writes to every target but the last are synchronous; the last target's write runs on a
+background thread while the next bucket is gathered, converted and resharded (the staging buffer is
+reused only after that write finished). A failed write raises `P2PWriteError`; it is never only
+logged (the spec's revision logged and carried on, which is why pre-flight exists). After the last
+bucket each target commits: it checks the checksums of what arrived and only then loads it and
+advances its weight version, so a version is activated whole or not at all.
+
+Who calls it: the driver (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
+bench/weights_p2p.py.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from lockstep.weights import st_bytes as sb
+from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
+from lockstep.weights.transport import TransferReport
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
+"""Size of the one registered staging buffer of a sender."""
+
+_COLUMN_RE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
+_ROW_RE = re.compile(r"(o_proj|down_proj)\.weight$")
+
+
+class P2PWriteError(RuntimeError):
+    """A TransferEngine write (or the engine set-up) failed; the update did not happen."""
+
+
+def plan_transfers(sources: int, targets: int) -> list[list[int]]:
+    """Targets of each source: target i < min(S, T) goes to source i, the rest round-robin (pure).
+
+    >>> plan_transfers(2, 5)
+    [[0, 2, 4], [1, 3]]
+    """
+    if sources < 1 or targets < 0:
+        raise ValueError(f"need sources >= 1 and targets >= 0, got sources={sources}, targets={targets}")
+    plan: list[list[int]] = [[] for _ in range(sources)]
+    for t in range(targets):
+        plan[t if t < sources else (t - sources) % sources].append(t)
+    return plan
+
+
+def shard_dim(name: str) -> int | None:
+    """The TP split dimension of a tensor in SGLang's layout: 0 column-parallel, 1 row-parallel, None replicated."""
+    if _COLUMN_RE.search(name):
+        return 0
+    if _ROW_RE.search(name):
+        return 1
+    return None
+
+
+def target_shape(name: str, shape: Iterable[int], tp_size: int) -> list[int]:
+    """Local shape of a tensor on one TP rank; raises when the split is uneven."""
+    out = list(shape)
+    dim = shard_dim(name)
+    if tp_size == 1 or dim is None or dim >= len(out):
+        return out
+    if out[dim] % tp_size:
+        raise ValueError(
+            f"{name}: dim {dim} of size {out[dim]} does not split over tp_size={tp_size}; pick a TP size that divides it"
+        )
+    out[dim] //= tp_size
+    return out
+
+
+def shard_for_target(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slice of a full HF tensor that TP rank `tp_rank` of `tp_size` holds (contiguous)."""
+    dim = shard_dim(name)
+    if tp_size == 1 or dim is None or dim >= tensor.dim():
+        return tensor.contiguous()
+    target_shape(name, tensor.shape, tp_size)  # validates divisibility
+    return tensor.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+
+
+class Slot(BaseModel):
+    """Where one tensor lives in a target's receive buffer."""
+
+    model_config = ConfigDict(extra="forbid")
+    offset: int
+    """Byte offset in the receive buffer."""
+    nbytes: int
+    """Byte size of the local (sharded) tensor."""
+    dtype: str
+    """torch dtype without the prefix, e.g. bfloat16."""
+    shape: list[int]
+    """Local (target-layout) shape."""
+
+
+class P2PTargetInfo(BaseModel):
+    """GET /lockstep/p2p/info reply: what a source needs to write into one target."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str
+    """TransferEngine peer name, host:rpc_port."""
+    buffer_ptr: int
+    """Address of the registered receive buffer in the target process."""
+    buffer_bytes: int
+    """Size of the receive buffer."""
+    tp_rank: int
+    """The target's TP rank."""
+    tp_size: int
+    """The target's TP size."""
+    slots: dict[str, Slot]
+    """Every tensor the target expects, by HF name."""
+
+
+class P2PCommitRequest(BaseModel):
+    """POST /lockstep/p2p/commit body: load what arrived and advance the weight version."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int
+    """The weight version the engine reports after loading."""
+    checksums: dict[str, str]
+    """xxh3-128 of every written tensor's local bytes; the target refuses to load on any mismatch."""
+
+
+def new_transfer_engine(hostname: str = "127.0.0.1", protocol: str = "tcp") -> Any:
+    """A TransferEngine in P2PHANDSHAKE mode (no metadata server): peers are named host:rpc_port."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, "")
+    if rc != 0:
+        raise P2PWriteError(
+            f"TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
+        )
+    return engine
+
+
+class P2PReceiver:
+    """Engine side: one registered receive buffer in this target's layout, loaded on commit."""
+
+    def __init__(
+        self,
+        expected: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+    ) -> None:
+        import torch
+
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.slots: dict[str, Slot] = {}
+        offset = 0
+        for name, (dtype, shape) in expected.items():
+            local = target_shape(name, shape, tp_size)
+            n = torch.Size(local).numel() * torch.empty((), dtype=dtype).element_size()
+            offset = (offset + 63) // 64 * 64  # aligned slots keep every view well-formed
+            self.slots[name] = Slot(
+                offset=offset, nbytes=n, dtype=str(dtype).removeprefix("torch."), shape=local
+            )
+            offset += n
+        self.buffer = torch.zeros(max(offset, 1), dtype=torch.uint8)  # [total bytes]
+        self.engine = new_transfer_engine(hostname, protocol)
+        if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
+            raise P2PWriteError(f"register_memory of the {self.buffer.numel()}-byte receive buffer failed")
+        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
+
+    def info(self) -> P2PTargetInfo:
+        return P2PTargetInfo(
+            session_id=self.session_id,
+            buffer_ptr=self.buffer.data_ptr(),
+            buffer_bytes=self.buffer.numel(),
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            slots=self.slots,
+        )
+
+    def view(self, name: str) -> torch.Tensor:
+        """The received tensor (a view into the buffer) in its local dtype and shape."""
+        import torch
+
+        s = self.slots[name]
+        raw = self.buffer[s.offset : s.offset + s.nbytes]
+        return raw.view(getattr(torch, s.dtype)).view(s.shape)
+
+    def verified(self, request: P2PCommitRequest) -> list[tuple[str, torch.Tensor]]:
+        """The written tensors, after checking every checksum; raises naming the tensors that differ."""
+        unknown = sorted(set(request.checksums) - set(self.slots))
+        if unknown:
+            raise ValueError(f"commit names tensors this target does not hold: {unknown[:5]}")
+        bad = [n for n, c in request.checksums.items() if sb.checksum(sb.tensor_bytes(self.view(n))) != c]
+        if bad:
+            raise P2PWriteError(f"{len(bad)} tensors arrived damaged or not at all: {sorted(bad)[:10]}")
+        return [(n, self.view(n)) for n in request.checksums]
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.buffer.data_ptr())
+
+
+Commit = Callable[[P2PCommitRequest], None]
+"""Tells one target to verify and load what arrived (HTTP POST /lockstep/p2p/commit in production)."""
+
+
+@dataclass(slots=True)
+class P2PTarget:
+    """One engine rank as a source sees it."""
+
+    info: P2PTargetInfo
+    """Its receive buffer and layout."""
+    commit: Commit
+    """Loads and activates the version once every source has written."""
+
+
+class _Staging:
+    """The one registered staging buffer: packs (bytes, remote address) pieces and writes them in batches."""
+
+    def __init__(self, engine: Any, nbytes: int) -> None:
+        import torch
+
+        pin = torch.cuda.is_available()  # page-locked memory only where a device will fill it
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)  # [staging bytes]
+        self.engine = engine
+        if engine.register_memory(self.buffer.data_ptr(), nbytes) != 0:
+            raise P2PWriteError(f"register_memory of the {nbytes}-byte staging buffer failed")
+        self.base = self.buffer.data_ptr()
+
+    def write(self, session: str, pieces: list[tuple[int, int, int]], what: str) -> None:
+        """Batched write of (staging offset, remote address, length) pieces; raises on any failure."""
+        rc = self.engine.batch_transfer_sync_write(
+            session,
+            [self.base + o for o, _, _ in pieces],
+            [a for _, a, _ in pieces],
+            [n for _, _, n in pieces],
+        )
+        if rc != 0:
+            raise P2PWriteError(f"write of {what} to {session} failed (TransferEngine returned {rc})")
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.base)
+
+
+class P2PTransport:
+    """WeightTransport: this source writes its planned targets' shards, then the targets commit."""
+
+    name = "p2p"
+
+    def __init__(
+        self,
+        targets: list[P2PTarget],
+        *,
+        source_rank: int = 0,
+        num_sources: int = 1,
+        config: PipelineConfig | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.all_targets = targets
+        self.targets = [targets[i] for i in plan_transfers(num_sources, len(targets))[source_rank]]
+        self.config = config or PipelineConfig()
+        self.clock = clock
+        self.engine = new_transfer_engine(hostname, protocol)
+        self.staging = _Staging(self.engine, staging_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2p-write")
+        self._lock = threading.Lock()
+
+    def _prepared(
+        self, named: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[list[list[tuple[str, torch.Tensor]]]]:
+        """Per bucket, per target: the resharded tensors (runs while the previous bucket's last write flies)."""
+        for bucket in prepare_buckets(named, self.config):
+            yield [
+                [
+                    (n, shard_for_target(n, t, tg.info.tp_rank, tg.info.tp_size))
+                    for n, t in bucket.named_tensors
+                ]
+                for tg in self.targets
+            ]
+
+    def _send(
+        self, target: P2PTarget, tensors: list[tuple[str, torch.Tensor]], pending: Future[None] | None
+    ) -> list[tuple[int, int, int]]:
+        """Copy into staging and write, chunk by chunk; returns the last chunk's pieces, not yet written."""
+        import torch
+
+        info, cap = target.info, self.staging.buffer.numel()
+        pieces: list[tuple[int, int, int]] = []
+        used = 0
+        if pending is not None:
+            pending.result()  # the staging buffer is free only once the previous write finished
+        for name, t in tensors:
+            slot = info.slots.get(name)
+            if slot is None:
+                raise P2PWriteError(
+                    f"target {info.session_id} has no slot for {name!r}; its layout differs from the trainer's"
+                )
+            data = t.reshape(-1).view(torch.uint8)  # [nbytes]
+            if data.numel() != slot.nbytes:
+                raise P2PWriteError(
+                    f"{name}: {data.numel()} bytes for a {slot.nbytes}-byte slot on {info.session_id} (layout mismatch)"
+                )
+            done = 0
+            while done < data.numel():
+                if used == cap:
+                    self.staging.write(info.session_id, pieces, f"a chunk ending in {name}")
+                    pieces, used = [], 0
+                n = min(cap - used, data.numel() - done)
+                self.staging.buffer[used : used + n].copy_(data[done : done + n])
+                pieces.append((used, info.buffer_ptr + slot.offset + done, n))
+                used += n
+                done += n
+        return pieces
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+        with self._lock:
+            return self._push(named_tensors, version)
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+        t0 = self.clock()
+        checksums: list[dict[str, str]] = [{} for _ in self.targets]
+        pending: Future[None] | None = None
+        payload = 0
+        for per_target in self._prepared(named_tensors):
+            for i, (target, tensors) in enumerate(zip(self.targets, per_target, strict=True)):
+                pieces = self._send(target, tensors, pending)
+                pending = None
+                what = f"bucket ending in {tensors[-1][0]}" if tensors else "an empty bucket"
+                if i < len(self.targets) - 1:
+                    self.staging.write(target.info.session_id, pieces, what)
+                else:  # overlap the last target's write with checksums and the next bucket's preparation
+                    pending = self._pool.submit(self.staging.write, target.info.session_id, pieces, what)
+                for name, t in tensors:
+                    checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
+                    payload += t.numel() * t.element_size()
+        if pending is not None:
+            pending.result()
+        for target, sums in zip(self.targets, checksums, strict=True):
+            missing = sorted(set(target.info.slots) - set(sums))
+            if missing:
+                raise P2PWriteError(
+                    f"the update lacks {len(missing)} tensors {target.info.session_id} expects: {missing[:5]}"
+                )
+            target.commit(P2PCommitRequest(version=version, checksums=sums))
+        return TransferReport(
+            version=version,
+            transport=self.name,
+            tensors=sum(map(len, checksums)),
+            payload_bytes=payload,
+            wire_bytes=payload,
+            seconds=self.clock() - t0,
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.staging.close()
