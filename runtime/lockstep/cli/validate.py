@@ -1,0 +1,43 @@
+"""`lockstep validate MANIFEST...`: check manifests offline with the same rules as the cluster.
+
+Why it exists: a bad combination (fully-async with colocate, NVFP4 serving on BF16 training, ...)
+should fail before anything is applied or any GPU is spent. This runs the pydantic models and the
+cross-field rules of lockstep.api (the same expressions the CRDs carry as CEL), without a cluster.
+
+Output: nothing and exit 0 when every file is valid; otherwise one line per problem,
+`FILE: path: value: what to do`, and exit 1 (exit 2 for a file that cannot be read).
+Who calls it: users, CI, tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "validate",
+        help="check manifests offline (schema and cross-field rules)",
+        description="Check Lockstep manifests offline; one line per problem: FILE: path: value: what to do.",
+    )
+    parser.add_argument("manifests", nargs="+", type=Path, metavar="MANIFEST", help="YAML files to check")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lockstep.api import ManifestError, load_objects
+
+    code = 0
+    for path in args.manifests:
+        try:
+            load_objects(Path(path))
+        except OSError as exc:
+            print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+            code = 2
+        except ManifestError as err:
+            for problem in err.problems:
+                print(f"{path}: {problem}")
+            code = max(code, 1)
+    return code
