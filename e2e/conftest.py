@@ -1,0 +1,66 @@
+"""Pytest fixtures of the e2e tests: one real local control plane per session, a fresh namespace per test.
+
+Why: every e2e test (API schema/CEL, operator reconcile, smoke) talks to a real kube-apiserver with
+real controllers and a scheduler, and simulated GPU nodes played by kwok. Starting it costs seconds,
+so it starts once per pytest session and is torn down at the end, even on failure; teardown fails
+the session if a process or a listening port is left.
+
+Fixtures (documented in docs/controlplane.md):
+- `cluster` (session): a started `ControlPlane` — .kubeconfig, .bin_dir, .api_url, .admin_token,
+  .kubectl(*args, input=None, check=True), .get(...), .apply(manifest), .wait_for(pred, timeout, what),
+  .add_nodes(pools), .api_get(path). KUBECONFIG points at its kubeconfig for the whole session.
+- `namespace` (function): the name of a fresh namespace, deleted after the test.
+Every test under e2e/ is marked `e2e`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.controlplane.cluster import ControlPlane, find_binaries
+
+E2E_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if E2E_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[ControlPlane]:
+    """The session's control plane. Builds the binaries first if they are missing (build.sh).
+
+    LOCKSTEP_E2E_KEEP=1 keeps its work dir (logs, kubeconfig) after the session for debugging.
+    """
+    keep = os.environ.get("LOCKSTEP_E2E_KEEP") == "1"
+    cp = ControlPlane(bin_dir=find_binaries(), keep_work_dir=keep)
+    with pytest.MonkeyPatch.context() as mp:
+        cp.start()
+        try:
+            # kopf, the kubernetes client and a bare kubectl all read KUBECONFIG.
+            mp.setenv("KUBECONFIG", str(cp.kubeconfig))
+            yield cp
+        finally:
+            cp.stop()  # raises if a process or a listening port is left: the session errors
+
+
+@pytest.fixture
+def namespace(cluster: ControlPlane) -> Iterator[str]:
+    """A fresh namespace `e2e-<8 hex>`; deleted (without waiting) after the test."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    # The pods of a namespace need its default ServiceAccount (ServiceAccount admission).
+    cluster.wait_for(
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+        timeout=30,
+        what=f"ServiceAccount default in namespace {name}",
+    )
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

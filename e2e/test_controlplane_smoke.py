@@ -1,0 +1,208 @@
+"""Smoke test of the local control plane: nodes, scheduling onto GPU nodes, GC, Jobs, failure injection.
+
+Why: every other e2e test relies on these behaviours of e2e/controlplane (real apiserver, controllers,
+scheduler; kwok playing the kubelets); if one breaks, this file says which. Also proves that a
+ControlPlane stops without leaving a process or a listening port.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from e2e.controlplane import ports as portutil
+from e2e.controlplane.cluster import DEFAULT_NODES, ControlPlane, _group_alive
+from e2e.controlplane.nodes import NodePool, load_pools, node_objects
+
+IMAGE = "registry.invalid/lockstep/sim:0"  # never pulled: kwok plays the kubelet
+
+
+def pod_spec(gpus: int, selector: dict[str, str], **extra: Any) -> dict[str, Any]:
+    return {
+        "nodeSelector": selector,
+        "containers": [
+            {"name": "main", "image": IMAGE, "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}
+        ],
+        **extra,
+    }
+
+
+def pod(cluster: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    result: dict[str, Any] = cluster.get("pod", name, "-n", namespace)
+    return result
+
+
+def test_kubectl_lists_gpu_nodes_with_capacity(cluster: ControlPlane) -> None:
+    nodes = cluster.get("nodes", "-l", "nvidia.com/gpu.present=true")["items"]
+    gpus = {n["metadata"]["name"]: n["status"]["allocatable"]["nvidia.com/gpu"] for n in nodes}
+    expected = {
+        o["metadata"]["name"]: o["status"]["capacity"]["nvidia.com/gpu"]
+        for o in node_objects([p for p in load_pools(DEFAULT_NODES) if "nvidia.com/gpu" in p.capacity])
+    }
+    assert gpus == expected
+    assert {v for k, v in gpus.items() if k.startswith("h100")} == {"8"}
+    assert {v for k, v in gpus.items() if k.startswith("gb300")} == {"4"}
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    assert "rdma/ib" in by_name["h100-ib-0"]["status"]["allocatable"]
+    assert "rdma/ib" not in by_name["h100-eth-0"]["status"]["allocatable"]
+    assert by_name["gb300-0"]["status"]["nodeInfo"]["architecture"] == "arm64"
+    cliques = {
+        n["metadata"]["labels"]["nvidia.com/gpu.clique"] for k, n in by_name.items() if k.startswith("gb300")
+    }
+    assert len(cliques) == 2
+    # The human-facing view works too: custom columns from the built kubectl.
+    out = cluster.kubectl(
+        "get", "nodes", "-o", r"custom-columns=NAME:.metadata.name,GPU:.status.capacity.nvidia\.com/gpu"
+    ).stdout
+    assert "h100-ib-0" in out and "gb300-17" in out
+
+
+def test_h100_pod_runs_and_is_garbage_collected_with_its_replicaset(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    labels = {"app": "h100-smoke"}
+    cluster.apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "ReplicaSet",
+            "metadata": {"name": "h100", "namespace": namespace},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": pod_spec(8, {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+                },
+            },
+        }
+    )
+
+    def running_pod() -> dict[str, Any] | None:
+        items = cluster.get("pods", "-n", namespace, "-l", "app=h100-smoke")["items"]
+        return next((p for p in items if p["status"].get("phase") == "Running"), None)
+
+    p = cluster.wait_for(running_pod, timeout=60, what="the ReplicaSet's H100 pod Running")
+    assert p is not None
+    assert p["spec"]["nodeName"].startswith("h100-")
+    assert all(c["ready"] for c in p["status"]["containerStatuses"])
+
+    cluster.kubectl("delete", "replicaset", "h100", "-n", namespace, "--cascade=background")
+    cluster.wait_for(
+        lambda: not cluster.get("pods", "-n", namespace, "-l", "app=h100-smoke")["items"],
+        timeout=60,
+        what="the garbage collector to delete the pod of the deleted ReplicaSet",
+    )
+
+
+def test_gb300_pod_lands_on_gb300_node(cluster: ControlPlane, namespace: str) -> None:
+    spec = pod_spec(4, {"nvidia.com/gpu.product": "NVIDIA-GB300", "kubernetes.io/arch": "arm64"})
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gb", "namespace": namespace}, "spec": spec}
+    )
+    p = cluster.wait_for(
+        lambda: (q := pod(cluster, namespace, "gb"))["status"].get("phase") == "Running" and q,
+        timeout=60,
+        what="the GB300 pod Running",
+    )
+    assert p["spec"]["nodeName"].startswith("gb300-")
+
+
+def test_too_many_gpus_stays_pending(cluster: ControlPlane, namespace: str) -> None:
+    # 9 GPUs fit no H100 node: the scheduler must refuse (proves extended resources are enforced).
+    spec = pod_spec(9, {"nvidia.com/gpu.family": "hopper"})
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "big", "namespace": namespace}, "spec": spec}
+    )
+
+    def unschedulable() -> bool:
+        conds = pod(cluster, namespace, "big")["status"].get("conditions") or []
+        return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conds)
+
+    cluster.wait_for(unschedulable, timeout=60, what="PodScheduled=False/Unschedulable for a 9-GPU pod")
+
+
+def test_job_pod_completes(cluster: ControlPlane, namespace: str) -> None:
+    cluster.apply(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "once", "namespace": namespace},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "spec": {**pod_spec(1, {"nvidia.com/gpu.family": "hopper"}), "restartPolicy": "Never"}
+                },
+            },
+        }
+    )
+    job = cluster.wait_for(
+        lambda: (j := cluster.get("job", "once", "-n", namespace))["status"].get("succeeded") == 1 and j,
+        timeout=60,
+        what="Job once to succeed",
+    )
+    assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
+
+
+def test_injected_failure_fails_the_pod(cluster: ControlPlane, namespace: str) -> None:
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "doomed",
+                "namespace": namespace,
+                "labels": {"lockstep.dev/inject-failure": "container"},
+                "annotations": {
+                    "lockstep.dev/failure-exit-code": "137",
+                    "lockstep.dev/failure-reason": "OOMKilled",
+                },
+            },
+            "spec": {**pod_spec(8, {"nvidia.com/gpu.family": "hopper"}), "restartPolicy": "Never"},
+        }
+    )
+    p = cluster.wait_for(
+        lambda: (q := pod(cluster, namespace, "doomed"))["status"].get("phase") == "Failed" and q,
+        timeout=60,
+        what="the pod with an injected failure to turn Failed",
+    )
+    term = p["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (term["exitCode"], term["reason"]) == (137, "OOMKilled")
+
+
+def test_added_nodes_become_ready_and_schedulable(cluster: ControlPlane, namespace: str) -> None:
+    names = cluster.add_nodes(
+        [
+            NodePool(
+                prefix="smoke-extra",
+                count=1,
+                capacity={"cpu": "8", "memory": "32Gi", "pods": "10", "example.com/widget": "3"},
+            )
+        ]
+    )
+    assert names == ["smoke-extra-0"]
+    spec = {
+        "containers": [{"name": "main", "image": IMAGE, "resources": {"limits": {"example.com/widget": "3"}}}]
+    }
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w", "namespace": namespace}, "spec": spec}
+    )
+    p = cluster.wait_for(
+        lambda: pod(cluster, namespace, "w")["spec"].get("nodeName"), timeout=60, what="pod w bound"
+    )
+    assert p == "smoke-extra-0"
+
+
+@pytest.mark.timeout(120)
+def test_stop_leaves_no_process_and_no_port(cluster: ControlPlane) -> None:
+    # A second, short-lived control plane (no nodes) on other ports: stop() must leave nothing behind.
+    cp = ControlPlane(bin_dir=cluster.bin_dir, nodes_file=None).start()
+    try:
+        pids, ports, work_dir = dict(cp.pids), sorted(cp.ports.all()), cp.work_dir  # type: ignore[union-attr]
+        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
+        assert portutil.listening(ports) == ports
+    finally:
+        cp.stop()
+    assert [n for n, p in pids.items() if _group_alive(p)] == []
+    assert portutil.listening(ports) == []
+    assert work_dir is not None and not work_dir.exists()
