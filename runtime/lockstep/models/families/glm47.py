@@ -1,0 +1,153 @@
+"""GLM-4.7: role openers without closers, <think> reasoning and XML-style key/value tool calls.
+
+Format (from the GLM-4.5/4.6/4.7 documented chat template):
+  [gMASK]<sop>                                               once, at the start of a conversation
+  <|system|>\\n{content}   <|user|>\\n{content}
+  <|assistant|><think>{reasoning}</think>{content}<tool_call>{name}<arg_key>{k}</arg_key><arg_value>{v}</arg_value></tool_call>
+  <|observation|><tool_response>{result}</tool_response>     consecutive results share one opener
+  generation prompt: <|assistant|>
+Argument values that are strings are written raw; other values as JSON. A turn has no closing token:
+the next message's opener ends it, and the model stops by sampling <|user|> or <|observation|>
+(or <|endoftext|>).
+
+TITO seam: that stop token is also the next message's opener, so the boundary would appear twice;
+merge drops the trailing stop token of the stored row (at most 1 token) and lets the appended
+message's own opener be the boundary.
+
+Who calls it: lockstep.models.registry (registered as "glm47").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from lockstep.models.families._bpe import BpeCodec
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, ToolCall, register
+
+SPECIALS = (
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
+)
+_STOPS = ("<|user|>", "<|observation|>", "<|endoftext|>")
+
+_THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+class Glm47(ModelFamily):
+    """The GLM-4.7 family (GLM-4.5/4.6 share the structure)."""
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return "[gMASK]<sop>" + _render(messages, add_generation_prompt, previous_role="")
+
+    def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return _render(messages, add_generation_prompt, previous_role="assistant")
+
+    def merge(self, row_tail: Sequence[int], suffix: Sequence[int]) -> Merge:
+        stops = {self.codec.encode(s)[0] for s in _STOPS}
+        if row_tail and row_tail[-1] in stops:
+            return Merge(trim=1, bridge=(), suffix=tuple(suffix))
+        return Merge(trim=0, bridge=(), suffix=tuple(suffix))
+
+    def parse_reply(self, text: str) -> ParsedReply:
+        for stop in _STOPS:
+            text = text.removesuffix(stop)
+        reasoning = ""
+        m = _THINK.match(text)
+        if m:
+            reasoning, text = m.group(1), text[m.end() :]
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        pos = 0
+        for tc in _TOOL_CALL.finditer(text):
+            body = tc.group(1)
+            name = re.split(r"<arg_key>", body, maxsplit=1)[0].strip()
+            if not name:
+                continue
+            args = {k.strip(): _arg_value(v) for k, v in _ARG.findall(body)}
+            kept.append(text[pos : tc.start()])
+            pos = tc.end()
+            calls.append(ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False)))
+        kept.append(text[pos:])
+        return ParsedReply(
+            content="".join(kept).strip(), reasoning=reasoning.strip(), tool_calls=tuple(calls)
+        )
+
+
+def _arg_value(raw: str) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _arg_text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _assistant(m: Message) -> str:
+    out = f"<|assistant|><think>{m.reasoning}</think>{m.content}"
+    for call in m.tool_calls:
+        obj = call.arguments_obj()
+        pairs = obj.items() if isinstance(obj, dict) else ()
+        args = "".join(f"<arg_key>{k}</arg_key><arg_value>{_arg_text(v)}</arg_value>" for k, v in pairs)
+        out += f"<tool_call>{call.name}{args}</tool_call>"
+    return out
+
+
+def _render(messages: Sequence[Message], add_generation_prompt: bool, previous_role: str) -> str:
+    parts: list[str] = []
+    prev = previous_role
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            opener = "<|observation|>" if prev != "tool" else ""
+            parts.append(f"{opener}<tool_response>{m.content}</tool_response>")
+        elif m.role == "assistant":
+            parts.append(_assistant(m))
+        elif m.role in ("system", "user"):
+            parts.append(f"<|{m.role}|>\n{m.content}")
+        else:
+            raise ValueError(f"messages[{i}].role={m.role!r}: glm47 renders system, user, assistant, tool")
+        prev = m.role
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def build() -> Glm47:
+    """Build the GLM-4.7 family with its offline stand-in tokenizer."""
+    codec = BpeCodec(SPECIALS)
+    ids = {s: codec.id(s) for s in SPECIALS}
+    return Glm47(
+        name="glm47",
+        codec=codec,
+        special_ids=frozenset(ids.values()),
+        stop_ids=frozenset(ids[s] for s in _STOPS),
+        role_openers={
+            ids["<|system|>"]: "system",
+            ids["<|user|>"]: "user",
+            ids["<|assistant|>"]: "assistant",
+            ids["<|observation|>"]: "tool",
+        },
+    )
+
+
+register("glm47", build)

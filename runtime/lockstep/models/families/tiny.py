@@ -1,0 +1,121 @@
+"""The tiny family: lockstep.models.tiny's character tokenizer and chat format, plus tool calls.
+
+Format (lockstep.models.tiny): [<|system|>text] <|user|>text <|assistant|>text<|eos|> <|tool|>text,
+generation prompt <|assistant|>. The tiny tokenizer has no tool-call tokens, so a tool call is
+written in the assistant text as <call>{"name": ..., "arguments": {...}}</call> (every character is
+in the tiny vocabulary). The tiny format has no reasoning block; reasoning is not rendered.
+
+TITO seam: none to repair when the engine returns the sampled <|eos|>: the template closes an
+assistant turn with exactly that token. When the row does not end with <|eos|> (the engine trimmed
+it), merge supplies it.
+
+Who calls it: lockstep.models.registry (registered as "tiny"), the session server for `builtin:tiny`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from lockstep.models import tiny
+from lockstep.models.families._parse import raw_json_field
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, ToolCall, register
+
+_CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
+
+
+class TinyCodec:
+    """Adapts lockstep.models.tiny.TinyTokenizer to the registry's Codec surface."""
+
+    def __init__(self) -> None:
+        self.tokenizer = tiny.TinyTokenizer()
+        """The tiny character tokenizer (IDs fixed forever)."""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+
+class Tiny(ModelFamily):
+    """The tiny family of `lockstep run` and the CPU tests."""
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return _render(messages, add_generation_prompt)
+
+    def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return _render(messages, add_generation_prompt)
+
+    def merge(self, row_tail: Sequence[int], suffix: Sequence[int]) -> Merge:
+        if row_tail and row_tail[-1] == tiny.EOS_ID:
+            return Merge(trim=0, bridge=(), suffix=tuple(suffix))
+        return Merge(trim=0, bridge=(tiny.EOS_ID,), suffix=tuple(suffix))
+
+    def parse_reply(self, text: str) -> ParsedReply:
+        text = text.removesuffix("<|eos|>")
+        calls: list[ToolCall] = []
+        kept: list[str] = []
+        pos = 0
+        for m in _CALL.finditer(text):
+            call = _parse_call(m.group(1))
+            if call is None:
+                continue
+            kept.append(text[pos : m.start()])
+            pos = m.end()
+            calls.append(call)
+        kept.append(text[pos:])
+        return ParsedReply(content="".join(kept), reasoning="", tool_calls=tuple(calls))
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    raw = raw_json_field(body, "arguments")
+    return ToolCall(name=obj["name"], arguments=raw if raw is not None else "{}")
+
+
+def render_call(call: ToolCall) -> str:
+    """The tiny text of one tool call (what the model must write to call a tool)."""
+    args = call.arguments if call.arguments.strip() else "{}"
+    return f'<call>{{"name":{json.dumps(call.name)},"arguments":{args}}}</call>'
+
+
+def _render(messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    parts: list[str] = []
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            calls = "".join(render_call(c) for c in m.tool_calls)
+            parts.append(f"<|assistant|>{m.content}{calls}<|eos|>")
+        elif m.role in ("system", "user", "tool"):
+            parts.append(f"<|{m.role}|>{m.content}")
+        else:
+            raise ValueError(f"messages[{i}].role={m.role!r}: tiny renders system, user, assistant, tool")
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def build() -> Tiny:
+    """Build the tiny family around lockstep.models.tiny's tokenizer."""
+    codec = TinyCodec()
+    return Tiny(
+        name="tiny",
+        codec=codec,
+        special_ids=codec.tokenizer.special_ids,
+        stop_ids=frozenset({tiny.EOS_ID}),
+        role_openers={
+            tiny.SYSTEM_ID: "system",
+            tiny.USER_ID: "user",
+            tiny.ASSISTANT_ID: "assistant",
+            tiny.TOOL_ID: "tool",
+        },
+    )
+
+
+register("tiny", build)

@@ -1,0 +1,194 @@
+"""Wire models of the session server: what agents send and what they get back.
+
+Why it exists: the session server speaks OpenAI's chat-completions shape (so the real `openai`
+client works with base_url=.../sessions/{id}/v1) plus three session endpoints. Requests are parsed
+with extra="forbid": an unknown field is a 400 naming it, and fields that would let an agent supply
+token IDs or offsets are refused with an explicit reason (the server owns the token row, seed §3).
+Capture options (logprobs, meta info, routing data) are accepted and ignored: the server sets
+them itself for every request.
+
+Who calls it: lockstep.rollout.session.server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lockstep.models.registry import Message, ToolCall
+
+FORBIDDEN_FIELDS = frozenset(
+    {
+        "input_ids",
+        "prompt_token_ids",
+        "prompt_ids",
+        "token_ids",
+        "output_ids",
+        "completion_token_ids",
+        "offsets",
+        "token_offsets",
+        "prompt_offsets",
+        "prefix_offset",
+        "checkpoint",
+        "checkpoint_id",
+    }
+)
+"""Fields that would let an agent supply or point into token IDs: always a 400."""
+
+CAPTURE_FIELDS = frozenset(
+    {
+        "logprobs",
+        "top_logprobs",
+        "return_logprob",
+        "return_meta_info",
+        "return_routed_experts",
+        "no_stop_trim",
+    }
+)
+"""Capture options the server sets itself; a request may carry them, their values are ignored."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateSession(_Wire):
+    """POST /sessions body (all optional)."""
+
+    mode: Literal["linear", "branching"] = "linear"
+    """linear: one trajectory, one assistant-turn rollback; branching: append-only tree, one per leaf."""
+    matcher: Literal["strict", "loose_tool_call", "role_content_only"] = "strict"
+    """How replayed messages are compared with stored ones (see lockstep.rollout.session.matcher)."""
+    max_nodes: int = Field(default=256, ge=1, le=65536)
+    """Cap on stored turns of a branching session."""
+
+
+class WireFunction(_Wire):
+    """The function of a tool call."""
+
+    name: str
+    """Function name."""
+    arguments: str = "{}"
+    """Arguments as a JSON object string."""
+
+
+class WireToolCall(_Wire):
+    """One tool call as the OpenAI API carries it."""
+
+    id: str = ""
+    """Call id (wire-only)."""
+    type: Literal["function"] = "function"
+    """Always "function"."""
+    function: WireFunction
+    """The call."""
+    index: int | None = None
+    """Streaming index (wire-only, ignored)."""
+
+
+class TextPart(_Wire):
+    """A text content part (images and audio are not supported on the session path)."""
+
+    type: Literal["text"]
+    """Always "text"."""
+    text: str
+    """The text."""
+
+
+class WireMessage(_Wire):
+    """One chat message an agent sends."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    """Who wrote it."""
+    content: str | list[TextPart] | None = None
+    """Text, or text parts (joined)."""
+    reasoning_content: str | None = None
+    """Assistant reasoning as this server returned it (may be dropped by the agent)."""
+    tool_calls: list[WireToolCall] | None = None
+    """Assistant tool calls."""
+    tool_call_id: str | None = None
+    """For role=tool: the call this result answers."""
+    name: str | None = None
+    """Optional author name (not rendered)."""
+    refusal: str | None = None
+    """Echoed by some clients; not rendered."""
+
+    def to_message(self) -> Message:
+        content = self.content
+        text = "".join(p.text for p in content) if isinstance(content, list) else (content or "")
+        calls = tuple(ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls or ())
+        return Message(
+            role=self.role,
+            content=text,
+            reasoning=self.reasoning_content or "",
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id or "",
+        )
+
+
+class ChatRequest(_Wire):
+    """POST /sessions/{id}/v1/chat/completions body (the OpenAI fields the server honours)."""
+
+    messages: list[WireMessage]
+    """The whole conversation so far (the server matches it against its checkpoints)."""
+    model: str | None = None
+    """Ignored: the session's engine decides."""
+    tools: list[dict[str, Any]] | None = None
+    """Tool schemas (accepted; this server's templates do not render them, describe tools in text)."""
+    tool_choice: Any = None
+    """Accepted, not enforced (the model decides)."""
+    parallel_tool_calls: bool | None = None
+    """Accepted, not enforced."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of the reply."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of the reply (newer name; wins over max_tokens)."""
+    temperature: float | None = Field(default=None, ge=0.0)
+    """Sampling temperature."""
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Nucleus sampling."""
+    seed: int | None = None
+    """Sampling seed (passed to the engine as sampling_seed)."""
+    stop: str | list[str] | None = None
+    """Extra stop strings."""
+    n: int = Field(default=1, ge=1, le=1)
+    """Only 1: a session turn has one reply (use a branching session for several)."""
+    stream: Literal[False] = False
+    """Streaming is not supported."""
+    user: str | None = None
+    """Ignored."""
+    metadata: dict[str, Any] | None = None
+    """Ignored (the server records its own meta info)."""
+    logprobs: bool | None = None
+    """Ignored: the server always captures logprobs."""
+    top_logprobs: int | None = None
+    """Ignored."""
+    return_logprob: bool | None = None
+    """Ignored (SGLang name of the capture option)."""
+    return_meta_info: bool | None = None
+    """Ignored."""
+    return_routed_experts: bool | None = None
+    """Ignored: routing capture follows the server's R3 setting."""
+    no_stop_trim: bool | None = None
+    """Ignored."""
+
+
+def forbidden_fields(body: object) -> list[str]:
+    """Paths of token-ID or offset fields anywhere in the request (top level or inside messages)."""
+    found: list[str] = []
+    if not isinstance(body, dict):
+        return found
+    found += [k for k in body if k in FORBIDDEN_FIELDS]
+    for i, m in enumerate(body.get("messages") or []):
+        if isinstance(m, dict):
+            found += [f"messages[{i}].{k}" for k in m if k in FORBIDDEN_FIELDS]
+    return found
+
+
+def describe(err: ValidationError) -> str:
+    """A one-line description of a pydantic error naming each field."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)

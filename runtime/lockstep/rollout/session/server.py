@@ -1,0 +1,390 @@
+"""The TITO session server: an aiohttp app between agents and rollout engines (seed §3).
+
+Endpoints (errors: 404 unknown session, 400 validation or forbidden fields, 409 fork/truncation,
+422 a sample cannot be assembled, 502 the engine failed or answered inconsistently):
+  POST   /sessions                              -> {"session_id"}  (body: mode, matcher, max_nodes)
+  GET    /sessions/{id}                         -> turns, tokens, prefix-cache and reuse counters
+  DELETE /sessions/{id}
+  POST   /sessions/{id}/v1/chat/completions     OpenAI-compatible, tool calls included
+  POST   /sessions/{id}/samples                 -> one trajectory per kept leaf (token-exact)
+  GET    /metrics                               Prometheus text (tito_session_mismatch_total, ...)
+
+Each turn: match the replayed messages against the session's checkpoints, tokenize only what was
+appended (lockstep.rollout.session.tree), send input_ids to the session's replica with logprobs
+forced on (routing data when R3 is enabled), check one logprob per output token, parse the reply into
+content / reasoning / tool calls for the agent, and commit C_k = P_k || O_k. The server's own work
+per turn (everything but the engine call) is measured into `tito_turn_overhead_seconds`.
+
+Who calls it: `lockstep sessions` (CLI), the driver when a manifest runs a multi-turn agent, tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+
+from lockstep.models.registry import Message, ModelFamily, ToolCall, get_family
+from lockstep.rollout.session.engine import TurnEngine
+from lockstep.rollout.session.matcher import get_matcher
+from lockstep.rollout.session.mismatch import MISMATCH_TYPES, classify, closed_row
+from lockstep.rollout.session.protocol import ChatRequest, CreateSession, describe, forbidden_fields
+from lockstep.rollout.session.tree import Node, SessionError, SessionMode, TokenTree, TurnOutput
+from lockstep.serving import SamplingParams
+from lockstep.serving.client import EngineError, EngineUnreachable
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionServerConfig:
+    """Settings of one session server."""
+
+    family: str
+    """Model family of the served model (lockstep.models.registry name, e.g. "tiny", "qwen3")."""
+    max_new_tokens: int = 256
+    """Reply budget when the request names none."""
+    temperature: float = 1.0
+    """Sampling temperature when the request names none (RL samples at 1.0)."""
+    capture_routing: bool = False
+    """R3: ask the engine for routed experts on every turn and return them with samples."""
+    max_sessions: int = 100_000
+    """Open sessions beyond this are refused (503) until some are deleted."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+
+@dataclass(slots=True)
+class Session:
+    """One session: its checkpoints and counters."""
+
+    id: str
+    """Session id (also the affinity routing key)."""
+    tree: TokenTree
+    """Checkpoints and turns."""
+    created: float
+    """Creation time (injected clock, seconds)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serializes the turns and reads of this session."""
+    prompt_tokens: int = 0
+    """Prompt tokens sent to the engine, summed over turns."""
+    cached_tokens: int = 0
+    """Of those, tokens the engine served from its prefix cache."""
+    reused_tokens: int = 0
+    """Prompt tokens taken from stored checkpoints (never re-tokenized)."""
+    tokenized_tokens: int = 0
+    """Prompt tokens tokenized by the server (appended messages, openers, seam bridges)."""
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.mismatch = Counter(
+            "tito_session_mismatch", "Trajectories whose held row differs from the canonical render, by type",
+            ["type"], registry=self.registry,
+        )  # fmt: skip
+        self.checks = Counter(
+            "tito_session_checks", "Trajectories checked for mismatch", registry=self.registry
+        )
+        self.prompt = Counter("tito_prompt_tokens", "Prompt tokens sent to engines", registry=self.registry)
+        self.cached = Counter(
+            "tito_cached_tokens", "Prompt tokens served from prefix caches", registry=self.registry
+        )
+        self.reused = Counter(
+            "tito_reused_tokens", "Prompt tokens reused from checkpoints", registry=self.registry
+        )
+        self.overhead = Histogram(
+            "tito_turn_overhead_seconds", "Server work per turn, engine call excluded",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25), registry=self.registry,
+        )  # fmt: skip
+        for t in MISMATCH_TYPES:
+            self.mismatch.labels(t)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class SessionServer:
+    """The session server; `await start()` binds it to host:port (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        config: SessionServerConfig,
+        engine: TurnEngine,
+        *,
+        clock: Callable[[], float] = time.time,
+        perf: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        """Server settings."""
+        self.engine = engine
+        """Where turns are sampled."""
+        self.family: ModelFamily = get_family(config.family)
+        """Model family of the served model."""
+        self.sessions: dict[str, Session] = {}
+        """Open sessions by id."""
+        self.overheads: list[float] = []
+        """Server work per turn in seconds (engine excluded), for benchmarks."""
+        self.metrics = _Metrics()
+        self._clock = clock
+        self._perf = perf
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        """Base URL once started, e.g. http://127.0.0.1:41234."""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/sessions", self._create)
+        app.router.add_get("/sessions/{sid}", self._get)
+        app.router.add_delete("/sessions/{sid}", self._delete)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{sid}/samples", self._samples)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        server = site._server
+        assert server is not None and server.sockets  # type: ignore[attr-defined]
+        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.url = f"http://{host}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.engine.aclose()
+
+    # -- session CRUD ----------------------------------------------------------------------------
+
+    async def _create(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            opts = CreateSession.model_validate_json(raw or b"{}")
+        except ValidationError as exc:
+            return _error(400, describe(exc))
+        if len(self.sessions) >= self.config.max_sessions:
+            return _error(503, f"{len(self.sessions)} sessions open (max_sessions); delete finished sessions")
+        sid = uuid.uuid4().hex
+        tree = TokenTree(self.family, SessionMode(opts.mode), get_matcher(opts.matcher), opts.max_nodes)
+        self.sessions[sid] = Session(id=sid, tree=tree, created=self._clock())
+        return web.json_response({"session_id": sid})
+
+    def _session(self, request: web.Request) -> Session:
+        sid = request.match_info["sid"]
+        s = self.sessions.get(sid)
+        if s is None:
+            raise SessionError(f"session {sid!r} not found (create one with POST /sessions)", 404)
+        return s
+
+    async def _get(self, request: web.Request) -> web.Response:
+        try:
+            s = self._session(request)
+        except SessionError as exc:
+            return _error(exc.status, str(exc))
+        head = s.tree.head
+        return web.json_response(
+            {
+                "session_id": s.id,
+                "mode": s.tree.mode.value,
+                "turns": s.tree.node_count,
+                "leaves": len(s.tree.leaves()),
+                "tokens": head.row_len if head is not None else 0,
+                "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
+                "prefix_cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "reused_tokens": s.reused_tokens,
+                "tokenized_tokens": s.tokenized_tokens,
+            }
+        )
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        sid = request.match_info["sid"]
+        if self.sessions.pop(sid, None) is None:
+            return _error(404, f"session {sid!r} not found")
+        return web.json_response({"session_id": sid, "deleted": True})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    # -- one turn --------------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            s = self._session(request)
+            req = self._parse_chat(await request.read())
+            async with s.lock:
+                body = await self._turn(s, req)
+        except SessionError as exc:
+            return _error(exc.status, str(exc))
+        return web.json_response(body)
+
+    def _parse_chat(self, raw: bytes) -> ChatRequest:
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise SessionError(f"request body is not JSON: {exc}") from exc
+        bad = forbidden_fields(body)
+        if bad:
+            raise SessionError(
+                f"{', '.join(bad)}: agents cannot supply token IDs or offsets; the session server owns "
+                "the token row. Send messages only (remove these fields)."
+            )
+        try:
+            return ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise SessionError(describe(exc)) from exc
+
+    def _sampling(self, req: ChatRequest) -> SamplingParams:
+        cfg = self.config
+        return SamplingParams(
+            max_new_tokens=req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens,
+            temperature=cfg.temperature if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=req.stop,
+            stop_token_ids=sorted(self.family.stop_ids),
+            sampling_seed=req.seed,
+            skip_special_tokens=False,
+        )
+
+    async def _turn(self, s: Session, req: ChatRequest) -> dict[str, Any]:
+        t0 = self._perf()
+        plan = s.tree.plan([m.to_message() for m in req.messages])
+        sampling = self._sampling(req)
+        t1 = self._perf()
+        try:
+            res = await self.engine.generate(s.id, plan.input_ids, sampling, self.config.capture_routing)
+        except (EngineError, EngineUnreachable, httpx.HTTPError, ValueError) as exc:
+            raise SessionError(f"engine failed: {exc}", 502) from exc
+        t2 = self._perf()
+        if len(res.output_logprobs) != len(res.output_ids):
+            raise SessionError(
+                f"engine returned {len(res.output_ids)} completion tokens but {len(res.output_logprobs)} logprobs",
+                502,
+            )
+        if self.config.capture_routing and res.routed_experts is None:
+            raise SessionError("R3 is enabled but the engine returned no routed_experts", 502)
+        parsed = self.family.parse_reply(self.family.codec.decode(res.output_ids))
+        calls = tuple(
+            ToolCall(c.name, c.arguments, f"call_{s.id[:8]}_{s.tree.node_count}_{i}")
+            for i, c in enumerate(parsed.tool_calls)
+        )
+        reply = Message("assistant", parsed.content, parsed.reasoning, calls)
+        out = TurnOutput(
+            ids=list(res.output_ids),
+            logprobs=list(res.output_logprobs),
+            versions=list(res.token_versions),
+            finish_reason=res.finish_reason,
+            routed_experts=res.routed_experts,
+            cached_tokens=res.cached_tokens,
+        )
+        node = s.tree.commit(plan, reply, out)
+        self._count(s, plan.reused, len(plan.added), len(plan.input_ids), res.cached_tokens)
+        body = _completion(s.id, node, reply, len(plan.input_ids), res.cached_tokens, int(self._clock()))
+        self._observe((t1 - t0) + (self._perf() - t2))
+        return body
+
+    def _count(self, s: Session, reused: int, tokenized: int, prompt: int, cached: int) -> None:
+        s.reused_tokens += reused
+        s.tokenized_tokens += tokenized
+        s.prompt_tokens += prompt
+        s.cached_tokens += cached
+        self.metrics.prompt.inc(prompt)
+        self.metrics.cached.inc(cached)
+        self.metrics.reused.inc(reused)
+
+    def _observe(self, seconds: float) -> None:
+        self.overheads.append(seconds)
+        self.metrics.overhead.observe(seconds)
+
+    # -- samples ---------------------------------------------------------------------------------
+
+    async def _samples(self, request: web.Request) -> web.Response:
+        try:
+            s = self._session(request)
+            async with s.lock:
+                samples = s.tree.samples()
+                leaves = s.tree.leaves()
+                mismatch = [self._mismatch(s.tree, leaf) for leaf in leaves]
+        except SessionError as exc:
+            return _error(exc.status, str(exc))
+        out = []
+        for smp, types in zip(samples, mismatch, strict=True):
+            out.append(
+                {
+                    "prompt_ids": smp.prompt_ids,
+                    "response_ids": smp.response_ids,
+                    "loss_mask": smp.loss_mask,
+                    "rollout_logprobs": smp.rollout_logprobs,
+                    "token_versions": smp.token_versions,
+                    "status": smp.status.value,
+                    "finish_reason": smp.metadata["finish_reason"],
+                    "turns": smp.metadata["turns"],
+                    "leaf": smp.metadata["leaf"],
+                    "routed_experts": base64.b64encode(smp.routed_experts).decode()
+                    if smp.routed_experts
+                    else None,
+                    "mismatch": types,
+                }
+            )
+        return web.json_response({"session_id": s.id, "samples": out})
+
+    def _mismatch(self, tree: TokenTree, leaf: Node) -> list[str]:
+        """tito_session_mismatch of one trajectory (metric only; never changes the row)."""
+        try:
+            expected = self.family.encode_messages(tree.messages(leaf), add_generation_prompt=False)
+        except ValueError as exc:
+            raise SessionError(f"canonical render failed for leaf {leaf.id}: {exc}", 500) from exc
+        types = classify(expected, closed_row(tree.row(leaf), self.family), self.family)
+        self.metrics.checks.inc()
+        for t in types:
+            self.metrics.mismatch.labels(t).inc()
+        return types
+
+
+def _completion(
+    sid: str, node: Node, reply: Message, prompt: int, cached: int, created: int
+) -> dict[str, Any]:
+    """The OpenAI chat.completion object for one turn."""
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in reply.tool_calls
+    ]
+    finish = "tool_calls" if calls else ("length" if node.finish_reason == "length" else "stop")
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": reply.content if reply.content or not calls else None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    n_out = node.output_len
+    return {
+        "id": f"chatcmpl-{sid[:12]}-{node.id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": "lockstep-session",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": n_out,
+            "total_tokens": prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        },
+    }

@@ -1,0 +1,124 @@
+"""Append-only chat-template tests and merge goldens for every registered family (CPU, seed §3).
+
+A family is TITO-safe when (1) rendering a longer history only appends after a shorter history's
+tokens, and (2) the row the model actually samples, joined by the family's merge with the tokens of
+the appended messages, equals the canonical render of the longer history.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from lockstep.models.registry import Message, ToolCall, get_family, names
+
+CONVERSATION = [
+    Message("system", "You are a calculator agent."),
+    Message("user", "What is 12 * 7?"),
+    Message(
+        "assistant", "", reasoning="multiply", tool_calls=(ToolCall("calc", '{"expression": "12 * 7"}'),)
+    ),
+    Message("tool", "84"),
+    Message("assistant", "The answer is 84.", reasoning="done"),
+    Message("user", "And 2 + 3?"),
+    Message(
+        "assistant",
+        "",
+        tool_calls=(ToolCall("calc", '{"expression": "2 + 3"}'), ToolCall("calc", '{"expression": "3 + 2"}')),
+    ),
+    Message("tool", "5"),
+    Message("tool", "5"),
+    Message("assistant", "5"),
+]
+ASSISTANT_AT = [i for i, m in enumerate(CONVERSATION) if m.role == "assistant"]
+
+
+def sampled_row(family_name: str, canonical: list[int], next_role: str) -> list[int]:
+    """What the model samples for the history: the canonical tokens, ending the way the model stops."""
+    fam = get_family(family_name)
+    if family_name == "qwen3":
+        assert fam.codec.decode(canonical[-2:]) == "<|im_end|>\n"
+        return canonical[:-1]  # the model stops at <|im_end|>; it never samples the "\n"
+    if family_name == "glm47":
+        stop = "<|observation|>" if next_role == "tool" else "<|user|>"
+        return canonical + fam.codec.encode(stop)  # the stop token is also the next opener
+    return canonical  # tiny: the assistant turn ends with the sampled <|eos|>
+
+
+def test_registry_lists_the_three_families() -> None:
+    assert {"qwen3", "glm47", "tiny"} <= set(names())
+    with pytest.raises(KeyError, match="registered families"):
+        get_family("llama")
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+def test_render_is_append_only(name: str) -> None:
+    fam = get_family(name)
+    full = fam.encode_messages(CONVERSATION, add_generation_prompt=False)
+    for k in ASSISTANT_AT:
+        shorter = fam.encode_messages(CONVERSATION[: k + 1], add_generation_prompt=False)
+        assert full[: len(shorter)] == shorter, f"{name}: rendering after message {k} rewrote earlier tokens"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+def test_sampled_row_plus_merged_suffix_equals_canonical(name: str) -> None:
+    fam = get_family(name)
+    for a, b in itertools.pairwise(ASSISTANT_AT):
+        canonical = fam.encode_messages(CONVERSATION[: a + 1], add_generation_prompt=False)
+        row = sampled_row(name, canonical, CONVERSATION[a + 1].role)
+        suffix = fam.codec.encode(fam.render_appended(CONVERSATION[a + 1 : b], add_generation_prompt=True))
+        m = fam.merge(row[-4:], suffix)
+        joined = row[: len(row) - m.trim] + list(m.bridge) + list(m.suffix)
+        assert joined == fam.encode_messages(CONVERSATION[:b], add_generation_prompt=True)
+
+
+def test_qwen3_merge_appends_the_newline_after_im_end() -> None:
+    fam = get_family("qwen3")
+    im_end, nl = fam.codec.encode("<|im_end|>")[0], fam.codec.encode("\n")
+    m = fam.merge([300, im_end], [301])
+    assert (m.trim, m.bridge, m.suffix) == (0, tuple(nl), (301,))
+    # The engine trimmed the stop token: close the turn as the template does.
+    assert fam.merge([300, 302], [301]).bridge == (im_end, *nl)
+
+
+def test_glm47_merge_trims_at_most_one_overlapping_stop_token() -> None:
+    fam = get_family("glm47")
+    obs, user = fam.codec.encode("<|observation|>")[0], fam.codec.encode("<|user|>")[0]
+    assert fam.merge([300, obs], [obs, 301]).trim == 1
+    assert fam.merge([obs, user], [user, 301]).trim == 1  # only the last token, never two
+    assert fam.merge([300, 302], [obs, 301]).trim == 0
+
+
+def test_tiny_merge_needs_no_repair_after_eos() -> None:
+    fam = get_family("tiny")
+    assert fam.merge([7, 1], [4, 9]).bridge == ()
+    assert fam.merge([7, 8], [4, 9]).bridge == (1,)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+def test_parse_reply_round_trips_a_rendered_assistant_turn(name: str) -> None:
+    fam = get_family(name)
+    turn = CONVERSATION[6]
+    text = fam.render([turn], add_generation_prompt=False)
+    body = text.split("assistant\n", 1)[1] if name == "qwen3" else text.split("<|assistant|>", 1)[1]
+    parsed = fam.parse_reply(body)
+    assert [c.name for c in parsed.tool_calls] == ["calc", "calc"]
+    assert [c.arguments_obj() for c in parsed.tool_calls] == [
+        {"expression": "2 + 3"},
+        {"expression": "3 + 2"},
+    ]
+    assert parsed.content == ""
+
+
+def test_qwen3_keeps_the_models_own_argument_bytes() -> None:
+    fam = get_family("qwen3")
+    raw = '<tool_call>\n{"name": "calc", "arguments": {"b":1,  "a": 2}}\n</tool_call><|im_end|>'
+    (call,) = fam.parse_reply(raw).tool_calls
+    assert call.arguments == '{"b":1,  "a": 2}'
+
+
+def test_malformed_tool_call_stays_visible_text() -> None:
+    fam = get_family("tiny")
+    parsed = fam.parse_reply('<call>{"name": calc}</call>hi<|eos|>')
+    assert parsed.tool_calls == ()
+    assert parsed.content == '<call>{"name": calc}</call>hi'
