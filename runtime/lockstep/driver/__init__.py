@@ -1,0 +1,47 @@
+"""The driver: owns the RL loop of one job and dispatches on the schedule mode.
+
+Why it exists: `lockstep run` (one machine) and the driver pod (cluster) both call `run(job, ...)`:
+it builds the components (components.py) and runs the synchronous loop (loop.py) or, for
+spec.schedule.mode "fully-async", `lockstep.driver.fully_async.run_fully_async(job, components)`.
+
+Who calls it: lockstep.cli.run, lockstep.cli.driver.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import threading
+
+    from lockstep.api import RLJob
+
+
+def run(
+    job: RLJob,
+    run_dir: Path,
+    *,
+    steps: int | None = None,
+    resume: bool = False,
+    stop: threading.Event | None = None,
+    **build_options: Any,
+) -> Any:
+    """Build the components of `job` and run its loop; components are always released.
+
+    `stop` (e.g. set by the SIGINT handler) ends the loop after the current step.
+    """
+    from lockstep.driver.components import build_components
+    from lockstep.driver.loop import run_sync
+
+    components = build_components(job, run_dir, steps=steps, resume=resume, **build_options)
+    if stop is not None:
+        components.stop = stop
+    try:
+        if str(job.spec.schedule.mode) == "fully-async":
+            from lockstep.driver.fully_async import run_fully_async  # type: ignore[attr-defined,unused-ignore]
+
+            return run_fully_async(job, components)
+        return run_sync(components)
+    finally:
+        components.close()

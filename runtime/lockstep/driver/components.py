@@ -1,0 +1,277 @@
+"""Components: everything one run is made of, built once from the RLJob.
+
+Why it exists: the loops (sync in loop.py, fully-async in fully_async.py) should read like pseudocode
+(seed §1); all construction happens here: the model checkpoint resolved, the reference engine(s)
+started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs used), one
+EngineClient per engine on the shared AsyncRunner loop, the trainer backend, the weight transport, the
+task and its rollout (plugins loaded and validated), and the metrics sink.
+
+`Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
+`run_fully_async(job, components)`.
+
+Who calls it: lockstep.driver.run (and `lockstep run` through it), tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lockstep.driver.aio import AsyncRunner
+from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.settings import RunSettings, settings_from_job
+from lockstep.observability.metrics import MetricsSink
+from lockstep.rollout.generate import Rollout, single_turn
+from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
+from lockstep.tasks import Task, TaskItem, load_task
+from lockstep.train.common.losses import PolicyLossConfig
+from lockstep.train.common.mismatch import MismatchConfig
+
+if TYPE_CHECKING:
+    from lockstep.api import RLJob
+    from lockstep.serving.client import EngineClient
+    from lockstep.train.backend import TrainBackend
+    from lockstep.types import Sample
+    from lockstep.weights.transport import WeightTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Components:
+    """The parts of one run. Build with `build_components`, release with `close()`."""
+
+    job: RLJob
+    """The validated manifest."""
+    settings: RunSettings
+    """Plain knobs read from the manifest (steps, batch, intervals, sampling, SFT warm start)."""
+    run_dir: Path
+    """Run directory: metrics.jsonl, metrics.png, checkpoints/, weights/."""
+    model_dir: Path
+    """The initial HF checkpoint (resolved from spec.model.checkpoint)."""
+    runner: AsyncRunner
+    """The event loop thread every EngineClient coroutine runs on (`runner.run(coro)`)."""
+    clients: list[EngineClient]
+    """One client per engine replica."""
+    engines: list[EngineServer]
+    """Engines started in-process by this run (empty when external URLs were given)."""
+    backend: TrainBackend
+    """The trainer."""
+    transport: WeightTransport
+    """How versions reach the engines."""
+    task: Task
+    """Prompts and the default reward."""
+    rollout: Rollout
+    """Scored-sample production: `rollout.run_sample(sample)` (the async worker's GenerateSample)
+    and `rollout.generate_group(...)`."""
+    loss: PolicyLossConfig
+    """The RL loss settings."""
+    metrics: MetricsSink
+    """Per-step JSON lines + Prometheus."""
+    pad_id: int = 0
+    """Padding token ID for packing."""
+    clock: Callable[[], float] = time.monotonic
+    """Injected monotonic clock."""
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    """Extra clean-up callbacks, run in reverse order by close()."""
+    resume: bool = False
+    """Start from the latest checkpoint of run_dir (the --resume flag)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set by the first Ctrl-C: loops finish the current step, save and return."""
+
+    def item_metadata(self, item: TaskItem) -> dict[str, Any]:
+        """What each sample of `item` carries in Sample.metadata (reward functions read it)."""
+        return {**item.metadata, "answer": item.answer, "item_index": item.index, "item": item}
+
+    def close(self) -> None:
+        """Stop engines, the loop thread, the trainer's process group and the metrics endpoint."""
+        for fn in reversed(self.closers):
+            try:
+                fn()
+            except Exception as e:  # clean-up must go on; the error is logged, not lost
+                log.warning("clean-up step failed: %s: %s", type(e).__name__, e)
+        self.closers.clear()
+
+
+def _loss_config(job: RLJob) -> PolicyLossConfig:
+    alg = job.spec.algorithm
+    return PolicyLossConfig(
+        estimator=str(alg.advantage_estimator),
+        eps_clip_low=alg.eps_clip,
+        eps_clip_high=alg.eps_clip_high if alg.eps_clip_high is not None else alg.eps_clip,
+        kl_coef=alg.kl.coef,
+        mismatch=MismatchConfig(str(alg.mismatch.correction), alg.mismatch.low, alg.mismatch.high),
+    )
+
+
+def _check_supported(job: RLJob) -> None:
+    spec = job.spec
+    problems = []
+    if str(spec.trainer.backend) != "fsdp":
+        problems.append("spec.trainer.backend: only 'fsdp' runs in `lockstep run` today; set it to fsdp")
+    if spec.model.lora is not None:
+        problems.append("spec.model.lora: LoRA is not built yet; remove it")
+    if spec.algorithm.r3 or spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
+        problems.append("spec.algorithm: r3, opd and trueOnPolicy are not built yet; turn them off")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def build_components(
+    job: RLJob,
+    run_dir: Path,
+    *,
+    steps: int | None = None,
+    engine_urls: Sequence[str] = (),
+    prometheus_port: int = 0,
+    cache_dir: Path | None = None,
+    connect_retries: int = 5,
+    engine_ready_timeout_s: float = 60.0,
+    resume: bool = False,
+) -> Components:
+    """Build every part of a run; on any failure, what was already started is stopped again."""
+    from lockstep.models import TinyTokenizer, resolve_checkpoint
+    from lockstep.serving.client import EngineClient
+    from lockstep.serving.payloads import SamplingParams
+    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+    from lockstep.weights.from_disk import FromDiskTransport
+
+    _check_supported(job)
+    settings = settings_from_job(job, steps)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    closers: list[Callable[[], None]] = []
+    try:
+        model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
+        tokenizer = TinyTokenizer.load(model_dir)
+        task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
+        runner = AsyncRunner()
+        closers.append(runner.close)
+        engines: list[EngineServer] = []
+        urls = list(engine_urls)
+        if not urls:
+            device = "cuda" if job.spec.rollout.gpus_per_engine > 0 and _cuda() else "cpu"
+            for _ in range(max(job.spec.rollout.replicas, 1)):
+                server = start_reference_engine(model_dir, device=device)
+                closers.append(server.stop)
+                engines.append(server)
+                urls.append(server.url)
+        clients = [EngineClient(u, retries=connect_retries) for u in urls]
+        closers.append(lambda: _close_clients(runner, clients))
+        for c in clients:
+            runner.run(c.wait_ready(timeout_s=engine_ready_timeout_s))
+        trainer = job.spec.trainer
+        backend = FSDPBackend(
+            FSDPConfig(
+                model_path=model_dir,
+                lr=settings.learning_rate,
+                grad_clip=settings.grad_clip,
+                micro_batch_size=settings.micro_batch_size,
+                seed=settings.seed,
+                device=str(trainer.device),
+                dtype="bfloat16"
+                if str(trainer.precision) == "bf16" and str(trainer.device) == "cuda"
+                else "float32",
+                with_ref=job.spec.algorithm.kl.coef > 0,
+            )
+        )
+        closers.append(backend.close)
+
+        def make_reload(client: EngineClient) -> Callable[[str, int], None]:
+            def reload(path: str, version: int) -> None:
+                runner.run(client.update_weights_from_disk(path, weight_version=version))
+
+            return reload
+
+        transport = FromDiskTransport(
+            run_dir / "weights",
+            [make_reload(c) for c in clients],
+            config_dir=model_dir,
+            extra_files=("config.json", "tiny_tokenizer.json", "chat_template.jinja"),
+        )
+        sampling = SamplingParams(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            stop_token_ids=[tokenizer.eos_token_id],
+        )
+        ctx = RolloutContext(
+            client=ReplicaSet(clients),
+            sampling=sampling,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            encode=tokenizer.encode,
+            seed=settings.seed,
+        )
+
+        def task_reward(sample: Sample, response: str) -> float:
+            return task.reward(response, sample.metadata["item"])
+
+        agent = job.spec.agent
+        plugins = load_plugins(
+            single_turn,
+            task_reward,
+            generate_path=agent.generate_function,
+            reward_path=agent.reward_function,
+            agent_path=agent.agent_function,
+        )
+        agent_ctx = None
+        if plugins.agent is not None:
+            agent_ctx = AgentContext(
+                client=ctx.client,
+                sampling=sampling,
+                decode=ctx.decode,
+                encode=ctx.encode,
+                seed=settings.seed,
+                max_turns=agent.max_turns,
+                timeout_s=float(agent.timeout_seconds) if agent.timeout_seconds else None,
+            )
+            agent_ctx.generate = lambda s: plugins.generate(ctx, s)
+        rollout = Rollout(
+            ctx=ctx,
+            plugins=plugins,
+            render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
+            agent_ctx=agent_ctx,
+        )
+        metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
+        closers.append(metrics.close)
+    except BaseException:
+        for fn in reversed(closers):
+            try:
+                fn()
+            except Exception as e:
+                log.warning("clean-up after a failed start: %s: %s", type(e).__name__, e)
+        raise
+    return Components(
+        job=job,
+        settings=settings,
+        run_dir=run_dir,
+        model_dir=model_dir,
+        runner=runner,
+        clients=clients,
+        engines=engines,
+        backend=backend,
+        transport=transport,
+        task=task,
+        rollout=rollout,
+        loss=_loss_config(job),
+        metrics=metrics,
+        pad_id=tokenizer.pad_token_id,
+        closers=closers,
+        resume=resume,
+    )
+
+
+def _close_clients(runner: AsyncRunner, clients: list[EngineClient]) -> None:
+    for client in clients:
+        runner.run(client.aclose())
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

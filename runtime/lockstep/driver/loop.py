@@ -1,0 +1,101 @@
+"""The synchronous RL loop on one screen (seed §1).
+
+Why it exists: this is the product's main job. Before the first optimizer step the trainer's loaded
+weights are pushed to the engines (so rollout starts from weights that went through the trainer's own
+export path); then per step: collect a batch of complete groups, train, push the new version, save at
+the save interval, evaluate at the eval interval. Ctrl-C once finishes the current step, saves and
+returns (resumable with --resume); Ctrl-C twice abandons the step (the last checkpoint stays intact).
+
+Who calls it: lockstep.driver.run for schedule mode "sync".
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from lockstep.driver.components import Components
+from lockstep.driver.state import DriverState, load_checkpoint, save_checkpoint
+from lockstep.driver.steps import collect_batch, evaluate, push_weights, sft_warm_start, train_on_groups
+from lockstep.observability.plot import plot_metrics
+
+log = logging.getLogger(__name__)
+
+
+def _due(interval: int | None, step: int) -> bool:
+    return interval is not None and step % interval == 0
+
+
+def run_sync(c: Components) -> DriverState:
+    """Run steps until settings.steps (or until c.stop is set); returns the final state."""
+    s = c.settings
+    state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
+    if not state.sft_done and s.sft_steps > 0:
+        if s.eval_interval:
+            c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
+        for k, m in enumerate(sft_warm_start(c)):
+            c.metrics.log("sft", k + 1, m)
+    state.sft_done = True
+    c.metrics.log("publish", state.step, push_weights(c, state.version))  # engines == trainer before step 1
+    if s.eval_interval and state.step == 0:
+        c.metrics.log("eval", 0, evaluate_at(c, state))
+    saved_at = state.step
+    with _progress(state.step, s.steps) as bar:
+        while state.step < s.steps and not c.stop.is_set():
+            groups = collect_batch(c, state)
+            metrics = train_on_groups(c, groups)
+            state.step += 1
+            if state.step % s.update_interval == 0:
+                state.version += 1
+                metrics |= push_weights(c, state.version)
+            if _due(s.save_interval, state.step):
+                save_checkpoint(c.backend, c.run_dir, state)
+                saved_at = state.step
+            c.metrics.log("train", state.step, metrics)
+            if _due(s.eval_interval, state.step) or (s.eval_interval and state.step == s.steps):
+                c.metrics.log("eval", state.step, evaluate_at(c, state))
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.2f}",
+                lp_diff=f"{metrics.get('train_rollout_logprob_abs_diff', 0):.1e}",
+            )
+    if saved_at != state.step or state.step == 0:
+        save_checkpoint(c.backend, c.run_dir, state)
+    plot_metrics(c.metrics.path, c.run_dir / "metrics.png")
+    return state
+
+
+def evaluate_at(c: Components, state: DriverState) -> dict[str, float]:
+    """Evaluate and tag the metrics with the version evaluated."""
+    return {**evaluate(c), "weight_version": float(state.version)}
+
+
+class _progress:
+    """A tqdm bar on stderr (a no-op object when tqdm is missing)."""
+
+    def __init__(self, initial: int, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(initial=initial, total=total, desc="lockstep", unit="step", dynamic_ncols=True)
+
+    def __enter__(self) -> Any:
+        return self.bar
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
+def install_sigint(stop: threading.Event) -> None:
+    """First Ctrl-C: finish the step, save, exit; second: abandon the step (KeyboardInterrupt)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        log.warning("Ctrl-C: finishing the current step, then saving a checkpoint (Ctrl-C again to abandon)")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)

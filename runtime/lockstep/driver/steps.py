@@ -1,0 +1,154 @@
+"""The loop's building blocks: collect a batch, train on it, push weights, evaluate, SFT warm start.
+
+Why it exists: loop.py should read like the seed's five-line loop; each line is one function here.
+They are public so the fully-async loop reuses the same training and publishing code.
+
+Who calls it: lockstep.driver.loop, lockstep.driver.fully_async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from lockstep.rollout.generate import Rollout
+from lockstep.train.common.losses import make_policy_loss, sft_loss
+from lockstep.train.common.mismatch import mismatch_weights
+from lockstep.train.common.packing import pack_groups, pack_sft
+from lockstep.types import Group, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from lockstep.driver.components import Components
+    from lockstep.driver.state import DriverState
+
+EVAL_GROUP_BASE = 1_000_000_000
+"""Group indices of eval samples start here (they never mix with training groups)."""
+SFT_ITEM_BASE = 10_000_000
+"""SFT warm-start items are drawn from this train-split offset, apart from the RL prompts."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradient norm was NaN/inf; the step was not applied."""
+
+
+def collect_batch(c: Components, state: DriverState) -> list[Group]:
+    """Generate and score `batch_groups` complete groups from the next prompts; advances the data position."""
+    s = c.settings
+    jobs = []
+    for _ in range(s.batch_groups):
+        item = c.task.item(state.prompts_consumed, "train")
+        jobs.append(
+            c.rollout.generate_group(
+                state.next_group_index, item.messages, s.samples_per_prompt, c.item_metadata(item)
+            )
+        )
+        state.prompts_consumed += 1
+        state.next_group_index += 1
+
+    async def gather() -> list[Group]:
+        return list(await asyncio.gather(*jobs))
+
+    return c.runner.run(gather())
+
+
+def batch_metrics(groups: list[Group]) -> dict[str, float]:
+    """Reward and length statistics of a batch (pure)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+    n = max(len(samples), 1)
+    mean = sum(rewards) / n
+    return {
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
+        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+        "truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / n,
+        "failed_samples": float(
+            sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples)
+        ),
+        "solved_groups_frac": sum(all(r >= 1.0 for r in g.rewards) for g in groups) / max(len(groups), 1),
+    }
+
+
+def train_on_groups(c: Components, groups: list[Group]) -> dict[str, float]:
+    """One RL optimizer step on complete groups; returns the step's metrics.
+
+    Recomputes the trainer's logprobs of the exact rollout token IDs with the pre-update weights
+    (train_old), measures the train-rollout mismatch, then trains with the configured loss.
+    Raises NonFiniteLoss when the step could not be applied (weights unchanged).
+    """
+    batch = pack_groups(groups, c.loss.estimator, c.pad_id, c.settings.temperature)
+    t0 = c.clock()
+    batch.old_logprobs = c.backend.compute_logprobs(batch)
+    if c.loss.kl_coef > 0:
+        batch.ref_logprobs = c.backend.compute_logprobs(batch, role="ref")
+    _, mismatch = mismatch_weights(
+        batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, c.loss.mismatch
+    )
+    t1 = c.clock()
+    result = c.backend.train_step(batch, make_policy_loss(c.loss))
+    if result.skipped:
+        raise NonFiniteLoss(
+            f"non-finite loss ({result.loss}) or gradient norm ({result.grad_norm}); the step was not applied"
+        )
+    return {
+        **batch_metrics(groups),
+        **mismatch,
+        **result.metrics,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "train_tokens": float(result.tokens),
+        "time_logprobs_s": t1 - t0,
+        "time_train_s": c.clock() - t1,
+    }
+
+
+def push_weights(c: Components, version: int) -> dict[str, float]:
+    """Publish the trainer's current weights to every engine as `version`."""
+    report = c.transport.push(c.backend.export_weights(), version)
+    return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
+
+
+def evaluate(c: Components, first_group: int = EVAL_GROUP_BASE) -> dict[str, float]:
+    """Mean reward on the task's eval split, one sample per item at the eval temperature."""
+    sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
+    rollout: Rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
+    samples = []
+    for i in range(c.task.eval_size):
+        item = c.task.item(i, "eval")
+        samples.append(
+            Sample(first_group + i, 0, rollout.render(item.messages), metadata=c.item_metadata(item))
+        )
+
+    async def run() -> list[Sample]:
+        return list(await asyncio.gather(*(rollout.run_sample(s) for s in samples)))
+
+    done = c.runner.run(run())
+    rewards = [s.reward if s.reward is not None else 0.0 for s in done]
+    return {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(rewards))}
+
+
+def sft_warm_start(c: Components) -> list[dict[str, float]]:
+    """The SFT warm start: `sft_steps` steps of NLL on the task's reference answers (assistant tokens only).
+
+    Uses the same backend and optimizer as RL; items come from a train-split offset (SFT_ITEM_BASE) so
+    RL prompts are not the ones just imitated. Returns per-step metrics.
+    """
+    s = c.settings
+    rows = s.batch_groups * s.samples_per_prompt
+    eos = c.rollout.ctx.encode("<|eos|>")
+    if s.sft_learning_rate is not None:
+        c.backend.set_learning_rate(s.sft_learning_rate)
+    out = []
+    for k in range(s.sft_steps):
+        pairs = []
+        for j in range(rows):
+            item = c.task.item(SFT_ITEM_BASE + k * rows + j, "train")
+            pairs.append((c.rollout.render(item.messages), c.rollout.ctx.encode(item.answer) + eos))
+        result = c.backend.train_step(pack_sft(pairs, c.pad_id), sft_loss)
+        if result.skipped:
+            raise NonFiniteLoss(f"SFT warm start step {k}: non-finite loss {result.loss}")
+        out.append({"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics})
+    c.backend.set_learning_rate(s.learning_rate)
+    return out

@@ -1,0 +1,105 @@
+"""Turning prompts into scored groups: the default single-turn generate and the group runner.
+
+Why it exists: the sync driver and the fully-async worker both need "take a Sample with its prompt,
+produce a scored trajectory". `Rollout.run_sample` is that function (it matches the async worker's
+GenerateSample contract): it runs the agent or generate function, decodes the response, scores it with
+the reward function, and marks the sample FAILED if user code raised (never trained on, never lost
+silently: the error is logged with the sample index). `Rollout.generate_group` renders a task item
+with the chat format and runs n samples of it concurrently.
+
+Token-exactness (TITO): the response IDs, their logprobs and their weight versions are exactly what
+the engine returned; nothing is re-tokenised.
+
+Who calls it: lockstep.driver (loop and components), lockstep.driver.fully_async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.rollout.plugins import AgentContext, Plugins, RolloutContext, call_reward
+from lockstep.types import Group, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+_FINISH_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+def sample_seed(run_seed: int, group_index: int, index: int) -> int:
+    """A per-sample sampling seed, fixed by (run seed, group, sample): reruns sample the same tokens."""
+    return zlib.crc32(f"{run_seed}:{group_index}:{index}".encode()) & 0x7FFFFFFF
+
+
+async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
+    """The default generate function: one /generate call on the prompt, logprobs returned."""
+    params = ctx.sampling.model_copy(
+        update={"sampling_seed": sample_seed(ctx.seed, sample.group_index, sample.index)}
+    )
+    result = await ctx.client.generate(sample.prompt_ids, params, return_logprob=True)
+    n = len(result.output_ids)
+    sample.response_ids = list(result.output_ids)
+    sample.loss_mask = [1] * n
+    sample.rollout_logprobs = list(result.output_logprobs) if result.output_logprobs else [0.0] * n
+    sample.token_versions = list(result.token_versions)
+    sample.status = _FINISH_STATUS.get(result.finish_reason, SampleStatus.COMPLETED)
+    if result.routed_experts is not None:
+        sample.routed_experts = result.routed_experts
+    return sample
+
+
+@dataclass(slots=True)
+class Rollout:
+    """Everything needed to produce scored samples: context, plugins and the chat renderer."""
+
+    ctx: RolloutContext
+    """Engine client, sampling params, tokenizer functions, seed."""
+    plugins: Plugins
+    """Generate, reward and (optional) agent functions."""
+    render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
+    """Chat messages -> prompt IDs with the generation prompt appended (the family's chat format)."""
+    agent_ctx: AgentContext | None = None
+    """Context handed to the agent function (None when no agent is configured)."""
+
+    async def run_sample(self, sample: Sample) -> Sample:
+        """Generate (or run the agent) and score one sample; user-code errors mark it FAILED."""
+        try:
+            if self.plugins.agent is not None and self.agent_ctx is not None:
+                sample = await self.plugins.agent(self.agent_ctx, sample)
+            else:
+                sample = await self.plugins.generate(self.ctx, sample)
+            sample.check()
+            if sample.status is SampleStatus.ABORTED:
+                return sample
+            text = self.ctx.decode(
+                [t for t, m in zip(sample.response_ids, sample.loss_mask, strict=True) if m]
+            )
+            sample.reward = await call_reward(self.plugins.reward, sample, text)
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # an unreachable engine is the driver's business, not a failed sample
+        except Exception as e:
+            log.warning("sample %d/%d failed: %s: %s", sample.group_index, sample.index, type(e).__name__, e)
+            sample.status = SampleStatus.FAILED
+            sample.reward = 0.0
+            sample.metadata["error"] = f"{type(e).__name__}: {e}"
+        return sample
+
+    async def generate_group(
+        self, group_index: int, messages: Sequence[Mapping[str, Any]], n: int, metadata: dict[str, Any]
+    ) -> Group:
+        """Render the prompt once and run `n` samples of it concurrently; returns the complete group."""
+        prompt_ids = self.render(messages)
+        samples = [
+            Sample(group_index=group_index, index=i, prompt_ids=list(prompt_ids), metadata=dict(metadata))
+            for i in range(n)
+        ]
+        done = await asyncio.gather(*(self.run_sample(s) for s in samples))
+        return Group(index=group_index, samples=list(done))

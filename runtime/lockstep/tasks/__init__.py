@@ -1,0 +1,18 @@
+"""Tasks: where prompts come from and how a finished answer is scored.
+
+Why it exists: the driver needs, for every group, a prompt (chat messages) and a verifiable reward.
+A task is deterministic by index (`item(i)`), so the data position of a run is one integer and a
+resumed run draws exactly the prompts it would have drawn. Tasks know nothing about tokens: the
+rollout layer renders messages with the model family's chat format.
+
+Built-in tasks (`data.prompts: builtin:<name>`):
+- `builtin:reverse`: reverse a string of 3 to 5 digits; exact-match reward (see digits.py).
+A JSON-lines file path is also accepted (one {"prompt" or "messages", "answer"} object per line,
+exact-match reward after stripping whitespace).
+
+Who calls it: lockstep.driver (prompt source, eval set, default reward), lockstep.rollout.plugins.
+"""
+
+from lockstep.tasks.base import Task, TaskItem, load_task
+
+__all__ = ["Task", "TaskItem", "load_task"]

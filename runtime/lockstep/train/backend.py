@@ -1,0 +1,101 @@
+"""The TrainBackend protocol: what the driver asks of any trainer (FSDP2 now, Megatron-core next).
+
+Why it exists: the driver must not care how the policy is sharded. It asks the backend for logprobs
+of exact token IDs, one optimizer step with a given loss, the gathered weights in HF names for the
+weight transports, checkpoints for resume, and to free device memory between phases. Everything a
+future capability needs enters through these calls' arguments, not new methods on the loop:
+- MoE with R3 routing replay: `TrainBatch.routed_experts` carries the rollout's expert choices; a
+  backend that supports R3 replays them in `compute_logprobs`/`train_step`.
+- true-on-policy: a backend profile (deterministic kernels) chosen at construction; the protocol
+  is unchanged, the mismatch metrics must then read exactly 0.
+- low precision (BF16 train / FP8 serve): `export_weights` yields HF-layout tensors; a quantizing
+  step between it and the transport converts them, the backend does not know the serve dtype.
+- train offload / optimizer-state streaming: `offload()` / `onload()`.
+- SFT / OPD / LoRA: the loss is a parameter (`LossFn`); LoRA changes what `export_weights` yields
+  (merged weights or adapters) and what the optimizer holds, not the loop.
+
+Who calls it: lockstep.driver (loop, SFT warm start) and `lockstep trainer` ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from lockstep.train.common.batch import TrainBatch
+    from lockstep.train.common.losses import LossFn
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    """Token-mean loss over the whole batch (all micro-batches, all ranks)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Trained tokens in the batch."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Loss metrics averaged over micro-batches weighted by their tokens."""
+    skipped: bool = False
+    """True when the step was not applied (non-finite loss or gradient); weights are unchanged."""
+
+
+class TrainBackend(Protocol):
+    """A sharded policy with its optimizer. All ranks call every method collectively."""
+
+    rank: int
+    """This process's rank in the trainer's process group."""
+    world_size: int
+    """Number of trainer ranks."""
+    step: int
+    """Optimizer steps applied so far (restored by `load`)."""
+
+    def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
+        """[B, T-1] float32 logprobs of the batch's own token IDs, no grad.
+
+        role="actor" uses the current weights; role="ref" the reference (initial) policy, for KL.
+        """
+        ...
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> StepResult:
+        """Forward/backward every micro-batch with `loss_fn`, clip gradients, one optimizer step.
+
+        A non-finite loss or gradient norm skips the update (StepResult.skipped) and leaves weights
+        and optimizer state untouched, so the caller can stop with the last good checkpoint intact.
+        """
+        ...
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the optimizer's learning rate (SFT warm start, schedules)."""
+        ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full gathered tensor) for every weight the engine loads, in HF layout."""
+        ...
+
+    def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
+        """Write an HF-layout checkpoint (config + safetensors) plus optimizer state, step and RNG."""
+        ...
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        """Restore weights, optimizer, step and RNG from `save`; return the `extra` dict saved with it."""
+        ...
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state off the accelerator (no-op on CPU)."""
+        ...
+
+    def onload(self) -> None:
+        """Undo `offload`."""
+        ...
+
+    def close(self) -> None:
+        """Release the process group and buffers."""
+        ...

@@ -1,0 +1,235 @@
+"""FSDPBackend: a TrainBackend on an HF causal LM sharded with FSDP2 `fully_shard`.
+
+Why it exists: see lockstep.train.backend for the contract. Each decoder layer and the root module
+are wrapped with `fully_shard`, so parameters are DTensors sharded over the ranks; `export_weights`
+gathers them to full tensors in HF names (the transformers state-dict names already are HF names).
+Logprobs use lockstep.train.common.logprobs, the same definition as the engine's.
+
+Who calls it: lockstep.driver.components (local runs) and `lockstep trainer` (rank pods).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lockstep.train.backend import StepResult
+from lockstep.train.common.logprobs import token_logprobs
+from lockstep.train.fsdp import checkpoint as ckpt
+from lockstep.train.fsdp.dist import init_distributed
+
+if TYPE_CHECKING:
+    import torch
+
+    from lockstep.train.common.batch import TrainBatch
+    from lockstep.train.common.losses import LossFn
+
+
+@dataclass(frozen=True, slots=True)
+class FSDPConfig:
+    """Construction-time settings of the FSDP2 backend."""
+
+    model_path: Path
+    """HF checkpoint directory: config.json and, optionally, safetensors weights (absent = random
+    init from `seed`)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping; the norm is still reported)."""
+    micro_batch_size: int = 64
+    """Rows per forward/backward; gradients accumulate over micro-batches."""
+    seed: int = 0
+    """Seed for random init and for the RNG state saved in checkpoints (rank is added)."""
+    device: str = "auto"
+    """cpu | cuda | auto (cuda when available)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16."""
+    with_ref: bool = False
+    """Keep a frozen copy of the initial policy for `compute_logprobs(role="ref")` (KL)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32 or bfloat16")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device {self.device!r} is unknown; use cpu, cuda or auto")
+
+
+class FSDPBackend:
+    """The FSDP2 TrainBackend (see module doc). Construct on every rank."""
+
+    def __init__(self, config: FSDPConfig) -> None:
+        import torch
+
+        self.config = config
+        want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device_type = "cuda" if want_cuda else "cpu"
+        info = init_distributed(self.device_type)
+        self._owns_group = info.owns_group
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = torch.device("cuda", info.local_rank) if want_cuda else torch.device("cpu")
+        if want_cuda:
+            torch.cuda.set_device(self.device)
+        self.step = 0
+        torch.manual_seed(config.seed + self.rank)
+        self.model = self._build_model()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.ref_model = self._build_model(frozen=True) if config.with_ref else None
+
+    def _build_model(self, frozen: bool = False) -> Any:
+        import torch
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if self.config.dtype == "bfloat16" else torch.float32
+        path = self.config.model_path
+        model: Any
+        if ckpt.has_weights(path):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        else:
+            torch.manual_seed(self.config.seed)  # every rank builds the same random init
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
+        model.to(self.device)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if frozen:
+            model.requires_grad_(False)
+            model.eval()
+        return model
+
+    # -- scoring and training -------------------------------------------------------------------
+
+    def _forward_logprobs(self, model: Any, batch: TrainBatch) -> torch.Tensor:
+        ids = batch.input_ids.to(self.device)
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(self.device)).logits  # [B, T, V]
+        return token_logprobs(logits, ids, batch.temperature)  # [B, T-1]
+
+    def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
+        import torch
+
+        model = self.model if role == "actor" else self.ref_model
+        if model is None:
+            raise ValueError("role='ref' needs FSDPConfig.with_ref=True (the manifest's kl_coef > 0)")
+        mbs = self.config.micro_batch_size
+        parts = []
+        with torch.no_grad():
+            for start in range(0, batch.size, mbs):
+                parts.append(self._forward_logprobs(model, batch.rows(start, start + mbs)).cpu())
+        return torch.cat(parts) * batch.loss_mask
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> StepResult:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([float(batch.num_tokens)], device=self.device)
+        dist.all_reduce(total)
+        denom = max(total.item(), 1.0)
+        self.model.train()
+        loss_sum = 0.0
+        sums: dict[str, float] = {}
+        mbs = self.config.micro_batch_size
+        for start in range(0, batch.size, mbs):
+            mb = batch.rows(start, start + mbs)
+            mb_dev = _to_device(mb, self.device)
+            per_token, metrics = loss_fn(self._forward_logprobs(self.model, mb_dev), mb_dev)
+            # FSDP averages gradients over ranks; scaling by world_size makes the result a global token mean.
+            loss = per_token.sum() / denom * self.world_size
+            loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += float(per_token.detach().sum().item())
+            n = mb.num_tokens
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * n
+        reduced = torch.tensor([loss_sum], device=self.device)
+        dist.all_reduce(reduced)
+        mean_loss = reduced.item() / denom
+        clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = float(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
+        skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        local = max(batch.num_tokens, 1)
+        return StepResult(
+            loss=mean_loss,
+            grad_norm=grad_norm,
+            tokens=int(total.item()),
+            metrics={k: v / local for k, v in sums.items()},
+            skipped=skipped,
+        )
+
+    def set_learning_rate(self, lr: float) -> None:
+        if not lr > 0:
+            raise ValueError(f"learning rate must be > 0, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in HF names; a tied lm_head is left out, as in HF checkpoints."""
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        for name, value in self.model.state_dict().items():
+            if tied and name == "lm_head.weight":
+                continue
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            yield name, full.detach()
+
+    def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
+        ckpt.save(self, Path(directory), extra or {})
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        return ckpt.load(self, Path(directory))
+
+    def offload(self) -> None:
+        """CPU runs keep everything in host memory; on CUDA, free the optimizer's device memory."""
+        if self.device_type == "cuda":
+            import torch
+
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if hasattr(v, "to") and getattr(v, "is_cuda", False):
+                        state[k] = v.to("cpu", non_blocking=True)
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device_type == "cuda":
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if hasattr(v, "to") and not getattr(v, "is_cuda", True):
+                        state[k] = v.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    from dataclasses import replace
+
+    def mv(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device)
+
+    return replace(
+        batch,
+        loss_mask=batch.loss_mask.to(device),
+        rollout_logprobs=batch.rollout_logprobs.to(device),
+        advantages=batch.advantages.to(device),
+        old_logprobs=mv(batch.old_logprobs),
+        ref_logprobs=mv(batch.ref_logprobs),
+    )

@@ -1,0 +1,86 @@
+"""HF-layout checkpoints of the FSDP2 backend, with what resume needs beside the weights.
+
+Why it exists: a checkpoint must be loadable by anything that reads HF checkpoints (the engine's
+update_weights_from_disk, transformers' from_pretrained) and must also restore training exactly:
+optimizer state, step and RNG. Layout of a checkpoint directory:
+
+    config.json            the model's HF config
+    model.safetensors      full (gathered) weights in HF names; a tied lm_head is omitted, as in HF
+    optimizer.pt           full (gathered) AdamW state keyed by parameter name (rank 0 writes)
+    rng_rank{R}.pt         each rank's torch RNG state (and CUDA RNG when present)
+    trainer_state.json     {"step": ..., "extra": {...}} (the driver's resume data lives in extra)
+
+Who calls it: lockstep.train.fsdp.backend (save / load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lockstep.train.fsdp.backend import FSDPBackend
+
+WEIGHTS = "model.safetensors"
+"""File name of the gathered weights."""
+STATE = "trainer_state.json"
+"""File name of step and extra resume data."""
+
+
+def has_weights(path: Path) -> bool:
+    """True when `path` holds safetensors weights (otherwise the model is randomly initialised)."""
+    return Path(path).is_dir() and any(Path(path).glob("*.safetensors"))
+
+
+def save(backend: FSDPBackend, directory: Path, extra: dict[str, Any]) -> None:
+    """Write the checkpoint; all ranks must call it (gathers are collective)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {name: t.to("cpu").contiguous() for name, t in backend.export_weights()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optim_state = get_optimizer_state_dict(backend.model, backend.optimizer, options=options)
+    rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if backend.device_type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(backend.device)
+    torch.save(rng, directory / f"rng_rank{backend.rank}.pt")
+    if backend.rank == 0:
+        save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
+        backend.model.config.save_pretrained(directory)
+        torch.save(optim_state, directory / "optimizer.pt")
+        (directory / STATE).write_text(json.dumps({"step": backend.step, "extra": extra}, indent=1))
+    dist.barrier()
+
+
+def load(backend: FSDPBackend, directory: Path) -> dict[str, Any]:
+    """Restore weights, optimizer, step and RNG written by `save`; returns the saved `extra`."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    missing = [f for f in (WEIGHTS, "optimizer.pt", STATE) if not (directory / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    weights: dict[str, Any] = dict(load_file(str(directory / WEIGHTS)))
+    set_model_state_dict(backend.model, weights, options=options)
+    optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
+    set_optimizer_state_dict(backend.model, backend.optimizer, optim_state_dict=optim_state, options=options)
+    rng_file = directory / f"rng_rank{backend.rank}.pt"
+    if rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and backend.device_type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], backend.device)
+    state = json.loads((directory / STATE).read_text())
+    backend.step = int(state["step"])
+    extra: dict[str, Any] = state.get("extra", {})
+    return extra
