@@ -1,0 +1,289 @@
+"""RLJob reconcile: the job's config, progress channel, gang, child kinds and driver pod, then status.
+
+Why it exists: an RLJob is the user's whole request; this turns it into owned children and folds
+what they and the driver report back into one status. Ordered, idempotent steps (server-side apply,
+deterministic names), so a reconcile killed halfway and run again creates no duplicates:
+1. parse the spec (a bad spec fails the job with the validation message);
+2. ConfigMaps (rendered runtime config, empty progress channel) and the driver's narrow RBAC;
+3. gang scheduling: check the scheduler's API is served (else Admitted=False and stop here), apply
+   the PodGroup;
+4. RolloutPool, TrainerGroup, WeightChannel (annotations carry suspend/stop, gang size, restart limit,
+   colocation); pool spec.replicas is written only at creation and when the job's
+   rollout.replicas changes, so /scale (HPA, KEDA, the built-in autoscaler) keeps control;
+5. the driver pod (deleted while suspended);
+6. observe children + progress, compute the status (status.job_status), write it once if changed.
+
+Who calls it: lockstep_operator.handlers, for kopf events of the RLJob and of its children.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from lockstep.api.rljob import Phase, RLJob, RLJobSpec, RLJobStatus
+from lockstep.api.rolloutpool import RolloutPoolStatus
+from lockstep.api.trainergroup import TrainerGroupStatus
+from lockstep.api.weightchannel import WeightChannelStatus
+from pydantic import ValidationError
+
+from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.reconcile.common import (
+    ANN_COLOCATE,
+    ANN_GANG_MIN,
+    ANN_JOB_REPLICAS,
+    ANN_RESTART_LIMIT,
+    ANN_STOPPED,
+    ANN_SUSPENDED,
+    annotations_of,
+    previous_status,
+    write_status,
+)
+from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.status import JobObserved, job_status, set_condition
+from lockstep_operator.resources import config, podgroups
+from lockstep_operator.resources.commands import driver_command
+from lockstep_operator.resources.common import (
+    API_VERSION,
+    Owner,
+    channel_name,
+    driver_name,
+    job_labels,
+    metadata,
+    pool_name,
+    progress_name,
+    router_name,
+    trainer_name,
+)
+from lockstep_operator.resources.pods import Container, driver_pod
+from lockstep_operator.settings import OperatorSettings
+
+
+def min_replicas(spec: RLJobSpec) -> int:
+    """The pool's minimum replicas (gang members): autoscaling.minReplicas, else replicas."""
+    auto = spec.rollout.autoscaling
+    return int(min(auto.min_replicas, spec.rollout.replicas) if auto else spec.rollout.replicas)
+
+
+def gang_min_member(spec: RLJobSpec) -> int:
+    """All trainer rank pods + the pool's minimum replicas (one PodGroup holds every member)."""
+    return int(spec.trainer.nodes) + min_replicas(spec)
+
+
+def child_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str) -> list[Manifest]:
+    """The three child kinds of the job (pure; pool spec.replicas deliberately left out)."""
+    job = owner.name
+    common_ann = {
+        ANN_SUSPENDED: str(suspended).lower(),
+        ANN_STOPPED: stopped,
+        ANN_GANG_MIN: str(gang_min_member(spec)),
+    }
+    pool = {
+        "apiVersion": API_VERSION,
+        "kind": "RolloutPool",
+        "metadata": metadata(
+            owner,
+            pool_name(job),
+            job_labels(job),
+            {**common_ann, ANN_JOB_REPLICAS: str(spec.rollout.replicas)},
+        ),
+        "spec": {
+            "job": job,
+            "model": spec.model.wire(),
+            "engine": _engine_part(spec),
+            "placement": spec.placement.wire(),
+            **({"autoscaling": spec.rollout.autoscaling.wire()} if spec.rollout.autoscaling else {}),
+        },
+    }
+    trainer = {
+        "apiVersion": API_VERSION,
+        "kind": "TrainerGroup",
+        "metadata": metadata(
+            owner,
+            trainer_name(job),
+            job_labels(job),
+            {**common_ann, ANN_RESTART_LIMIT: str(spec.backoff_limit)},
+        ),
+        "spec": {
+            "job": job,
+            "model": spec.model.wire(),
+            "trainer": spec.trainer.wire(),
+            "placement": spec.placement.wire(),
+        },
+    }
+    channel = {
+        "apiVersion": API_VERSION,
+        "kind": "WeightChannel",
+        "metadata": metadata(
+            owner, channel_name(job), job_labels(job), {ANN_COLOCATE: str(spec.schedule.colocate).lower()}
+        ),
+        "spec": {
+            "job": job,
+            "trainerGroup": trainer_name(job),
+            "rolloutPool": pool_name(job),
+            "weightSync": spec.weight_sync.wire(),
+        },
+    }
+    return [pool, trainer, channel]
+
+
+def _engine_part(spec: RLJobSpec) -> dict[str, Any]:
+    # RolloutSpec extends EngineSpec; the pool's engine section takes only EngineSpec's fields.
+    from lockstep.api.rljob import EngineSpec
+
+    part: dict[str, Any] = EngineSpec.model_validate(
+        spec.rollout.model_dump(include=set(EngineSpec.model_fields))
+    ).wire()
+    return part
+
+
+async def reconcile_job(
+    kube: KubeClient, namespace: str, name: str, *, settings: OperatorSettings, now: dt.datetime
+) -> Phase | None:
+    """One pass over RLJob `namespace/name`; returns the phase written (None when gone or deleting)."""
+    body = await kube.get(API_VERSION, "RLJob", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    generation = body["metadata"].get("generation")
+    previous = previous_status(body, RLJobStatus)
+    try:
+        job = RLJob.model_validate(body)
+    except ValidationError as err:
+        return await _invalid(kube, body, previous, str(err), generation, now)
+    spec, owner = job.spec, Owner.of(body)
+    rendered = {
+        "apiVersion": API_VERSION,
+        "kind": "RLJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec.wire(),
+    }
+    for manifest in [
+        config.runtime_config_map(owner, job=name, rendered=rendered),
+        config.progress_config_map(owner, job=name),
+        *config.driver_rbac(owner, job=name),
+    ]:
+        await kube.apply(manifest)
+    gang_problem = await _ensure_gang(kube, owner, spec)
+    terminal = previous is not None and previous.phase in (Phase.SUCCEEDED, Phase.FAILED)
+    if gang_problem is None:
+        stopped = previous.phase.value if terminal and previous and previous.phase else ""
+        await _apply_children(kube, owner, spec, suspended=spec.suspend, stopped=stopped)
+        await _ensure_driver(kube, owner, spec, settings, run=not spec.suspend and not terminal)
+    observed = await _observe(kube, namespace, name, gang_problem)
+    status = job_status(spec, observed, previous, generation=generation, now=now)
+    await write_status(kube, body, previous, status)
+    return status.phase
+
+
+async def _invalid(
+    kube: KubeClient,
+    body: Manifest,
+    previous: RLJobStatus | None,
+    problem: str,
+    generation: int | None,
+    now: dt.datetime,
+) -> Phase:
+    prev = previous or RLJobStatus()
+    conds = set_condition(
+        prev.conditions, "Failed", True, "InvalidSpec", problem[:2000], now=now, generation=generation
+    )
+    status = prev.model_copy(
+        update={"phase": Phase.FAILED, "conditions": conds, "observed_generation": generation}
+    )
+    await write_status(kube, body, previous, status)
+    return Phase.FAILED
+
+
+async def _ensure_gang(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> str | None:
+    """Apply the pod group; a scheduler whose API is not served is a problem string, never a crash."""
+    scheduler = spec.placement.gang.scheduler.value
+    api = podgroups.group_api(scheduler)
+    if api is None:
+        return None
+    if not await kube.has_api(*api):
+        return (
+            f"placement.gang.scheduler is {scheduler} but {api[1]} ({api[0]}) is not served by the cluster: "
+            f"install {scheduler} or set placement.gang.scheduler: none"
+        )
+    if scheduler == "kueue" and not spec.placement.gang.queue_name:
+        return "placement.gang.scheduler is kueue but placement.gang.queueName is empty: name the LocalQueue"
+    group = podgroups.pod_group(
+        owner,
+        job=owner.name,
+        scheduler=scheduler,
+        min_member=gang_min_member(spec),
+        queue=spec.placement.gang.queue_name,
+    )
+    if group is not None:
+        await kube.apply(group)
+    return None
+
+
+async def _apply_children(
+    kube: KubeClient, owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str
+) -> None:
+    pool, trainer, channel = child_manifests(owner, spec, suspended=suspended, stopped=stopped)
+    existing = await kube.get(API_VERSION, "RolloutPool", owner.namespace, pool["metadata"]["name"])
+    if existing is None:
+        # Created with replicas by a create (Update operation): later applies leave replicas to /scale.
+        pool["spec"]["replicas"] = spec.rollout.replicas
+        await kube.request(
+            "POST",
+            f"/apis/{API_VERSION}/namespaces/{owner.namespace}/rolloutpools",
+            body=pool,
+            params={"fieldManager": "lockstep-operator-create"},
+        )
+    else:
+        if annotations_of(existing).get(ANN_JOB_REPLICAS) != str(spec.rollout.replicas):
+            # The user changed rollout.replicas on the job: that wins over the pool's current count.
+            await kube.merge_patch(
+                API_VERSION,
+                "RolloutPool",
+                owner.namespace,
+                pool["metadata"]["name"],
+                {"spec": {"replicas": spec.rollout.replicas}},
+            )
+        await kube.apply(pool)
+    await kube.apply(trainer)
+    await kube.apply(channel)
+
+
+async def _ensure_driver(
+    kube: KubeClient, owner: Owner, spec: RLJobSpec, settings: OperatorSettings, *, run: bool
+) -> None:
+    job = owner.name
+    if not run:
+        existing = await kube.get("v1", "Pod", owner.namespace, driver_name(job))
+        if existing is not None and existing.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+            await kube.delete("v1", "Pod", owner.namespace, driver_name(job))
+        return
+    image = spec.agent.image or settings.runtime_image
+    pod = driver_pod(
+        owner,
+        job=job,
+        container=Container(image=image, command=driver_command()),
+        router_url=f"http://{router_name(pool_name(job))}:30000",
+        trainer=trainer_name(job),
+        progress_config_map=progress_name(job),
+    )
+    existing = await kube.get("v1", "Pod", owner.namespace, driver_name(job))
+    if existing is None:
+        await kube.apply(pod)
+    # Pod specs are immutable: an existing driver is left alone (a spec change restarts via suspend).
+
+
+async def _observe(kube: KubeClient, namespace: str, job: str, gang_problem: str | None) -> JobObserved:
+    pool = await kube.get(API_VERSION, "RolloutPool", namespace, pool_name(job))
+    trainer = await kube.get(API_VERSION, "TrainerGroup", namespace, trainer_name(job))
+    channel = await kube.get(API_VERSION, "WeightChannel", namespace, channel_name(job))
+    progress, problem = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(job)))
+    driver = await kube.get("v1", "Pod", namespace, driver_name(job))
+    return JobObserved(
+        pool=previous_status(pool, RolloutPoolStatus) if pool else None,
+        trainer=previous_status(trainer, TrainerGroupStatus) if trainer else None,
+        channel=previous_status(channel, WeightChannelStatus) if channel else None,
+        progress=progress,
+        progress_problem=problem,
+        driver_phase=(driver.get("status") or {}).get("phase") if driver else None,
+        gang_problem=gang_problem,
+    )

@@ -1,0 +1,213 @@
+"""RolloutPool reconcile: engine pods `<pool>-<i>` for i < replicas, the router Service, autoscaling.
+
+Why it exists: the pool is the scaling unit of rollout. Its pods have stable names (like a
+StatefulSet), so a reconcile that dies halfway and runs again finds and keeps what exists. Steps:
+1. router Service (ClusterIP over the pool's engine pods);
+2. replace failed engines (delete Failed pods; they are recreated below once gone);
+3. remove replicas above the desired count (0 while suspended or stopped), create missing ones;
+   replicas below the gang's minimum carry the gang-member keys;
+4. the built-in autoscaler (spec.autoscaling set, not handed to HPA/KEDA with the
+   rl.lockstep.dev/autoscaler=external annotation): record the driver's queue sample once per step,
+   ask lockstep_operator.autoscale.decide_replicas, patch spec.replicas (the /scale field);
+5. status: per-engine readiness and weight version (from the progress channel), selector for /scale.
+
+Who calls it: lockstep_operator.handlers (pool events, engine pod events, the periodic re-check).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from lockstep.api.rolloutpool import RolloutPool, RolloutPoolSpec, RolloutPoolStatus
+from pydantic import ValidationError
+
+from lockstep_operator.autoscale import QueueSample, ScalePolicy, decide_replicas
+from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.reconcile.common import (
+    ANN_AUTOSCALER,
+    ANN_GANG_MIN,
+    ANN_LAST_SCALED,
+    ANN_QUEUE_HISTORY,
+    ANN_STOPPED,
+    ANN_SUSPENDED,
+    annotations_of,
+    previous_status,
+    write_status,
+)
+from lockstep_operator.reconcile.progress import ProgressReport, read_progress
+from lockstep_operator.reconcile.status import pool_status
+from lockstep_operator.resources import podgroups
+from lockstep_operator.resources.commands import engine_command, product_label
+from lockstep_operator.resources.common import (
+    API_VERSION,
+    LABEL_REPLICA,
+    Owner,
+    progress_name,
+    router_name,
+    selector,
+)
+from lockstep_operator.resources.pods import Container, Placement, engine_pod, selector_labels
+from lockstep_operator.resources.services import router_service
+from lockstep_operator.settings import OperatorSettings
+
+HISTORY = 32
+"""Queue samples kept in the pool annotation (enough for the policy's window)."""
+
+
+def engine_placement(spec: RolloutPoolSpec) -> Placement:
+    """GPU requests and node selection of one engine replica."""
+    place = spec.placement
+    return Placement(
+        gpus=spec.engine.gpus_per_engine,
+        product=product_label(place.gpu_product.value),
+        node_selector=dict(place.node_selector),
+        tolerations=[t.wire() for t in place.tolerations],
+    )
+
+
+def engine_manifest(
+    owner: Owner, spec: RolloutPoolSpec, replica: int, *, gang_min: int, image: str
+) -> Manifest:
+    """Engine pod `replica` of the pool (pure)."""
+    gang = spec.placement.gang
+    keys = podgroups.member_keys(
+        job=spec.job,
+        scheduler=gang.scheduler.value,
+        min_member=gang_min,
+        queue=gang.queue_name,
+        member=replica < _pool_min(spec),
+    )
+    container = Container(image=spec.engine.image or image, command=engine_command(spec.engine, spec.model))
+    return engine_pod(
+        owner,
+        job=spec.job,
+        pool=owner.name,
+        replica=replica,
+        container=container,
+        placement=engine_placement(spec),
+        gang=keys,
+    )
+
+
+def _pool_min(spec: RolloutPoolSpec) -> int:
+    return int(min(spec.autoscaling.min_replicas, spec.replicas) if spec.autoscaling else spec.replicas)
+
+
+async def reconcile_pool(
+    kube: KubeClient, namespace: str, name: str, *, settings: OperatorSettings, now: dt.datetime
+) -> None:
+    """One pass over RolloutPool `namespace/name`."""
+    body = await kube.get(API_VERSION, "RolloutPool", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        spec = RolloutPool.model_validate(body).spec
+    except ValidationError:
+        return  # the apiserver validates the schema; an unreadable pool is left to its owner job
+    owner, ann = Owner.of(body), annotations_of(body)
+    labels = selector_labels(spec.job, pool=name)
+    await kube.apply(router_service(owner, job=spec.job, name=router_name(name), selector=labels))
+    pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
+    stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED))
+    desired = 0 if stopped else spec.replicas
+    live = await _converge_pods(
+        kube,
+        owner,
+        spec,
+        pods,
+        desired,
+        gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
+        image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
+    )
+    progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
+    if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
+        await _autoscale(kube, body, spec, progress, now.timestamp())
+    previous = previous_status(body, RolloutPoolStatus)
+    status = pool_status(
+        live,
+        selector=selector(labels),
+        current_version=progress.weight_version if progress else None,
+        engine_versions=progress.engine_versions if progress else {},
+        min_replicas=0 if stopped else _pool_min(spec),
+        previous=previous,
+        generation=body["metadata"].get("generation"),
+        now=now,
+    )
+    await write_status(kube, body, previous, status)
+
+
+async def _converge_pods(
+    kube: KubeClient,
+    owner: Owner,
+    spec: RolloutPoolSpec,
+    pods: list[Manifest],
+    desired: int,
+    *,
+    gang_min: int,
+    image: str,
+) -> list[Manifest]:
+    """Delete failed and surplus engines, create missing ones; return the live (kept) pods."""
+    by_index: dict[int, Manifest] = {}
+    for pod in pods:
+        index = int(pod["metadata"]["labels"].get(LABEL_REPLICA, "-1"))
+        phase = (pod.get("status") or {}).get("phase")
+        terminating = bool(pod["metadata"].get("deletionTimestamp"))
+        if index >= desired or index < 0 or phase in ("Failed", "Succeeded"):
+            if not terminating:
+                await kube.delete("v1", "Pod", owner.namespace, pod["metadata"]["name"])
+            by_index[index] = pod  # the name is still taken until the pod is gone
+            continue
+        by_index[index] = pod
+    live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
+    for index in range(desired):
+        if index not in by_index:
+            await kube.apply(engine_manifest(owner, spec, index, gang_min=gang_min, image=image))
+    return live
+
+
+def _dying(pod: Manifest) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp")) or (pod.get("status") or {}).get("phase") in (
+        "Failed",
+        "Succeeded",
+    )
+
+
+async def _autoscale(
+    kube: KubeClient, body: Manifest, spec: RolloutPoolSpec, progress: ProgressReport | None, now: float
+) -> None:
+    """Record the driver's queue sample once per step and apply the policy's decision."""
+    assert spec.autoscaling is not None
+    ann = annotations_of(body)
+    history: list[list[Any]] = json.loads(ann.get(ANN_QUEUE_HISTORY, "[]"))
+    patch_ann: dict[str, str] = {}
+    fresh = (
+        progress is not None
+        and progress.step is not None
+        and (not history or history[-1][1] != progress.step)
+    )
+    if progress and fresh and progress.queue_size is not None and progress.queue_capacity:
+        history = [*history, [now, progress.step, progress.queue_size, progress.queue_capacity]][-HISTORY:]
+        patch_ann[ANN_QUEUE_HISTORY] = json.dumps(history)
+    last = json.loads(ann.get(ANN_LAST_SCALED, "null"))
+    policy = ScalePolicy(
+        min_replicas=spec.autoscaling.min_replicas, max_replicas=spec.autoscaling.max_replicas
+    )
+    decision = decide_replicas(
+        current=spec.replicas,
+        policy=policy,
+        samples=[QueueSample(*s) for s in history],
+        last_scaled_at=last[0] if last else None,
+        last_scaled_step=last[1] if last else None,
+        now=now,
+    )
+    patch: dict[str, Any] = {}
+    if decision.replicas != spec.replicas:
+        patch["spec"] = {"replicas": decision.replicas}
+        patch_ann[ANN_LAST_SCALED] = json.dumps([now, history[-1][1] if history else None])
+    if patch_ann:
+        patch["metadata"] = {"annotations": patch_ann}
+    if patch:
+        meta = body["metadata"]
+        await kube.merge_patch(API_VERSION, "RolloutPool", meta["namespace"], meta["name"], patch)

@@ -1,0 +1,250 @@
+"""TrainerGroup reconcile: rank pods `<group>-<rank>` with torchrun env, the headless Service, gang restarts.
+
+Why it exists: the trainer is one torch.distributed world; a single failed rank makes every other
+rank hang in a collective, so the group lives and restarts as a gang. Steps:
+1. headless Service named like the group (the rank pods' subdomain: stable DNS for MASTER_ADDR);
+2. the gang generation is status.restarts; every rank pod carries its generation; pods of an older
+   generation are deleted;
+3. a Failed rank pod of the current generation: while restarts < the restart limit, write
+   restarts + 1 first (so a crash here cannot lose the count), then the next steps delete the old
+   generation; at the limit, condition Failed=True with the rank and its exit reason (the RLJob then
+   fails with it) and the pods are deleted to free the GPUs;
+4. once no old pod is left, create the missing ranks of the current generation, packed into one
+   NVLink domain when the product has them (the clique is picked once and kept in an annotation);
+5. status: world size, ready ranks, restarts, conditions.
+
+Who calls it: lockstep_operator.handlers (group events, rank pod events, the periodic re-check).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from lockstep.api.trainergroup import TrainerGroup, TrainerGroupSpec, TrainerGroupStatus
+from pydantic import ValidationError
+
+from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.reconcile.common import (
+    ANN_CLIQUE,
+    ANN_GANG_MIN,
+    ANN_RESTART_LIMIT,
+    ANN_STOPPED,
+    ANN_SUSPENDED,
+    annotations_of,
+    previous_status,
+    write_status,
+)
+from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.status import condition, is_true, trainer_status
+from lockstep_operator.resources import podgroups
+from lockstep_operator.resources.commands import product_label, trainer_command
+from lockstep_operator.resources.common import (
+    ANNOTATION_GANG_GENERATION,
+    API_VERSION,
+    LABEL_RANK,
+    Owner,
+    progress_name,
+    selector,
+)
+from lockstep_operator.resources.pods import GPU, Container, Placement, rank_pod, selector_labels
+from lockstep_operator.resources.services import headless_service
+from lockstep_operator.settings import OperatorSettings
+from lockstep_operator.topology import NodeFacts, parse_count, pick_clique
+
+
+def gpus_per_pod(spec: TrainerGroupSpec) -> int:
+    """GPUs requested by one rank pod (0 for CPU trainers)."""
+    return int(spec.trainer.gpus_per_node) if spec.trainer.device.value == "cuda" else 0
+
+
+def rank_manifest(
+    owner: Owner,
+    spec: TrainerGroupSpec,
+    rank: int,
+    *,
+    generation: int,
+    gang_min: int,
+    clique: str | None,
+    image: str,
+) -> Manifest:
+    """Rank pod `rank` of generation `generation` (pure)."""
+    place = spec.placement
+    placement = Placement(
+        gpus=gpus_per_pod(spec),
+        product=product_label(place.gpu_product.value),
+        clique=clique or None,
+        node_selector=dict(place.node_selector),
+        tolerations=[t.wire() for t in place.tolerations],
+    )
+    keys = podgroups.member_keys(
+        job=spec.job,
+        scheduler=place.gang.scheduler.value,
+        min_member=gang_min,
+        queue=place.gang.queue_name,
+        member=True,
+    )
+    container = Container(image=spec.trainer.image or image, command=trainer_command())
+    return rank_pod(
+        owner,
+        job=spec.job,
+        trainer=owner.name,
+        rank=rank,
+        nodes=spec.trainer.nodes,
+        generation=generation,
+        container=container,
+        placement=placement,
+        gang=keys,
+    )
+
+
+def _generation(pod: Manifest) -> int:
+    return int(((pod["metadata"].get("annotations") or {}).get(ANNOTATION_GANG_GENERATION)) or -1)
+
+
+def _why(pod: Manifest) -> str:
+    """`rank R (pod P) failed: reason (exit N): message` from the pod's container status."""
+    rank = pod["metadata"]["labels"].get(LABEL_RANK, "?")
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term and term.get("exitCode", 0) != 0:
+            return (
+                f"rank {rank} (pod {pod['metadata']['name']}) failed: {term.get('reason', 'Error')} "
+                f"(exit {term.get('exitCode')}): {term.get('message', '')}".rstrip(": ")
+            )
+    return f"rank {rank} (pod {pod['metadata']['name']}) failed"
+
+
+async def reconcile_trainer(
+    kube: KubeClient, namespace: str, name: str, *, settings: OperatorSettings, now: dt.datetime
+) -> None:
+    """One pass over TrainerGroup `namespace/name`."""
+    body = await kube.get(API_VERSION, "TrainerGroup", namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        spec = TrainerGroup.model_validate(body).spec
+    except ValidationError:
+        return
+    owner, ann = Owner.of(body), annotations_of(body)
+    previous = previous_status(body, TrainerGroupStatus)
+    generation = body["metadata"].get("generation")
+    labels = selector_labels(spec.job, trainer=name)
+    await kube.apply(headless_service(owner, job=spec.job, name=name, selector=labels))
+    pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
+    restarts = previous.restarts if previous else 0
+    limit = int(ann.get(ANN_RESTART_LIMIT) or settings.gang_restart_limit_default)
+    failed_before = (
+        condition(previous.conditions, "Failed")
+        if previous and is_true(previous.conditions, "Failed")
+        else None
+    )
+    failed = failed_before.message if failed_before else None
+    stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED)) or failed is not None
+    broken = [
+        p for p in pods if _generation(p) == restarts and (p.get("status") or {}).get("phase") == "Failed"
+    ]
+    if broken and not stopped:
+        if restarts < limit:
+            restarts += 1  # written before any deletion: the count survives a crash of this reconcile
+            await _write(kube, body, previous, spec, [], restarts, None, now, generation)
+        else:
+            failed, stopped = f"{_why(broken[0])}; gang restart limit {limit} reached", True
+    keep = [] if stopped else [p for p in pods if _generation(p) == restarts]
+    for pod in pods:
+        if pod not in keep and not pod["metadata"].get("deletionTimestamp"):
+            await kube.delete("v1", "Pod", namespace, pod["metadata"]["name"])
+    if not stopped and len(keep) == len(pods):  # no older generation left: start the missing ranks
+        await _create_missing(kube, owner, spec, body, keep, restarts, settings)
+    live = [p for p in keep if not p["metadata"].get("deletionTimestamp")]
+    await _write(kube, body, previous, spec, live, restarts, failed, now, generation)
+
+
+async def _create_missing(
+    kube: KubeClient,
+    owner: Owner,
+    spec: TrainerGroupSpec,
+    body: Manifest,
+    keep: list[Manifest],
+    restarts: int,
+    settings: OperatorSettings,
+) -> None:
+    present = {int(p["metadata"]["labels"].get(LABEL_RANK, "-1")) for p in keep}
+    missing = [r for r in range(spec.trainer.nodes) if r not in present]
+    if not missing:
+        return
+    ann = annotations_of(body)
+    clique = ann.get(ANN_CLIQUE)
+    if clique is None:
+        clique = await _choose_clique(kube, spec) or ""
+        meta = body["metadata"]
+        await kube.merge_patch(
+            API_VERSION,
+            "TrainerGroup",
+            meta["namespace"],
+            meta["name"],
+            {"metadata": {"annotations": {ANN_CLIQUE: clique}}},
+        )
+    gang_min = int(ann.get(ANN_GANG_MIN, "0") or 0)
+    for rank in missing:
+        await kube.apply(
+            rank_manifest(
+                owner,
+                spec,
+                rank,
+                generation=restarts,
+                gang_min=gang_min,
+                clique=clique,
+                image=settings.runtime_image,
+            )
+        )
+
+
+async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec) -> str | None:
+    """Pick an NVLink domain with room for every rank (pure choice over observed nodes and pods)."""
+    gpus = gpus_per_pod(spec)
+    product = product_label(spec.placement.gpu_product.value)
+    if gpus == 0:
+        return None
+    nodes = [NodeFacts.from_node(n) for n in await kube.list("v1", "Node", None)]
+    if not any("nvidia.com/gpu.clique" in n.labels for n in nodes):
+        return None
+    used: dict[str, int] = {}
+    for pod in await kube.list("v1", "Pod", None):
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in pod["spec"].get("containers", []):
+            used[node] = used.get(node, 0) + parse_count(
+                ((c.get("resources") or {}).get("requests") or {}).get(GPU, "0")
+            )
+    return pick_clique(nodes, product=product, ranks=spec.trainer.nodes, gpus_per_rank=gpus, used=used).clique
+
+
+async def _write(
+    kube: KubeClient,
+    body: Manifest,
+    previous: TrainerGroupStatus | None,
+    spec: TrainerGroupSpec,
+    live: list[Manifest],
+    restarts: int,
+    failed: str | None,
+    now: dt.datetime,
+    generation: Any,
+) -> None:
+    progress, _ = read_progress(
+        await kube.get("v1", "ConfigMap", body["metadata"]["namespace"], progress_name(spec.job))
+    )
+    status = trainer_status(
+        live,
+        nodes=spec.trainer.nodes,
+        gpus_per_node=spec.trainer.gpus_per_node,
+        restarts=restarts,
+        failed=failed,
+        previous=previous,
+        step=progress.step if progress else None,
+        generation=generation,
+        now=now,
+    )
+    if await write_status(kube, body, previous, status):
+        body["status"] = status.wire()

@@ -1,0 +1,59 @@
+"""Container commands of the runtime roles, derived from the parsed spec (pure).
+
+Why it exists: which binary a pod runs is a contract with the runtime (the `lockstep` CLI
+subcommands) and with SGLang (`python3 -m sglang.launch_server` and its flags); it is written in one
+place and golden-tested. Called by the RolloutPool, TrainerGroup and RLJob reconciles.
+"""
+
+from __future__ import annotations
+
+from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
+
+from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT
+
+CONFIG_PATH = f"{CONFIG_MOUNT}/{CONFIG_FILE}"
+
+PRODUCTS = {"GB300": "NVIDIA-GB300", "H100": "NVIDIA-H100-80GB-HBM3"}
+"""lockstep.api GPUProduct -> the nvidia.com/gpu.product label value GPU feature discovery writes."""
+
+
+def product_label(product: str) -> str | None:
+    """The node label value for a GPUProduct; None for `any`."""
+    return PRODUCTS.get(product)
+
+
+def engine_command(engine: EngineSpec, model: ModelSpec) -> list[str]:
+    """SGLang's server for `sglang`, Lockstep's reference engine for `reference`."""
+    if engine.engine.value == "reference":
+        return [
+            "lockstep",
+            "engine",
+            "--config",
+            CONFIG_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(ENGINE_PORT),
+        ]
+    cmd = [
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", model.checkpoint,
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--tp-size", str(engine.tensor_parallel),
+    ]  # fmt: skip
+    if engine.data_parallel_attention > 1:
+        cmd += ["--enable-dp-attention", "--dp-size", str(engine.data_parallel_attention)]
+    if engine.kv_cache_dtype != KVCacheDtype.AUTO:
+        cmd += ["--kv-cache-dtype", engine.kv_cache_dtype.value]
+    return cmd + list(engine.extra_args)
+
+
+def trainer_command() -> list[str]:
+    """torchrun over the rank pod's GPUs; rendezvous from the PET_* env of the pod."""
+    return ["torchrun", "-m", "lockstep", "trainer", "--config", CONFIG_PATH]
+
+
+def driver_command() -> list[str]:
+    """The RL loop."""
+    return ["lockstep", "driver", "--config", CONFIG_PATH]

@@ -1,0 +1,156 @@
+"""Names, labels and owner references shared by every child manifest.
+
+Why it exists: children are found again by labels and names (level-triggered reconciles list them
+each time), so the naming scheme must be defined once. Labels follow app.kubernetes.io/* plus our own
+rl.lockstep.dev/{job,role,pool,rank,replica}. Called by every builder in this package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GROUP = "rl.lockstep.dev"
+API_VERSION = f"{GROUP}/v1alpha1"
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ROLE = f"{GROUP}/role"
+LABEL_POOL = f"{GROUP}/pool"
+LABEL_TRAINER = f"{GROUP}/trainer"
+LABEL_RANK = f"{GROUP}/rank"
+LABEL_REPLICA = f"{GROUP}/replica"
+ANNOTATION_GANG_GENERATION = f"{GROUP}/gang-generation"
+"""On rank pods: the TrainerGroup restart count they belong to (a gang restart bumps it)."""
+
+Role = Literal["driver", "engine", "trainer"]
+Manifest = dict[str, Any]
+
+CONFIG_MOUNT = "/etc/lockstep"
+"""Where the rendered runtime config (job.yaml) is mounted in every pod."""
+CONFIG_FILE = "job.yaml"
+SHARED_MOUNT = "/shared"
+"""Where the shared ReadWriteMany volume (checkpoints, disk-delta versions) is mounted."""
+ENGINE_PORT = 30000
+"""SGLang's default HTTP port; the router Service targets it."""
+RENDEZVOUS_PORT = 29500
+"""torch.distributed rendezvous port of rank 0 (MASTER_PORT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The object that owns a child (deleting it garbage-collects the child)."""
+
+    api_version: str
+    """apiVersion of the owner."""
+    kind: str
+    """kind of the owner."""
+    name: str
+    """metadata.name of the owner."""
+    uid: str
+    """metadata.uid of the owner (owner references need it)."""
+    namespace: str
+    """Namespace of the owner and of every child."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The owner's labels (copied onto children, below our own labels)."""
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Owner:
+        """From an object as kopf or the API server gives it."""
+        meta = body["metadata"]
+        return cls(
+            api_version=str(body.get("apiVersion", API_VERSION)),
+            kind=str(body["kind"]),
+            name=str(meta["name"]),
+            uid=str(meta["uid"]),
+            namespace=str(meta["namespace"]),
+            labels=dict(meta.get("labels") or {}),
+        )
+
+    def reference(self) -> Manifest:
+        """The ownerReference: controller, blocking the owner's foreground deletion."""
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def job_labels(job: str, role: Role | None = None, **extra: str) -> dict[str, str]:
+    """The labels of a child of RLJob `job`; `extra` keys are rl.lockstep.dev/<key>."""
+    labels = {
+        "app.kubernetes.io/name": "lockstep",
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/part-of": "lockstep",
+        "app.kubernetes.io/managed-by": "lockstep-operator",
+        LABEL_JOB: job,
+    }
+    if role:
+        labels["app.kubernetes.io/component"] = role
+        labels[LABEL_ROLE] = role
+    labels.update({f"{GROUP}/{k}": v for k, v in extra.items()})
+    return labels
+
+
+def metadata(
+    owner: Owner, name: str, labels: Mapping[str, str], annotations: Mapping[str, str] | None = None
+) -> Manifest:
+    """metadata of a child: namespace and owner reference of the owner, inherited plus own labels."""
+    user_labels = {k: v for k, v in owner.labels.items() if not k.startswith(GROUP)}
+    meta: Manifest = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**user_labels, **labels},
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    """A label selector string (for /scale's labelSelectorPath and list calls), keys sorted."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+# Names of the children of RLJob `job` (DNS-1123; the API caps job names so the suffixes fit).
+def config_name(job: str) -> str:
+    """ConfigMap with the rendered runtime config."""
+    return f"{job}-config"
+
+
+def progress_name(job: str) -> str:
+    """ConfigMap the driver patches with its progress (the only object it may write)."""
+    return f"{job}-progress"
+
+
+def driver_name(job: str) -> str:
+    """The driver pod, its ServiceAccount, Role and RoleBinding."""
+    return f"{job}-driver"
+
+
+def pool_name(job: str) -> str:
+    """The RolloutPool of the job."""
+    return f"{job}-rollout"
+
+
+def trainer_name(job: str) -> str:
+    """The TrainerGroup of the job (and its headless Service: the rank pods' subdomain)."""
+    return f"{job}-trainer"
+
+
+def channel_name(job: str) -> str:
+    """The WeightChannel of the job."""
+    return f"{job}-weights"
+
+
+def router_name(pool: str) -> str:
+    """The Service in front of a pool's engines."""
+    return f"{pool}-router"
+
+
+def gang_name(job: str) -> str:
+    """The pod group (Volcano / scheduler-plugins PodGroup, Kueue pod-group name) of the job."""
+    return f"{job}-gang"

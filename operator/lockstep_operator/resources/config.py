@@ -1,0 +1,74 @@
+"""ConfigMaps and the driver's narrow RBAC: the rendered runtime config and the progress channel.
+
+Why it exists: every pod reads the same rendered runtime config (the RLJob spec as YAML, mounted at
+/etc/lockstep/job.yaml), and the driver reports progress by patching exactly one ConfigMap,
+`<job>-progress`, which the operator folds into RLJob status. The driver's ServiceAccount may only
+get/patch that ConfigMap by resourceName: pods get no broad RBAC. Called by the RLJob reconcile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from lockstep_operator.resources.common import (
+    Manifest,
+    Owner,
+    config_name,
+    driver_name,
+    job_labels,
+    metadata,
+    progress_name,
+)
+
+
+def runtime_config_map(owner: Owner, *, job: str, rendered: Mapping[str, Any]) -> Manifest:
+    """ConfigMap `<job>-config` holding job.yaml (the manifest the runtime roles load)."""
+    text = yaml.safe_dump(dict(rendered), sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, config_name(job), job_labels(job)),
+        "data": {"job.yaml": text},
+    }
+
+
+def progress_config_map(owner: Owner, *, job: str) -> Manifest:
+    """ConfigMap `<job>-progress`, created empty: the operator applies only metadata, so the data the
+    driver patches in is never owned (or reset) by the operator's server-side apply."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, progress_name(job), job_labels(job, "driver")),
+    }
+
+
+def driver_rbac(owner: Owner, *, job: str) -> list[Manifest]:
+    """ServiceAccount, Role (get/patch on the one progress ConfigMap) and RoleBinding of the driver."""
+    name = driver_name(job)
+    labels = job_labels(job, "driver")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(owner, name, labels)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(owner, name, labels),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [progress_name(job)],
+                    "verbs": ["get", "patch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(owner, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]

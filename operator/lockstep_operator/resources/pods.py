@@ -1,0 +1,294 @@
+"""Pod builders: rollout engine replicas, trainer rank pods and the driver pod.
+
+Why it exists: every pod of a job shares the same skeleton (the rendered config mounted read-only,
+GPU requests and placement, gang-scheduling keys, non-root security context) and differs only in its
+role's command, env and identity. Called by the RolloutPool, TrainerGroup and RLJob reconciles.
+
+Placement: the GPU product becomes a node selector on nvidia.com/gpu.product, GPU pods tolerate the
+usual nvidia.com/gpu taint, and trainer ranks get an extra node selector on nvidia.com/gpu.clique when
+the TrainerGroup reconcile packed them into one NVLink domain (lockstep_operator.topology.pick_clique).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep_operator.resources.common import (
+    ANNOTATION_GANG_GENERATION,
+    CONFIG_FILE,
+    CONFIG_MOUNT,
+    ENGINE_PORT,
+    LABEL_JOB,
+    LABEL_POOL,
+    LABEL_ROLE,
+    LABEL_TRAINER,
+    RENDEZVOUS_PORT,
+    SHARED_MOUNT,
+    Manifest,
+    Owner,
+    config_name,
+    driver_name,
+    job_labels,
+    metadata,
+)
+
+GPU = "nvidia.com/gpu"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a pod may run and what it requests."""
+
+    gpus: int = 0
+    """nvidia.com/gpu requested (and limited) per pod; 0 for CPU pods."""
+    product: str | None = None
+    """Required nvidia.com/gpu.product label value, e.g. NVIDIA-H100-80GB-HBM3; None = any."""
+    clique: str | None = None
+    """Required nvidia.com/gpu.clique (one NVLink domain); None = no packing."""
+    cpu: str | None = None
+    """CPU request, e.g. "8"."""
+    memory: str | None = None
+    """Memory request, e.g. "64Gi"."""
+    extra_resources: Mapping[str, str] = field(default_factory=dict)
+    """Further requests=limits, e.g. {"rdma/ib": "1"} for RDMA NICs."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """Additional node selector from the spec."""
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    """Additional tolerations from the spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gang:
+    """How a pod joins the job's gang (see resources.podgroups)."""
+
+    scheduler_name: str | None = None
+    """spec.schedulerName (volcano, scheduler-plugins-scheduler); None = the default scheduler."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Labels that make the pod a member (scheduler-plugins, Kueue)."""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    """Annotations that make the pod a member (Volcano, Kueue's total count)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """What runs in the pod."""
+
+    image: str
+    """Container image."""
+    command: Sequence[str]
+    """Entrypoint and arguments."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Plain environment variables."""
+    shared_volume_claim: str | None = None
+    """A ReadWriteMany PersistentVolumeClaim mounted at /shared (checkpoints, disk-delta)."""
+    image_pull_policy: str = "IfNotPresent"
+    """imagePullPolicy."""
+
+
+def _resources(p: Placement) -> Manifest:
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if p.cpu:
+        requests["cpu"] = p.cpu
+    if p.memory:
+        requests["memory"] = p.memory
+    if p.gpus:
+        requests[GPU] = limits[GPU] = str(p.gpus)
+    for key, value in p.extra_resources.items():
+        requests[key] = limits[key] = value
+    out: Manifest = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str], restart: str) -> Manifest:
+    selector = dict(p.node_selector)
+    if p.product:
+        selector[PRODUCT_LABEL] = p.product
+    if p.clique:
+        selector[CLIQUE_LABEL] = p.clique
+    tolerations = [dict(t) for t in p.tolerations]
+    if p.gpus:
+        # GPU node pools are commonly tainted nvidia.com/gpu:NoSchedule.
+        tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
+    mounts = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": env["LOCKSTEP_CONFIG_MAP"]}}]
+    if c.shared_volume_claim:
+        mounts.append({"name": "shared", "mountPath": SHARED_MOUNT})
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": c.shared_volume_claim}})
+    all_env: list[Manifest] = [{"name": k, "value": v} for k, v in {**env, **c.env}.items()]
+    all_env += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    container: Manifest = {
+        "name": "main",
+        "image": c.image,
+        "imagePullPolicy": c.image_pull_policy,
+        "command": list(c.command),
+        "env": all_env,
+        "resources": _resources(p),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    spec: Manifest = {
+        "restartPolicy": restart,
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+    }
+    if selector:
+        spec["nodeSelector"] = selector
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if gang.scheduler_name:
+        spec["schedulerName"] = gang.scheduler_name
+    return spec
+
+
+def _base_env(job: str) -> dict[str, str]:
+    return {
+        "LOCKSTEP_JOB": job,
+        "LOCKSTEP_CONFIG": f"{CONFIG_MOUNT}/{CONFIG_FILE}",
+        "LOCKSTEP_CONFIG_MAP": config_name(job),
+    }
+
+
+def engine_pod(
+    owner: Owner, *, job: str, pool: str, replica: int, container: Container, placement: Placement, gang: Gang
+) -> Manifest:
+    """Rollout engine replica `replica` of pool `pool`: `<pool>-<replica>`, serving on port 30000.
+
+    Ready means the engine's /health answers; whether it holds the current weight version is a
+    separate fact (the driver reports per-engine versions) folded into the RolloutPool status.
+    restartPolicy Never: a failed engine is replaced by the pool reconcile (the driver re-syncs it).
+    """
+    env = {
+        **_base_env(job),
+        "LOCKSTEP_ROLE": "engine",
+        "LOCKSTEP_REPLICA": str(replica),
+        "LOCKSTEP_POOL": pool,
+    }
+    spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    main = spec["containers"][0]
+    main["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
+    main["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": ENGINE_PORT},
+        "periodSeconds": 5,
+        "failureThreshold": 3,
+    }
+    labels = {**job_labels(job, "engine", pool=pool, replica=str(replica)), **gang.labels}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(owner, f"{pool}-{replica}", labels, gang.annotations),
+        "spec": spec,
+    }
+
+
+def rank_env(*, trainer: str, namespace: str, rank: int, nodes: int, nproc: int) -> dict[str, str]:
+    """torchrun-style rendezvous env of rank pod `rank` (Kubeflow Trainer's conventions).
+
+    One pod per node: WORLD_SIZE/RANK count pods (torchrun rewrites them per process), NNODES,
+    NODE_RANK, NPROC_PER_NODE configure torchrun, and PET_* mirror them for `torchrun` without flags.
+    MASTER_ADDR is rank 0's stable DNS name through the headless Service.
+    """
+    master = f"{trainer}-0.{trainer}.{namespace}.svc"
+    env = {
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(RENDEZVOUS_PORT),
+        "WORLD_SIZE": str(nodes),
+        "RANK": str(rank),
+        "NODE_RANK": str(rank),
+        "NNODES": str(nodes),
+        "NPROC_PER_NODE": str(nproc),
+    }
+    env.update(
+        {
+            "PET_MASTER_ADDR": master,
+            "PET_MASTER_PORT": str(RENDEZVOUS_PORT),
+            "PET_NNODES": str(nodes),
+            "PET_NODE_RANK": str(rank),
+            "PET_NPROC_PER_NODE": str(nproc),
+        }
+    )
+    return env
+
+
+def rank_pod(
+    owner: Owner,
+    *,
+    job: str,
+    trainer: str,
+    rank: int,
+    nodes: int,
+    generation: int,
+    container: Container,
+    placement: Placement,
+    gang: Gang,
+) -> Manifest:
+    """Trainer rank pod `<trainer>-<rank>` with a stable hostname under the headless Service `<trainer>`.
+
+    restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
+    restarts as a gang (all ranks deleted and recreated with `generation` + 1).
+    """
+    nproc = max(placement.gpus, 1)
+    env = {
+        **_base_env(job),
+        "LOCKSTEP_ROLE": "trainer",
+        **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
+    }
+    spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    spec["hostname"] = f"{trainer}-{rank}"
+    spec["subdomain"] = trainer
+    spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
+    labels = {**job_labels(job, "trainer", trainer=trainer, rank=str(rank)), **gang.labels}
+    annotations = {**gang.annotations, ANNOTATION_GANG_GENERATION: str(generation)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(owner, f"{trainer}-{rank}", labels, annotations),
+        "spec": spec,
+    }
+
+
+def driver_pod(
+    owner: Owner, *, job: str, container: Container, router_url: str, trainer: str, progress_config_map: str
+) -> Manifest:
+    """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
+
+    It runs as ServiceAccount `<job>-driver`, whose Role only allows get/patch on that ConfigMap.
+    restartPolicy OnFailure: a crashed driver resumes from its last checkpoint.
+    """
+    env = {
+        **_base_env(job),
+        "LOCKSTEP_ROLE": "driver",
+        "LOCKSTEP_ROUTER_URL": router_url,
+        "LOCKSTEP_TRAINER_SERVICE": trainer,
+        "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
+    }
+    spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
+    spec["serviceAccountName"] = driver_name(job)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(owner, driver_name(job), job_labels(job, "driver")),
+        "spec": spec,
+    }
+
+
+def selector_labels(job: str, *, pool: str | None = None, trainer: str | None = None) -> dict[str, str]:
+    """The minimal labels selecting a pool's engines or a trainer group's ranks."""
+    if pool is not None:
+        return {LABEL_JOB: job, LABEL_ROLE: "engine", LABEL_POOL: pool}
+    if trainer is not None:
+        return {LABEL_JOB: job, LABEL_ROLE: "trainer", LABEL_TRAINER: trainer}
+    return {LABEL_JOB: job}

@@ -1,0 +1,49 @@
+"""Service builders: the router in front of a pool's engines and the headless rendezvous Service.
+
+Why it exists: the driver reaches the engines through one stable address (the router Service,
+ClusterIP, only Ready engines behind it), and trainer ranks reach rank 0 through stable per-pod DNS
+names (`<trainer>-<rank>.<trainer>.<ns>.svc`) that only a headless Service whose name equals the pods'
+subdomain provides. Called by the RolloutPool and TrainerGroup reconciles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lockstep_operator.resources.common import (
+    ENGINE_PORT,
+    RENDEZVOUS_PORT,
+    Manifest,
+    Owner,
+    job_labels,
+    metadata,
+)
+
+
+def router_service(owner: Owner, *, job: str, name: str, selector: Mapping[str, str]) -> Manifest:
+    """ClusterIP Service `name` on port 30000 over the pool's Ready engine pods."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name, job_labels(job, "engine")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": dict(selector),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT, "protocol": "TCP"}],
+        },
+    }
+
+
+def headless_service(owner: Owner, *, job: str, name: str, selector: Mapping[str, str]) -> Manifest:
+    """Headless Service `name` (= the rank pods' subdomain); publishes not-ready pods for rendezvous."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name, job_labels(job, "trainer")),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": dict(selector),
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
+        },
+    }
