@@ -14,6 +14,7 @@ Only the stdlib, pyyaml and the `openssl` CLI (for the service-account RSA key) 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import secrets
@@ -122,6 +123,10 @@ class ControlPlane:
     """Seconds to wait for each readiness step before failing with the component's log tail."""
     keep_work_dir: bool = False
     """Keep work_dir after stop() (for debugging: the logs are under work_dir/logs)."""
+    die_with_parent: bool = True
+    """Components get SIGKILL if the starting process dies (a killed pytest leaks nothing); start.sh
+    sets False so that they outlive it. Linux ties this to the *thread* that called start(): start
+    from a thread that lives as long as the control plane (the main thread), or set False."""
 
     ports: Ports | None = field(default=None, init=False)
     """The ports in use once started."""
@@ -367,6 +372,7 @@ class ControlPlane:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_kill_when_parent_dies if self.die_with_parent else None,
             )
         self._procs[name] = proc
         self.pids[name] = proc.pid
@@ -513,6 +519,15 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}"[:2000])
         time.sleep(interval)
+
+
+def _kill_when_parent_dies() -> None:
+    """In the child before exec: ask Linux for SIGKILL when the parent exits (prctl PR_SET_PDEATHSIG).
+
+    KILL, not TERM: all components get it at once, and an apiserver whose etcd is already gone hangs
+    in its graceful shutdown."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 == PR_SET_PDEATHSIG
 
 
 def _kill_group(pgid: int, proc: subprocess.Popen[bytes] | None, grace: float = 10.0) -> None:
