@@ -1,0 +1,601 @@
+"""ReferenceEngine: continuous batching, prefix cache, pause modes and live weights, on torch only.
+
+Why it exists: the runtime needs an engine that behaves like SGLang for RL (per-token logprobs and
+weight versions, pause/retract around weight updates, a prefix cache) on machines without SGLang,
+CPU included. This is its scheduler and its in-process API; lockstep.engine.server puts the SGLang
+HTTP API in front of it.
+
+How a step works (a scheduler task on the event loop; tensor work runs on one worker thread):
+1. admit waiting sequences into free slots (up to max_prefill_tokens per step), reusing the KV of
+   the longest cached token prefix: a free slot that holds it is taken in place, a running slot's
+   prefix is copied; a sequence whose prompt shares a longer prefix with one admitted in the same
+   step waits one step so it can reuse that KV;
+2. prefill the admitted sequences together (right-padded), sample their next token;
+3. decode every other running sequence together, one token each;
+4. append tokens, logprobs and the current weight version; finish on a stop token, the budget or
+   the context length; answer finished requests.
+A finished sequence's slot keeps its KV as prefix cache until the slot is needed (LRU).
+
+Pause modes (SGLang's): abort ends running and waiting requests; retract moves running sequences
+back to the waiting queue keeping their tokens (their KV is recomputed after continue, under the
+weights of that time, and later tokens carry the new version); in_place stops stepping and keeps KV.
+
+Who calls it: lockstep.engine.server (HTTP), lockstep.engine.ext_weights (weights helper), tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
+from lockstep.models.tiny import TinyTokenizer
+from lockstep.serving.payloads import SamplingParams
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve; the message names the field and the fix (HTTP 400)."""
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request being generated. tokens = prompt + output; KV is valid for tokens[:kv_len]."""
+
+    rid: str
+    """Request ID."""
+    prompt_len: int
+    """P, the prompt length."""
+    tokens: list[int]
+    """Prompt then output token IDs."""
+    params: SamplingParams
+    """The request's sampling parameters."""
+    stop_ids: frozenset[int]
+    """Token IDs that end the sample."""
+    max_new: int
+    """Output budget (max_new_tokens capped by the context length)."""
+    future: asyncio.Future[Sequence]
+    """Resolved when the sequence finishes."""
+    generator: torch.Generator | None = None
+    """Seeded generator when sampling_seed is set."""
+    input_logprob_start: int = -1
+    """Prompt position from which prompt logprobs are returned; -1: none."""
+    logprobs: list[float] = field(default_factory=list)
+    """Logprob of each output token."""
+    versions: list[int] = field(default_factory=list)
+    """Weight version that sampled each output token."""
+    input_logprobs: list[float | None] | None = None
+    """Prompt-token logprobs from input_logprob_start (first entry None at position 0)."""
+    slot: int = -1
+    """Owned KV slot, -1 when waiting."""
+    kv_len: int = 0
+    """Tokens whose KV is in the slot."""
+    cached_tokens: int = -1
+    """Prompt tokens reused from the prefix cache at first admission; -1 before admission."""
+    finish: dict[str, Any] | None = None
+    """SGLang finish_reason JSON once finished."""
+    abort_requested: bool = False
+    """Set by /abort_request; handled between steps."""
+    created: float = 0.0
+    """time.monotonic() at submit, for e2e_latency."""
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """The tensor work of one step, built on the event loop and run on the worker thread."""
+
+    copies: list[tuple[int, int, int]]
+    """(src slot, dst slot, length) prefix copies before prefill."""
+    prefill: list[Sequence]
+    """Sequences to prefill from their kv_len."""
+    decode: list[Sequence]
+    """Running sequences to advance one token."""
+    version: int
+    """The weight version of this step."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start (exposed at GET /engine_stats)."""
+
+    prompt_tokens: int = 0
+    """Prompt tokens of admitted requests."""
+    cached_tokens: int = 0
+    """Of those, tokens reused from the prefix cache."""
+    generated_tokens: int = 0
+    """Tokens sampled."""
+    steps: int = 0
+    """Scheduler steps run."""
+    requests: int = 0
+    """Requests finished (any reason)."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _lcp(a: list[int], b: list[int], cap: int) -> int:
+    n = min(len(a), len(b), cap)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ReferenceEngine:
+    """See the module doc. Create with `ReferenceEngine.load(dir)`, then `await engine.start()`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        model_path: str = "",
+        tokenizer: TinyTokenizer | None = None,
+        device: str | torch.device = "cpu",
+        max_running_requests: int = 32,
+        context_length: int = 1024,
+        max_prefill_tokens: int = 16384,
+        seed: int = 0,
+        cuda_graphs: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        """Where the weights and the KV cache live."""
+        self.model_path = model_path
+        """The checkpoint dir loaded at start."""
+        self.tokenizer = tokenizer
+        """Decodes output text when the checkpoint has a tiny tokenizer; else text is empty."""
+        self.model: Any = model.eval()
+        """The Qwen3ForCausalLM holding the live weights under HF names."""
+        self.weight_version: int = 0
+        """The version of the loaded weights; 0 at start."""
+        self.stats = EngineStats()
+        """Counters, including the prefix-cache hit rate."""
+        self.max_prefill_tokens = max_prefill_tokens
+        dtype = next(model.parameters()).dtype
+        self.runner = ModelRunner(
+            model,
+            max_slots=max_running_requests,
+            context_length=context_length,
+            device=self.device,
+            dtype=dtype,
+            seed=seed,
+            cuda_graphs=cuda_graphs,
+        )
+        self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        self._eos = _eos_ids(model.config)
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # slot -> sequence
+        self._slot_tokens: list[list[int]] = [[] for _ in range(max_running_requests)]  # valid KV per slot
+        self._slot_used = [0] * max_running_requests  # LRU clock per slot
+        self._clock = itertools.count(1)
+        self._by_rid: dict[str, Sequence] = {}
+        self._paused = False
+        self._lock = asyncio.Lock()  # held for every step and every weight/pause operation
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-engine")
+        self._task: asyncio.Task[None] | None = None
+        self.weight_group: Any = None
+        """The open /init_weights_update_group group (a lockstep.serving.WeightUpdateGroup) or None."""
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
+    ) -> ReferenceEngine:
+        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(path)
+        dev = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        config = AutoConfig.from_pretrained(path)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        model = model.to(dev)
+        tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
+        ctx = kwargs.pop("context_length", None) or min(
+            int(getattr(config, "max_position_embeddings", 1024)), 4096
+        )
+        return cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    async def start(self) -> None:
+        """Start the scheduler task on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="lockstep-engine-scheduler")
+
+    async def close(self) -> None:
+        """Stop the scheduler, abort what is left, release the worker thread and the weight group."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._abort_all("engine shut down")
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
+        self._executor.shutdown(wait=True)
+
+    async def run_in_worker(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the engine's tensor thread (serialized with steps)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- weights API (stable; the weights helper relies on it) ---------------------------------
+
+    def set_weight_version(self, version: int) -> None:
+        """Set the version reported from now on (and recorded on tokens sampled from now on)."""
+        self.weight_version = int(version)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF name -> live parameter tensor (tied weights listed once, as HF's state dict files do)."""
+        return {n: p.data for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False) -> int:
+        """Copy tensors into the live parameters by HF name; return how many were copied.
+
+        Raises KeyError on an unknown name and ValueError on a shape mismatch, or a dtype mismatch
+        unless cast=True. Call between steps (inside `paused()` or holding no requests).
+        """
+        n = 0
+        for name, t in named:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"load_weights: {name!r} is not a parameter of this model (HF names expected)")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(t.shape)}, the model's is {tuple(p.shape)}"
+                )
+            if t.dtype != p.dtype and not cast:
+                raise ValueError(
+                    f"load_weights: {name} has dtype {t.dtype}, the model's is {p.dtype}; convert first"
+                )
+            p.data.copy_(t)
+            n += 1
+        return n
+
+    @contextlib.asynccontextmanager
+    async def paused(self, mode: PauseMode = "retract") -> AsyncIterator[None]:
+        """`async with engine.paused():` no step runs inside; the prefix cache is flushed on exit."""
+        await self.pause(mode)
+        try:
+            yield
+        finally:
+            self.flush_cache()
+            await self.resume()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def new_sequence(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        logprob_start_len: int = -1,
+    ) -> Sequence:
+        """Validate a request and build its Sequence (raises EngineInputError)."""
+        self._validate(input_ids, params, logprob_start_len)
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self._eos
+        gen = None
+        if params.sampling_seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.sampling_seed)
+        return Sequence(
+            rid=rid or uuid.uuid4().hex,
+            prompt_len=len(input_ids),
+            tokens=list(input_ids),
+            params=params,
+            stop_ids=frozenset(stop),
+            max_new=min(params.max_new_tokens, self.context_length - len(input_ids)),
+            future=asyncio.get_running_loop().create_future(),
+            generator=gen,
+            input_logprob_start=logprob_start_len,
+            created=time.monotonic(),
+        )
+
+    def _validate(self, ids: list[int], p: SamplingParams, logprob_start_len: int) -> None:
+        if not ids:
+            raise EngineInputError("input_ids is empty; send at least one prompt token")
+        if len(ids) >= self.context_length:
+            raise EngineInputError(
+                f"input_ids has {len(ids)} tokens; the context length is {self.context_length} "
+                "(shorten the prompt or start the engine with a larger --context-length)"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineInputError(f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if p.stop:
+            raise EngineInputError("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
+        if p.min_p:
+            raise EngineInputError(
+                "sampling_params.min_p is not supported by the reference engine; use top_p/top_k"
+            )
+        if logprob_start_len >= len(ids):
+            raise EngineInputError(
+                f"logprob_start_len {logprob_start_len} must be < the prompt length {len(ids)}"
+            )
+
+    async def submit(self, seq: Sequence) -> Sequence:
+        """Queue a sequence and wait until it finishes (a finished Sequence carries finish)."""
+        if seq.rid in self._by_rid:
+            raise EngineInputError(f"rid {seq.rid!r} is already running; request IDs must be unique")
+        self._by_rid[seq.rid] = seq
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            return await asyncio.shield(seq.future)
+        except asyncio.CancelledError:  # the HTTP client went away: stop spending steps on it
+            if seq.finish is None:
+                self._finish(seq, {"type": "abort", "message": "client disconnected"})
+            raise
+        finally:
+            self._by_rid.pop(seq.rid, None)
+
+    async def abort(self, rid: str | None = None, *, message: str = "aborted by /abort_request") -> None:
+        """Abort one request (by rid) or all; their replies carry finish_reason type abort."""
+        async with self._lock:
+            if rid is None:
+                self._abort_all(message)
+                return
+            seq = self._by_rid.get(rid)
+            if seq is not None and seq.finish is None:
+                self._finish(seq, {"type": "abort", "message": message})
+
+    def _abort_all(self, message: str) -> None:
+        for seq in [*self._waiting, *self._running.values()]:
+            self._finish(seq, {"type": "abort", "message": message})
+
+    # -- pause / continue / cache ------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "retract") -> None:
+        """Stop stepping after the current step; see the module doc for the modes."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineInputError(f"mode={mode!r}: use abort, retract or in_place")
+        async with self._lock:
+            self._paused = True
+            if mode == "abort":
+                self._abort_all("aborted by /pause_generation")
+            elif mode == "retract":
+                for slot in sorted(self._running, reverse=True):
+                    seq = self._running.pop(slot)
+                    self._slot_tokens[slot] = seq.tokens[: seq.kv_len]  # still valid until weights change
+                    seq.slot, seq.kv_len = -1, 0
+                    self._waiting.appendleft(seq)
+
+    async def resume(self) -> None:
+        """Continue after pause (SGLang's /continue_generation)."""
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def flush_cache(self) -> int:
+        """Forget the cached KV of every free slot; returns how many were dropped."""
+        n = 0
+        for s in range(self.runner.max_slots):
+            if s not in self._running and self._slot_tokens[s]:
+                self._slot_tokens[s] = []
+                n += 1
+        return n
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the step lock: no step runs inside (weight updates use this)."""
+        async with self._lock:
+            yield
+
+    # -- scheduler -------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if self._paused or not (self._waiting or self._running):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._lock:
+                if self._paused:
+                    continue
+                self._reap_aborted()
+                plan = self._plan()
+                if plan.prefill or plan.decode:
+                    results = await self.run_in_worker(self._execute, plan)
+                    self._apply(plan, results)
+            # Let handlers (abort, pause, new requests) in between steps; back off if nothing ran.
+            await asyncio.sleep(0 if plan.prefill or plan.decode else 0.005)
+
+    def _reap_aborted(self) -> None:
+        for seq in [s for s in self._running.values() if s.finish is not None]:
+            self._release(seq)
+
+    def _free_slot(self, avoid: set[int]) -> int | None:
+        free = [s for s in range(self.runner.max_slots) if s not in self._running and s not in avoid]
+        if not free:
+            return None
+        return min(
+            free, key=lambda s: (bool(self._slot_tokens[s]), self._slot_used[s])
+        )  # empty first, then LRU
+
+    def _plan(self) -> _Plan:
+        copies: list[tuple[int, int, int]] = []
+        admitted: list[Sequence] = []
+        budget = self.max_prefill_tokens
+        taken: set[int] = set()
+        deferred: list[Sequence] = []
+        while self._waiting and budget > 0:
+            seq = self._waiting[0]
+            cap = len(seq.tokens) - 1  # the last token is always recomputed, for its logits
+            if seq.input_logprob_start >= 0:
+                cap = min(cap, max(seq.input_logprob_start - 1, 0))
+            best, best_len = -1, 0
+            for s in range(self.runner.max_slots):
+                if s in taken:
+                    continue
+                n = _lcp(self._slot_tokens[s], seq.tokens, cap)
+                if n > best_len:
+                    best, best_len = s, n
+            if any(_lcp(a.tokens, seq.tokens, cap) > best_len for a in admitted):
+                deferred.append(self._waiting.popleft())  # reuse that KV next step
+                continue
+            if best >= 0 and best not in self._running:
+                slot: int | None = best
+            else:
+                slot = self._free_slot(taken | ({best} if best >= 0 else set()))
+                if slot is not None and best >= 0:
+                    copies.append((best, slot, best_len))
+            if slot is None:
+                break
+            self._waiting.popleft()
+            taken.add(slot)
+            budget -= len(seq.tokens) - best_len
+            seq.slot, seq.kv_len = slot, best_len
+            self._slot_tokens[slot] = []  # valid again once the step wrote it
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = best_len
+                self.stats.prompt_tokens += seq.prompt_len
+                self.stats.cached_tokens += best_len
+            admitted.append(seq)
+        self._waiting.extendleft(reversed(deferred))
+        decode = [s for s in self._running.values() if s.finish is None]
+        for seq in admitted:
+            self._running[seq.slot] = seq
+        return _Plan(copies=copies, prefill=admitted, decode=decode, version=self.weight_version)
+
+    def _execute(self, plan: _Plan) -> tuple[list[int], list[float], dict[int, list[float | None]]]:
+        """Worker thread: run the plan's tensor work; returns (tokens, logprobs) for prefill then decode."""
+        runner = self.runner
+        for src, dst, n in plan.copies:
+            runner.copy_prefix(src, dst, n)
+        logits: list[torch.Tensor] = []
+        seqs: list[Sequence] = []
+        prompt_lp: dict[int, list[float | None]] = {}
+        if plan.prefill:
+            rows = [s.tokens[s.kv_len :] for s in plan.prefill]
+            want = {
+                i
+                for i, s in enumerate(plan.prefill)
+                if s.input_logprob_start >= 0 and s.input_logprobs is None
+            }
+            last, full = runner.prefill(
+                rows, [s.kv_len for s in plan.prefill], [s.slot for s in plan.prefill], want
+            )
+            for i, lg in full.items():
+                prompt_lp[i] = _prompt_logprobs(plan.prefill[i], lg)
+            keep = [i for i, s in enumerate(plan.prefill) if s.max_new > len(s.output_ids)]
+            logits.append(last[keep])
+            seqs.extend(plan.prefill[i] for i in keep)
+        if plan.decode:
+            n = max(s.slot for s in plan.decode) + 1
+            toks, pos = [0] * n, [runner.context_length] * n
+            for s in plan.decode:
+                toks[s.slot], pos[s.slot] = s.tokens[-1], len(s.tokens) - 1
+            out = runner.decode(toks, pos, n)
+            logits.append(out[torch.tensor([s.slot for s in plan.decode], device=out.device)])
+            seqs.extend(plan.decode)
+        if not seqs:
+            return [], [], prompt_lp
+        params = SamplingBatch(
+            temperature=torch.tensor([s.params.temperature for s in seqs], device=self.device),
+            top_p=torch.tensor([s.params.top_p for s in seqs], device=self.device),
+            top_k=torch.tensor([s.params.top_k for s in seqs], device=self.device),
+            generators=[s.generator for s in seqs],
+        )
+        ids, lps = sample(torch.cat(logits), params, runner.generator)
+        return ids, lps, prompt_lp
+
+    def _apply(
+        self, plan: _Plan, results: tuple[list[int], list[float], dict[int, list[float | None]]]
+    ) -> None:
+        ids, lps, prompt_lp = results
+        self.stats.steps += 1
+        for i, plp in prompt_lp.items():
+            plan.prefill[i].input_logprobs = plp
+        for seq in plan.prefill:
+            seq.kv_len = len(seq.tokens)
+        for seq in plan.decode:
+            seq.kv_len = len(seq.tokens)
+        sampled = [s for s in plan.prefill if s.max_new > len(s.output_ids)] + plan.decode
+        for seq, tok, lp in zip(sampled, ids, lps, strict=True):
+            if seq.finish is not None:  # aborted while the step ran
+                continue
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(plan.version)
+            self.stats.generated_tokens += 1
+            if tok in seq.stop_ids:
+                self._finish(seq, {"type": "stop", "matched": tok})
+            elif len(seq.output_ids) >= seq.max_new:
+                self._finish(seq, {"type": "length", "length": seq.max_new})
+        for seq in plan.prefill:
+            if seq.finish is None and seq.max_new <= len(seq.output_ids):
+                self._finish(seq, {"type": "length", "length": seq.max_new})
+        for seq in [*plan.prefill, *plan.decode]:
+            self._slot_used[seq.slot] = next(self._clock) if seq.slot >= 0 else 0
+            if seq.slot >= 0:
+                self._slot_tokens[seq.slot] = seq.tokens[: seq.kv_len]
+            if seq.finish is not None:
+                self._release(seq)
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish = reason
+        if seq.slot < 0 and seq in self._waiting:
+            self._waiting.remove(seq)
+        if not seq.future.done():
+            seq.future.set_result(seq)
+        self.stats.requests += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot >= 0 and self._running.get(seq.slot) is seq:
+            del self._running[seq.slot]
+            self._slot_tokens[seq.slot] = seq.tokens[: seq.kv_len]
+        seq.slot = -1
+
+
+def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
+    """logits [T, V] over tokens[kv_len:] -> logprobs of prompt tokens from input_logprob_start."""
+    t = max(seq.params.temperature, 0.0) or 1.0
+    logp = torch.log_softmax(logits / t, dim=-1)  # [T, V]
+    start = seq.input_logprob_start
+    out: list[float | None] = []
+    for pos in range(start, seq.prompt_len):
+        if pos == 0:
+            out.append(None)  # nothing predicts the first token
+            continue
+        row = pos - 1 - seq.kv_len
+        out.append(float(logp[row, seq.tokens[pos]]))
+    return out
+
+
+def _eos_ids(config: Any) -> set[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

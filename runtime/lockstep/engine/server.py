@@ -1,0 +1,429 @@
+"""The SGLang HTTP API subset, served by aiohttp in front of a ReferenceEngine.
+
+Why it exists: the runtime's EngineClient speaks SGLang's HTTP API; this module serves the same
+routes and bodies (lockstep.serving.payloads) so `lockstep engine` can stand in for an SGLang server.
+Extensions beyond stock SGLang are explicit: meta_info.output_token_weight_versions and
+GET /engine_stats (prefix-cache hit rate and counters). If the module lockstep.engine.ext_weights
+exists, its register(app, engine) adds the weights helper's endpoints.
+
+Errors: a request body that does not validate, or asks for something this engine does not do, gets
+HTTP 400 with {"error": ...} naming the field; weight endpoints answer SGLang's {success, message}
+(400 on failure). /update_weights_from_tensor unpickles tensors, so it answers 403 unless the app
+was created with allow_tensor_updates=True (and then allows only torch's tensor rebuild functions).
+
+Who calls it: lockstep.cli.engine (serves it), tests (real server on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from lockstep.engine.core import EngineInputError, ReferenceEngine, Sequence
+from lockstep.serving.payloads import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+)
+from lockstep.serving.tensor_codec import loads_named_tensors
+from lockstep.serving.weight_group import open_weight_update_group
+
+log = logging.getLogger(__name__)
+
+ENGINE_KEY = web.AppKey("engine", ReferenceEngine)
+"""Where handlers (ours and ext_weights') find the engine: app[ENGINE_KEY]."""
+_ALLOW_TENSOR_KEY = web.AppKey("allow_tensor_updates", bool)
+_EXT_MODULE = "lockstep.engine.ext_weights"
+
+
+def _bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    """Body -> pydantic model; raises web.HTTPBadRequest naming the bad field."""
+    try:
+        raw = await request.read()
+        data = json.loads(raw) if raw else {}
+        return model.model_validate(data)
+    except (ValidationError, ValueError) as e:
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"{request.path}: invalid body: {e}"}), content_type="application/json"
+        ) from e
+
+
+def _parse_version(v: str | None) -> int | None:
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError as e:
+        raise EngineInputError(f"weight_version {v!r}: the reference engine uses integer versions") from e
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response(
+        {"success": success, "message": message, **extra}, status=200 if success else 400
+    )
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+def _unsupported(req: GenerateRequest) -> str | None:
+    if req.stream:
+        return "stream=true is not supported by the reference engine"
+    if req.top_logprobs_num:
+        return "top_logprobs_num > 0 is not supported by the reference engine"
+    if req.lora_path:
+        return "lora_path is not supported by the reference engine"
+    if req.return_routed_experts:
+        return "return_routed_experts: this is a dense model, there are no routed experts"
+    return None
+
+
+def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict[str, Any]:
+    out = seq.output_ids
+    text = ""
+    skip = seq.params.skip_special_tokens
+    if engine.tokenizer is not None:
+        text = engine.tokenizer.decode(out, skip_special_tokens=skip)
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish,
+        "prompt_tokens": seq.prompt_len,
+        "completion_tokens": len(out),
+        "cached_tokens": max(seq.cached_tokens, 0),
+        "weight_version": str(engine.weight_version),
+        "e2e_latency": time.monotonic() - seq.created,
+        "output_token_weight_versions": list(seq.versions),
+    }
+    if req.return_logprob:
+        dec = engine.tokenizer.decode if (engine.tokenizer and req.return_text_in_logprobs) else None
+        meta["output_token_logprobs"] = [
+            [lp, tok, dec([tok]) if dec else None] for lp, tok in zip(seq.logprobs, out, strict=True)
+        ]
+        if seq.input_logprobs is not None:
+            ids = seq.tokens[seq.input_logprob_start : seq.prompt_len]
+            meta["input_token_logprobs"] = [
+                [lp, tok, dec([tok]) if dec else None]
+                for lp, tok in zip(seq.input_logprobs, ids, strict=True)
+            ]
+    return {"text": text, "output_ids": out, "meta_info": meta}
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    req: GenerateRequest = await _parse(request, GenerateRequest)
+    problem = _unsupported(req)
+    if problem:
+        return _bad(problem)
+    batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+    prompts: list[list[int]] = req.input_ids if batch else [req.input_ids]  # type: ignore[assignment,list-item]
+    params = (
+        req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    )
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    if len(params) != len(prompts) or len(rids) != len(prompts):
+        return _bad("sampling_params and rid lists must have one entry per prompt of input_ids")
+    if batch and isinstance(req.rid, str):
+        rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
+    try:
+        seqs = [
+            engine.new_sequence(p, sp, rid=r, logprob_start_len=req.logprob_start_len)
+            for p, sp, r in zip(prompts, params, rids, strict=True)
+        ]
+        done = await asyncio.gather(*(engine.submit(s) for s in seqs))
+    except EngineInputError as e:
+        return _bad(str(e))
+    replies = [_reply(engine, s, req) for s in done]
+    return web.json_response(replies if batch else replies[0])
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body: AbortRequest = await _parse(request, AbortRequest)
+    await request.app[ENGINE_KEY].abort(None if body.abort_all else body.rid)
+    return web.Response(status=200)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    seq = engine.new_sequence([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    done = await engine.submit(seq)
+    if done.finish is None or done.finish.get("type") == "abort":
+        return web.Response(status=503, text="generation failed")
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    n = request.app[ENGINE_KEY].flush_cache()
+    return web.Response(status=200, text=f"Cache flushed ({n} cached slots dropped).\n")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body: PauseGenerationRequest = await _parse(request, PauseGenerationRequest)
+    await request.app[ENGINE_KEY].pause(body.mode)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await request.app[ENGINE_KEY].resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def _read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors files")
+    named: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        named.extend(load_file(str(f)).items())
+    return named
+
+
+async def _finish_update(engine: ReferenceEngine, version: int | None, flush: bool) -> None:
+    if version is not None:
+        engine.set_weight_version(version)
+    if flush:
+        engine.flush_cache()
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: UpdateWeightsFromDiskRequest = await _parse(request, UpdateWeightsFromDiskRequest)
+    try:
+        version = _parse_version(body.weight_version)
+        if body.abort_all_requests:
+            await engine.abort(None, message="aborted for a weight update")
+        async with engine.exclusive():
+            named = await engine.run_in_worker(_read_checkpoint, body.model_path)
+            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
+            await _finish_update(engine, version, body.flush_cache)
+    except (OSError, KeyError, ValueError) as e:
+        return _result(False, f"update_weights_from_disk failed: {e}")
+    return _result(True, f"Loaded {n} tensors from {body.model_path}.", num_paused_requests=0)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: InitWeightsUpdateGroupRequest = await _parse(request, InitWeightsUpdateGroupRequest)
+    if engine.weight_group is not None:
+        return _result(False, f"group {engine.weight_group.name!r} already open; destroy it first")
+    try:
+        # The engine is a single rank: tp rank 0 -> global rank rank_offset.
+        engine.weight_group = await engine.run_in_worker(
+            lambda: open_weight_update_group(
+                backend=body.backend,
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank=body.rank_offset,
+                world_size=body.world_size,
+                group_name=body.group_name,
+            )
+        )
+    except (RuntimeError, ValueError) as e:
+        return _result(False, f"init_weights_update_group failed: {e}")
+    return _result(True, "Succeeded to initialize custom process group.")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: DestroyWeightsUpdateGroupRequest = await _parse(request, DestroyWeightsUpdateGroupRequest)
+    group = engine.weight_group
+    if group is None or group.name != body.group_name:
+        return _result(False, f"no open weight update group named {body.group_name!r}")
+    engine.weight_group = None
+    await engine.run_in_worker(group.close)
+    return _result(True, "Succeeded to destroy custom process group.")
+
+
+def _receive(
+    engine: ReferenceEngine, body: UpdateWeightsFromDistributedRequest
+) -> list[tuple[str, torch.Tensor]]:
+    group = engine.weight_group
+    named = []
+    for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True):
+        dt = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"dtypes: {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+        t = torch.empty(shape, dtype=dt, device=engine.device)
+        group.broadcast(t, src=0)
+        named.append((name, t))
+    return named
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: UpdateWeightsFromDistributedRequest = await _parse(request, UpdateWeightsFromDistributedRequest)
+    if engine.weight_group is None or engine.weight_group.name != body.group_name:
+        return _result(
+            False, f"no weight update group {body.group_name!r}; call /init_weights_update_group first"
+        )
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        return _result(False, "names, dtypes and shapes must have the same length")
+    try:
+        version = _parse_version(body.weight_version)
+        if body.abort_all_requests:
+            await engine.abort(None, message="aborted for a weight update")
+        async with engine.exclusive():
+            named = await engine.run_in_worker(_receive, engine, body)
+            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
+            await _finish_update(engine, version, body.flush_cache)
+    except (RuntimeError, KeyError, ValueError) as e:
+        return _result(False, f"update_weights_from_distributed failed: {e}")
+    return _result(True, f"Succeeded to update {n} parameters.")
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if not request.app[_ALLOW_TENSOR_KEY]:
+        return web.json_response(
+            {
+                "success": False,
+                "message": "update_weights_from_tensor unpickles request data and is disabled; "
+                "start the engine with --allow-tensor-updates on a trusted network",
+            },
+            status=403,
+        )
+    body: UpdateWeightsFromTensorRequest = await _parse(request, UpdateWeightsFromTensorRequest)
+    if body.load_format not in (None, "direct"):
+        return _result(False, f"load_format {body.load_format!r} is not supported; send named tensors (None)")
+    if len(body.serialized_named_tensors) != 1:
+        return _result(False, "serialized_named_tensors needs exactly one entry (the engine is one TP rank)")
+    try:
+        version = _parse_version(body.weight_version)
+        named = loads_named_tensors(body.serialized_named_tensors[0])
+        if body.abort_all_requests:
+            await engine.abort(None, message="aborted for a weight update")
+        async with engine.exclusive():
+            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
+            await _finish_update(engine, version, body.flush_cache)
+    except Exception as e:  # a bad payload of any kind is the caller's error, reported, never raised
+        return _result(False, f"update_weights_from_tensor failed: {type(e).__name__}: {e}")
+    return _result(True, f"Succeeded to update {n} parameters.")
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body: UpdateWeightVersionRequest = await _parse(request, UpdateWeightVersionRequest)
+    try:
+        version = _parse_version(body.new_version)
+    except EngineInputError as e:
+        return _result(False, str(e))
+    if body.abort_all_requests:
+        await engine.abort(None, message="aborted for a weight version update")
+    assert version is not None
+    engine.set_weight_version(version)
+    return _result(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": str(request.app[ENGINE_KEY].weight_version)})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    cfg = engine.model.config
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "weight_version": str(engine.weight_version),
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
+    )
+
+
+async def engine_stats(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    s = engine.stats
+    return web.json_response(
+        {
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "generated_tokens": s.generated_tokens,
+            "steps": s.steps,
+            "requests": s.requests,
+            "paused": engine.is_paused,
+            "weight_version": engine.weight_version,
+        }
+    )
+
+
+@web.middleware
+async def _input_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except EngineInputError as e:
+        return _bad(str(e))
+
+
+def create_app(engine: ReferenceEngine, *, allow_tensor_updates: bool = False) -> web.Application:
+    """The aiohttp app serving `engine`; it starts the engine on startup and closes it on cleanup."""
+    app = web.Application(middlewares=[_input_errors], client_max_size=1 << 30)
+    app[ENGINE_KEY] = engine
+    app[_ALLOW_TENSOR_KEY] = allow_tensor_updates
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_post("/abort_request", abort_request)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_get("/get_weight_version", get_weight_version)
+    r.add_get("/model_info", model_info)
+    r.add_get("/engine_stats", engine_stats)
+
+    async def _start(app: web.Application) -> None:
+        await engine.start()
+
+    async def _stop(app: web.Application) -> None:
+        await engine.close()
+
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    try:
+        ext = importlib.import_module(_EXT_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != _EXT_MODULE:
+            raise
+    else:
+        ext.register(app, engine)
+    return app

@@ -1,0 +1,19 @@
+"""Fixtures of the engine tests: tiny checkpoints on disk (two seeds: before and after an update)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lockstep.models.tiny import materialize_builtin
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny0"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Different weights (another seed): what a weight update switches to."""
+    return materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny1"), seed=1)

@@ -1,0 +1,291 @@
+"""The reference engine through its real HTTP server and the real EngineClient, on 127.0.0.1.
+
+Checks the equalities the trainer relies on: the logprob the engine returns for a sampled token is
+the one an independent full-sequence forward of HF's Qwen3ForCausalLM gives (log_softmax(logits / T)),
+batching changes nothing, the prefix cache changes nothing, and weight versions per token tell the
+truth across a retract-mode weight update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+from lockstep.engine import ReferenceEngine, create_app
+from lockstep.models.tiny import TinyTokenizer
+from lockstep.serving import EngineClient, EngineError, GenerateResult, SamplingParams, dumps_named_tensors
+from lockstep.serving.weight_group import open_weight_update_group
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
+
+TOK = TinyTokenizer()
+
+
+@dataclass
+class Served:
+    engine: ReferenceEngine
+    client: EngineClient
+    url: str
+
+
+async def _serve(path: Path, allow_tensor_updates: bool = False) -> AsyncIterator[Served]:
+    engine = ReferenceEngine.load(path, max_running_requests=8, context_length=256, seed=0)
+    server = TestServer(create_app(engine, allow_tensor_updates=allow_tensor_updates), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    client = EngineClient(url, retries=2, backoff_s=0.01)
+    try:
+        yield Served(engine, client, url)
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+@pytest.fixture
+async def served(tiny_dir: Path) -> AsyncIterator[Served]:
+    async for s in _serve(tiny_dir):
+        yield s
+
+
+@pytest.fixture
+async def served_tensor(tiny_dir: Path) -> AsyncIterator[Served]:
+    async for s in _serve(tiny_dir, allow_tensor_updates=True):
+        yield s
+
+
+def _prompt(text: str) -> list[int]:
+    return TOK.render([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def _reference_logprobs(path: Path, prompt: list[int], out: list[int], temperature: float) -> list[float]:
+    """Independent full-sequence forward of the HF model: logprob of each output token."""
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0].float()  # [P+R, V]
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return [logp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(out)]
+
+
+async def _wait_tokens(served: Served, n: int) -> None:
+    """Poll (no timing assertion) until the engine has sampled at least n tokens."""
+    while served.engine.stats.generated_tokens < n:
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+async def test_logprobs_equal_full_forward(served: Served, tiny_dir: Path, temperature: float) -> None:
+    prompt = _prompt("what is 2+3?")
+    sp = SamplingParams(max_new_tokens=24, temperature=temperature, ignore_eos=True, sampling_seed=7)
+    res = await served.client.generate(prompt, sp)
+    assert len(res.output_ids) == 24 and res.finish_reason == "length"
+    ref = _reference_logprobs(tiny_dir, prompt, res.output_ids, temperature)
+    assert res.output_logprobs == pytest.approx(ref, abs=1e-5)
+    assert res.token_versions == [0] * 24 and res.weight_version == 0
+
+
+async def test_batched_equals_unbatched_greedy_and_seeded(served: Served) -> None:
+    prompts = [_prompt(f"count to {i}") for i in range(6)]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    together = await asyncio.gather(*(served.client.generate(p, greedy) for p in prompts))
+    alone = [await served.client.generate(p, greedy) for p in prompts]
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, sampling_seed=3, ignore_eos=True)
+    a = await asyncio.gather(*(served.client.generate(p, seeded) for p in prompts))
+    b = [await served.client.generate(p, seeded) for p in prompts]
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+async def test_prefix_cache_hit_gives_identical_outputs(served: Served) -> None:
+    prompt = _prompt("the same long prompt, reused by every sample of a group")
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    first = await served.client.generate(prompt, sp)
+    second = await served.client.generate(prompt, sp)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(prompt) - 1  # all but the last prompt token, recomputed for its logits
+    assert second.output_ids == first.output_ids
+    assert second.output_logprobs == pytest.approx(first.output_logprobs, abs=1e-5)
+    await served.client.flush_cache()
+    third = await served.client.generate(prompt, sp)
+    assert third.cached_tokens == 0 and third.output_ids == first.output_ids
+    assert served.engine.stats.prefix_cache_hit_rate > 0
+
+
+async def test_group_samples_share_the_prompt_prefill(served: Served) -> None:
+    prompt = _prompt("one prompt, four samples")
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    results = await asyncio.gather(*(served.client.generate(prompt, sp) for _ in range(4)))
+    assert sorted(r.cached_tokens for r in results) == [0] + [len(prompt) - 1] * 3
+
+
+async def test_retract_keeps_tokens_and_records_new_version(served: Served, tiny_dir_b: Path) -> None:
+    prompt = _prompt("a long answer please")
+    sp = SamplingParams(max_new_tokens=120, temperature=1.0, ignore_eos=True, sampling_seed=1)
+    task = asyncio.create_task(served.client.generate(prompt, sp))
+    await _wait_tokens(served, 3)
+    await served.client.pause_generation("retract")
+    await served.client.update_weights_from_disk(str(tiny_dir_b), weight_version=1)
+    await served.client.continue_generation()
+    res: GenerateResult = await task
+    assert len(res.output_ids) == 120 and res.finish_reason == "length"
+    switch = res.token_versions.index(1)
+    assert switch >= 3 and set(res.token_versions[:switch]) == {0} and set(res.token_versions[switch:]) == {1}
+    assert res.weight_version == 1
+    # Tokens after the switch were sampled by the new weights over the whole (recomputed) prefix.
+    ref = _reference_logprobs(tiny_dir_b, prompt, res.output_ids, 1.0)
+    assert res.output_logprobs[switch:] == pytest.approx(ref[switch:], abs=1e-5)
+
+
+async def test_update_from_disk_changes_outputs_and_version(served: Served, tiny_dir_b: Path) -> None:
+    prompt = _prompt("hello")
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    before = await served.client.generate(prompt, sp)
+    reply = await served.client.update_weights_from_disk(str(tiny_dir_b), weight_version=5)
+    assert reply.success
+    after = await served.client.generate(prompt, sp)
+    assert after.cached_tokens == 0  # the update flushed the prefix cache
+    assert after.output_logprobs != pytest.approx(before.output_logprobs, abs=1e-4)
+    assert after.token_versions == [5] * 10 and await served.client.get_weight_version() == 5
+    with pytest.raises(EngineError, match=r"no \*\.safetensors"):
+        await served.client.update_weights_from_disk(str(tiny_dir_b / "missing"), weight_version=6)
+    assert served.engine.weight_version == 5
+
+
+async def test_update_from_distributed_gloo(served: Served, tiny_dir_b: Path) -> None:
+    new = load_file(str(tiny_dir_b / "model.safetensors"))
+    names = sorted(new)
+    port = 29000 + (threading.get_ident() % 1000)
+    errors: list[BaseException] = []
+
+    def trainer_rank0(broadcast: threading.Event) -> None:
+        try:
+            group = open_weight_update_group(
+                backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2
+            )
+            broadcast.wait()
+            for n in names:
+                group.broadcast(new[n].clone(), src=0)
+            group.close()
+        except BaseException as e:
+            errors.append(e)
+
+    go = threading.Event()
+    sender = threading.Thread(target=trainer_rank0, args=(go,))
+    sender.start()
+    await served.client.init_weights_update_group(
+        "127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo"
+    )
+    go.set()
+    await served.client.update_weights_from_distributed(
+        names,
+        [str(new[n].dtype).removeprefix("torch.") for n in names],
+        [list(new[n].shape) for n in names],
+        weight_version=2,
+    )
+    await asyncio.to_thread(sender.join)
+    assert not errors
+    await served.client.destroy_weights_update_group()
+    live = served.engine.named_weights()
+    assert all(torch.equal(live[n], new[n]) for n in names)
+    res = await served.client.generate(_prompt("hi"), SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert res.weight_version == 2 and set(res.token_versions) <= {2}
+
+
+async def test_update_from_tensor_needs_the_flag(
+    served: Served, served_tensor: Served, tiny_dir_b: Path
+) -> None:
+    new = load_file(str(tiny_dir_b / "model.safetensors"))
+    payload = dumps_named_tensors(sorted(new.items()))
+    with pytest.raises(EngineError) as err:
+        await served.client.update_weights_from_tensor([payload], weight_version=3)
+    assert err.value.status == 403 and "--allow-tensor-updates" in err.value.message
+    await served_tensor.client.update_weights_from_tensor([payload], weight_version=3)
+    live = served_tensor.engine.named_weights()
+    assert all(torch.equal(live[n], t) for n, t in new.items())
+    assert await served_tensor.client.get_weight_version() == 3
+
+
+async def test_abort_one_and_all(served: Served) -> None:
+    sp = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    one = asyncio.create_task(served.client.generate(_prompt("x"), sp, rid="victim"))
+    other = asyncio.create_task(served.client.generate(_prompt("y"), SamplingParams(max_new_tokens=5)))
+    await _wait_tokens(served, 2)
+    await served.client.abort("victim")
+    res = await one
+    assert res.finish_reason == "abort" and len(res.output_ids) < 200
+    assert (await other).finish_reason in ("stop", "length")
+    rest = [asyncio.create_task(served.client.generate(_prompt(str(i)), sp)) for i in range(3)]
+    await _wait_tokens(served, served.engine.stats.generated_tokens + 3)
+    await served.client.abort()
+    assert {r.finish_reason for r in await asyncio.gather(*rest)} == {"abort"}
+
+
+async def test_pause_abort_mode_and_in_place(served: Served) -> None:
+    sp = SamplingParams(max_new_tokens=150, temperature=1.0, ignore_eos=True)
+    task = asyncio.create_task(served.client.generate(_prompt("z"), sp))
+    await _wait_tokens(served, 2)
+    await served.client.pause_generation("in_place")
+    queued = asyncio.create_task(served.client.generate(_prompt("w"), SamplingParams(max_new_tokens=3)))
+    await served.client.continue_generation()
+    assert len((await task).output_ids) == 150 and (await queued).finish_reason in ("stop", "length")
+    task = asyncio.create_task(served.client.generate(_prompt("z"), sp))
+    await _wait_tokens(served, served.engine.stats.generated_tokens + 2)
+    await served.client.pause_generation("abort")
+    assert (await task).finish_reason == "abort"
+    await served.client.continue_generation()
+
+
+async def test_health_model_info_and_versions(served: Served) -> None:
+    assert await served.client.health()
+    await served.client.health_generate()
+    info = await served.client.model_info()
+    assert info.weight_version == "0" and info.model_type == "qwen3"
+    await served.client.update_weight_version(9)
+    assert await served.client.get_weight_version() == 9
+
+
+async def test_prompt_logprobs_for_scoring(served: Served, tiny_dir: Path) -> None:
+    """OPD-style scoring: max_new_tokens 0 and logprob_start_len 0 give every prompt token's logprob."""
+    prompt = _prompt("score me")
+    await served.client.generate(prompt, SamplingParams(max_new_tokens=2))  # warm the prefix cache
+    res = await served.client.generate(prompt, SamplingParams(max_new_tokens=0), logprob_start_len=0)
+    assert res.output_ids == [] and res.input_logprobs is not None and res.input_logprobs[0] is None
+    ref = _reference_logprobs(tiny_dir, prompt[:1], prompt[1:], 1.0)
+    assert res.input_logprobs[1:] == pytest.approx(ref, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"input_ids": [1, 2, 999], "sampling_params": {}}, "input_ids contains 999"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "stop_token_ids"),
+        ({"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}}, "temprature"),
+        ({"input_ids": [], "sampling_params": {}}, "input_ids is empty"),
+        ({"input_ids": [1] * 300, "sampling_params": {}}, "context length"),
+    ],
+)
+async def test_bad_requests_name_the_field(served: Served, body: dict[str, object], needle: str) -> None:
+    resp = await served.client._http.post(served.url + "/generate", json=body)
+    assert resp.status_code == 400
+    assert needle in resp.json()["error"]
+
+
+def test_load_weights_api_rejects_bad_tensors(tiny_dir: Path) -> None:
+    engine = ReferenceEngine.load(tiny_dir, max_running_requests=2, context_length=32)
+    w = engine.named_weights()
+    assert "model.embed_tokens.weight" in w and engine.device == torch.device("cpu")
+    with pytest.raises(KeyError, match="not a parameter"):
+        engine.load_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="dtype"):
+        engine.load_weights(
+            [("model.norm.weight", torch.zeros_like(w["model.norm.weight"], dtype=torch.float64))]
+        )
+    assert engine.load_weights([("model.norm.weight", torch.full_like(w["model.norm.weight"], 2.0))]) == 1
+    assert bool((engine.named_weights()["model.norm.weight"] == 2.0).all())
