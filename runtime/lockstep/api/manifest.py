@@ -55,7 +55,7 @@ def _problems_from(err: ValidationError, prefix: str) -> list[Problem]:
             else:
                 parts.append(str(loc))
         value = None if e["type"] == "missing" else e.get("input")
-        message = _HINTS.get(e["type"], e["msg"])
+        message = _HINTS.get(e["type"], e["msg"].removeprefix("Value error, "))
         if isinstance(value, dict | list):
             value = None if e["type"] != "extra_forbidden" else value
         out.append(Problem(".".join(parts), value, message))

@@ -18,7 +18,7 @@ import datetime as dt
 import enum
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from lockstep.api.common import (
     EMPTY_DEFAULT,
@@ -126,12 +126,25 @@ class Teacher(ApiModel):
 class OPDSpec(ApiModel):
     """On-policy distillation: teachers score the student's sampled tokens (seed §8.1)."""
 
-    teachers: list[Teacher] = Field(min_length=1, max_length=16)
-    """The teachers, keyed by name."""
+    teachers: list[Teacher] = Field(
+        min_length=1,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """The teachers, keyed by name (names unique)."""
     default_teacher: str | None = Field(default=None, max_length=63)
     """Teacher for samples whose label no teacher lists; unset makes such a sample an error."""
     coef: float = Field(default=1.0, ge=0.0, le=100.0)
     """Weight of the reverse-KL term: advantage -= coef * (student_logp - teacher_logp)."""
+
+    @model_validator(mode="after")
+    def _unique_teacher_names(self) -> OPDSpec:
+        # the CRD declares teachers a map keyed by name; the apiserver refuses duplicates the same way
+        names = [t.name for t in self.teachers]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"teacher names must be unique; repeated: {', '.join(repeated)}")
+        return self
 
 
 class AlgorithmSpec(ApiModel):
