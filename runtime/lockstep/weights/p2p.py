@@ -377,3 +377,21 @@ class P2PTransport:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.staging.close()
+
+
+def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
+    """A P2PTarget for an engine serving our extension (GET /lockstep/p2p/info, POST /lockstep/p2p/commit)."""
+    import httpx
+
+    base = engine_url.rstrip("/")
+    resp = httpx.get(base + "/lockstep/p2p/info", timeout=timeout_s)
+    if resp.status_code != 200:
+        raise P2PWriteError(f"{base}/lockstep/p2p/info answered {resp.status_code}: {resp.text[:300]}")
+    info = P2PTargetInfo.model_validate(resp.json())
+
+    def commit(req: P2PCommitRequest) -> None:
+        r = httpx.post(base + "/lockstep/p2p/commit", json=req.model_dump(mode="json"), timeout=timeout_s)
+        if r.status_code != 200:
+            raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
+
+    return P2PTarget(info=info, commit=commit)

@@ -1,0 +1,194 @@
+"""Broadcast weight transport: one source rank broadcasts every bucket to every engine rank (seed §7.2.2).
+
+Why it exists: it is the default when trainer and engines are on different GPUs and share a NCCL (or,
+on CPU, gloo) network, and it needs no target-side resharding. Per pipeline source (one trainer rank
+per stage) there is one weight-update group: rank 0 is the source, the engines join it through their
+/init_weights_update_group endpoint at rank_offset 1, 1 + ranks of engine 0, ... For every bucket the
+source posts the names, dtypes and shapes on the control channel (/update_weights_from_distributed,
+one call per engine, concurrently) and broadcasts the tensors in that order as collectives; the HTTP
+call returns once the engine loaded them. A process-wide lock serializes bucket flushes across stages
+so their collectives never interleave. The engines' weight version is set only after every bucket
+arrived (/update_weight_version), and generation is paused around the update (retract by default).
+
+Who calls it: the driver (as a WeightTransport), preflight.py, tests and bench/weights_broadcast.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lockstep.serving.client import EngineClient
+from lockstep.serving.weight_group import WeightUpdateGroup, open_weight_update_group
+from lockstep.weights.aio import LoopThread
+from lockstep.weights.pipeline import Bucket, PipelineConfig, prepare_buckets
+from lockstep.weights.transport import TransferReport
+
+if TYPE_CHECKING:
+    import torch
+
+STAGE_LOCK = threading.Lock()
+"""Held while one bucket is flushed, so broadcasts of different stages in one process never interleave."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on `host` for the group's rendezvous store."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class EngineTarget:
+    """One engine server that joins the group."""
+
+    url: str
+    """Base URL, e.g. http://127.0.0.1:30000."""
+    ranks: int = 1
+    """GPUs (TP ranks) of the engine; each is one rank of the group."""
+
+
+class BroadcastTransport:
+    """WeightTransport over one torch.distributed group: this process is rank 0 (the source)."""
+
+    name = "broadcast"
+
+    def __init__(
+        self,
+        engines: list[EngineTarget],
+        *,
+        backend: str = "gloo",
+        device: str = "cpu",
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = "lockstep-stage-0",
+        config: PipelineConfig | None = None,
+        pause_mode: str | None = "retract",
+        lock: Any = STAGE_LOCK,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("engines is empty: the broadcast transport needs at least one engine to send to")
+        self.engines = engines
+        self.backend, self.device = backend, device
+        self.master_address = master_address
+        self.master_port = master_port or free_port(master_address)
+        self.group_name = group_name
+        self.config = config or PipelineConfig()
+        self.pause_mode = pause_mode
+        self.lock = lock
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self._io = LoopThread("broadcast-io")
+        self._clients = [EngineClient(e.url, timeout_s=timeout_s) for e in engines]
+        self.group: WeightUpdateGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(e.ranks for e in self.engines)
+
+    def connect(self) -> None:
+        """Create the group: every engine joins via HTTP while this thread hosts rank 0."""
+        if self.group is not None:
+            return
+        offsets = [1 + sum(e.ranks for e in self.engines[:i]) for i in range(len(self.engines))]
+        joins = [
+            self._io.submit(
+                c.init_weights_update_group(
+                    self.master_address,
+                    self.master_port,
+                    off,
+                    self.world_size,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                )
+            )
+            for c, off in zip(self._clients, offsets, strict=True)
+        ]
+        self.group = open_weight_update_group(
+            backend=self.backend,
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank=0,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+        )
+        for j in joins:
+            j.result(self.timeout_s)
+
+    def _all(self, make: Callable[[EngineClient], Any]) -> None:
+        futures = [self._io.submit(make(c)) for c in self._clients]
+        for f in futures:
+            f.result(self.timeout_s)
+
+    def send_bucket(self, bucket: Bucket) -> None:
+        """Control message to every engine, then the data as collectives (async, waited together)."""
+        import torch.distributed as dist
+
+        assert self.group is not None
+        named = [(n, t.to(self.device).contiguous()) for n, t in bucket.named_tensors]
+        names = [n for n, _ in named]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+        shapes = [list(t.shape) for _, t in named]
+        with self.lock:
+            replies = [
+                self._io.submit(
+                    c.update_weights_from_distributed(
+                        names, dtypes, shapes, group_name=self.group_name, flush_cache=False
+                    )
+                )
+                for c in self._clients
+            ]
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            works = [self.group.pg.broadcast([t], opts) for _, t in named]
+            for w in works:
+                w.wait()
+            for r in replies:
+                r.result(self.timeout_s)
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+        self.connect()
+        t0 = self.clock()
+        if self.pause_mode is not None:
+            mode = self.pause_mode
+            self._all(lambda c: c.pause_generation(mode))
+        tensors = payload = 0
+        try:
+            for bucket in prepare_buckets(named_tensors, self.config):
+                self.send_bucket(bucket)
+                tensors += len(bucket.named_tensors)
+                payload += bucket.nbytes
+            self._all(lambda c: c.flush_cache())
+            # Only now, with every tensor loaded on every engine, does the version change.
+            self._all(lambda c: c.update_weight_version(version))
+        finally:
+            if self.pause_mode is not None:
+                self._all(lambda c: c.continue_generation())
+        wire = payload * sum(e.ranks for e in self.engines)
+        return TransferReport(
+            version=version,
+            transport=self.name,
+            tensors=tensors,
+            payload_bytes=payload,
+            wire_bytes=wire,
+            seconds=self.clock() - t0,
+        )
+
+    def close(self) -> None:
+        if self.group is not None:
+            # The engines may already be gone; the group is dropped either way.
+            with contextlib.suppress(Exception):
+                self._all(lambda c: c.destroy_weights_update_group(self.group_name))
+            self.group.close()
+            self.group = None
+        for c in self._clients:
+            self._io.run(c.aclose())
+        self._io.close()
