@@ -1,24 +1,27 @@
 """The fully-async RL loop: rollout and training decoupled, joined by a bounded buffer (seed §5).
 
-Why it exists: in the sync loop (`lockstep.driver`) the engines wait for the optimizer and the trainer
-waits for the slowest trajectory of each batch. Here a background worker (lockstep.rollout.async_worker)
-keeps a fixed number of trajectories in flight on the engines while the trainer trains on complete
-groups taken from the buffer (lockstep.rollout.buffer). After each update interval the new weights are
-pushed with in-flight requests retracted and continued under the new version, so one trajectory may span
-versions; the staleness of every consumed group is measured (S_old, S_post, delta_gen, token-weighted,
-coverage) and optionally bounded. Evaluation runs as a background task: each score is attributed to the
-step whose weights it evaluated and its latency is recorded, so a score that arrives steps later still
-lands on the right step.
+Why it exists: in the sync loop (`lockstep.driver.loop`) the engines wait for the optimizer and the
+trainer waits for the slowest trajectory of each batch. Here a background worker
+(lockstep.rollout.async_worker) keeps a fixed number of trajectories in flight on the engines while the
+trainer trains on complete groups taken from the buffer (lockstep.rollout.buffer). After each update
+interval the new weights are pushed with in-flight requests retracted and continued under the new
+version, so one trajectory may span versions; the staleness of every consumed group is measured (S_old,
+S_post, delta_gen, token-weighted, coverage) and optionally bounded. Evaluation runs as a background
+task: each score is logged on the step whose weights it evaluated, with its latency, however late it
+arrives.
 
 Rollout and training need separate resources: colocate (trainer and engines sharing GPUs) cannot overlap
-them, so it is refused at start (seed §10, fail early).
+them, so it is refused at start (seed §10, fail early); so is pause mode abort.
 
-Structure: `AsyncLoop` is the loop itself, written against four small hooks (`LoopHooks`: train, publish,
-evaluate, save/log) and a `GenerateSample` callable, so it is testable and benchmarkable on its own;
-`run_fully_async(job, components)` builds those hooks from the sync driver's components and runs it.
+Structure: `AsyncLoop` is the loop itself, written against small hooks (`LoopHooks`: train, publish,
+evaluate, save, log) and a `GenerateSample` callable, so it is testable and benchmarkable on its own;
+`run_fully_async(job, components)` builds the hooks from the sync driver's Components (same training
+step, weight push, checkpoint layout, metrics file and plot as the sync loop) and runs the loop on the
+components' event loop thread, where every EngineClient lives. Training and weight export run in a
+worker thread, so generation continues while the trainer trains.
 
-Who calls it: `lockstep.driver.run(job)` when `schedule.mode == "fully-async"` (hence `lockstep run`),
-tests, and bench/async_longtail.py.
+Who calls it: `lockstep.driver.run(job)` when `spec.schedule.mode == "fully-async"` (hence `lockstep
+run`), tests, and bench/async_longtail.py.
 """
 
 from __future__ import annotations
@@ -27,18 +30,42 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from lockstep.driver.state import DriverState
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
 from lockstep.rollout.buffer import GroupBuffer, GroupFilter
 from lockstep.rollout.staleness import StalenessStats
 from lockstep.types import Group
 
+if TYPE_CHECKING:
+    from lockstep.api import RLJob
+    from lockstep.driver.components import Components
+
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 """Monotonic seconds; injected so tests and replays control time."""
+
+FULLY_ASYNC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("queue size / in flight", ("queue_size", "queue_capacity", "in_flight")),
+    (
+        "staleness (versions)",
+        (
+            "staleness_s_old_mean",
+            "staleness_s_old_max",
+            "staleness_s_post_mean",
+            "staleness_delta_gen_mean",
+            "staleness_token_weighted_mean",
+        ),
+    ),
+    ("dropped groups (cumulative)", ("stale_groups_filtered", "aborted_groups_filtered", "filtered_groups")),
+    ("version coverage / mixed", ("weight_version_sample_coverage", "mixed_version_ratio")),
+    ("eval latency (s)", ("eval_eval_latency_s",)),
+)
+"""Extra panels of the end-of-run plot (observability.plot's extra_panels)."""
 
 
 class ColocateRefused(ValueError):
@@ -53,7 +80,7 @@ def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> No
         raise ColocateRefused(
             "spec.schedule: mode fully-async cannot run with colocate: true; fully-async generates while "
             "the trainer trains, which needs separate resources for engines and trainer. Set colocate: false "
-            "(separate GPUs, or on one machine the engine in its own process) or use mode: sync"
+            "(separate GPUs, or on one machine the engine in its own thread or process) or use mode: sync"
         )
     if pause_mode == "abort":
         raise ValueError(
@@ -65,31 +92,32 @@ def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> No
 
 @dataclass(slots=True, frozen=True)
 class AsyncSettings:
-    """The loop's knobs, read from the RLJob's schedule and rollout sections."""
+    """The loop's knobs, read from the RLJob's schedule, algorithm, rollout and weightSync sections."""
 
     steps: int
-    """Optimizer steps to run in total (a resumed run continues up to this)."""
+    """Optimizer steps to reach (a resumed run continues up to this)."""
     batch_groups: int
-    """Groups consumed per step."""
+    """Groups consumed per step (spec.algorithm.batchSize)."""
     n_samples_per_prompt: int
-    """Samples per group."""
+    """Samples per group (spec.algorithm.samplesPerPrompt)."""
     max_in_flight: int
-    """Trajectories kept generating at once (credits); >= n_samples_per_prompt."""
+    """Trajectories kept generating at once (spec.rollout.maxInFlight); >= n_samples_per_prompt."""
     max_staleness: int | None = None
-    """Bound on S_old in published versions; None (default) never rejects."""
+    """Bound on S_old in published versions (spec.schedule.maxWeightStaleness); None never rejects."""
     buffer_groups: int | None = None
     """Buffer capacity in groups; None means 2 x batch_groups."""
     update_interval: int = 1
     """Publish new weights every this many steps (versions == steps only when 1)."""
     eval_interval: int | None = None
-    """Launch an evaluation every this many steps (and after the last); None: never."""
+    """Launch an evaluation every this many steps and after the last; None: never."""
     save_interval: int | None = None
-    """Save a checkpoint every this many steps (and after the last); None: only via hooks' own policy."""
+    """Save a checkpoint every this many steps; the loop always saves when it ends."""
     sample_timeout_s: float | None = None
-    """Per-trajectory limit; an over-long trajectory is aborted and its group dropped at put."""
+    """Per-trajectory limit (spec.agent.timeoutSeconds); an over-long trajectory is aborted, its group
+    dropped at put."""
     eval_pins_version: bool = True
     """When evaluation shares the rollout engines, the next publish waits for running evaluations so a
-    score never mixes checkpoints (training continues meanwhile; only the weight update waits)."""
+    score never mixes checkpoints (training and generation continue meanwhile; only the update waits)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_groups", "n_samples_per_prompt", "max_in_flight", "update_interval"):
@@ -97,7 +125,8 @@ class AsyncSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_in_flight < self.n_samples_per_prompt:
             raise ValueError(
-                f"maxInFlight ({self.max_in_flight}) must be >= n_samples_per_prompt ({self.n_samples_per_prompt})"
+                f"spec.rollout.maxInFlight ({self.max_in_flight}) must be >= spec.algorithm.samplesPerPrompt "
+                f"({self.n_samples_per_prompt}): a whole group is submitted at once"
             )
 
     @property
@@ -107,33 +136,11 @@ class AsyncSettings:
 
 
 @dataclass(slots=True)
-class LoopState:
-    """What a checkpoint must carry for the loop to resume where it stopped."""
-
-    step: int = 0
-    """Optimizer steps done."""
-    version: int = 0
-    """Weight version the engines hold (published)."""
-    next_group_index: int = 0
-    """Index of the next group the worker submits (keeps indices unique across resume)."""
-    prompts_consumed: int = 0
-    """Prompts drawn from the prompt source so far (the source skips these on resume)."""
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "step": self.step,
-            "version": self.version,
-            "next_group_index": self.next_group_index,
-            "prompts_consumed": self.prompts_consumed,
-        }
-
-
-@dataclass(slots=True)
 class EvalOutcome:
     """What the evaluate hook returns."""
 
     metrics: dict[str, float]
-    """Scores (e.g. {"accuracy": 0.4}); logged as eval/<name>."""
+    """Scores (e.g. {"reward_mean": 0.4}); logged as kind "eval"."""
     versions_seen: set[int] = field(default_factory=set)
     """Weight versions the engines reported on the evaluation's tokens; proves which weights were scored."""
 
@@ -143,7 +150,7 @@ class EvalResult:
     """One evaluation, attributed to the step whose weights it evaluated."""
 
     step: int
-    """The step whose weights were evaluated (weights after this step's update)."""
+    """Steps done when the evaluated weights were published (the sync loop's eval step numbering)."""
     version: int
     """The weight version evaluated."""
     metrics: dict[str, float]
@@ -151,8 +158,8 @@ class EvalResult:
     latency_s: float
     """Seconds from launch (right after the publish) to the score."""
     mixed_versions: bool
-    """True when the engines reported a version other than `version` on evaluation tokens (score mixes
-    checkpoints; happens only when evaluation does not pin the version)."""
+    """True when the engines reported a version other than `version` on evaluation tokens (the score
+    mixes checkpoints; possible only when evaluation does not pin the version)."""
 
 
 class LoopHooks(Protocol):
@@ -170,23 +177,23 @@ class LoopHooks(Protocol):
         """Score the weights of `version` (on the engines or elsewhere); runs in the background."""
         ...
 
-    def save(self, state: LoopState) -> None:
+    def save(self, state: DriverState) -> None:
         """Write a resumable checkpoint carrying `state` (blocking; runs in a worker thread)."""
         ...
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """Record metrics of `step` (JSONL, Prometheus, plot); may be called late for eval scores."""
+    def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        """Record metrics ("train" or "eval") of `step`; eval scores may arrive steps late."""
         ...
 
 
-def histogram_metrics(stats: StalenessStats) -> dict[str, float]:
-    """Flatten a window's staleness histograms into metrics: staleness/<measure>_hist/<value> -> groups."""
-    out: dict[str, float] = {}
+def staleness_metrics(stats: StalenessStats) -> dict[str, float]:
+    """A window's staleness as flat metrics: summary plus histograms `staleness_<m>_hist_<value>` -> groups."""
+    out = {k.replace("/", "_"): v for k, v in stats.summary().items()}
     for name, hist in (("s_old", stats.s_old), ("s_post", stats.s_post), ("delta_gen", stats.delta_gen)):
         for k, n in hist.items():
-            out[f"staleness/{name}_hist/{k}"] = float(n)
+            out[f"staleness_{name}_hist_{k}"] = float(n)
     for fk, n in stats.token_weighted.items():
-        out[f"staleness/token_weighted_hist/{fk:g}"] = float(n)
+        out[f"staleness_token_weighted_hist_{fk:g}"] = float(n)
     return out
 
 
@@ -202,26 +209,35 @@ class AsyncLoop:
     """Generates and scores one trajectory on the engines."""
     prompts: Iterator[Prompt]
     """Prompt source, already positioned after `state.prompts_consumed` prompts."""
-    state: LoopState = field(default_factory=LoopState)
-    """Where to start (a fresh run or a restored checkpoint)."""
+    state: DriverState = field(default_factory=DriverState)
+    """Where to start (a fresh run or a restored checkpoint); updated in place."""
     filters: tuple[GroupFilter, ...] = ()
     """User group filters applied at put."""
     clock: Clock = time.monotonic
     """Monotonic clock for waits, latencies and throughput."""
+    should_stop: Callable[[], bool] = lambda: False
+    """Polled after every step (Ctrl-C): the loop then saves and returns early."""
+    on_step: Callable[[int, dict[str, float]], Awaitable[None]] | None = None
+    """Optional async callback after each step (tests, bench)."""
+    trainer_executor: Executor | None = None
+    """Where blocking trainer calls (train, save) run; None: the event loop's default thread pool. One
+    dedicated thread keeps the trainer's thread-local state (CUDA device, RNG streams) in one place."""
     run_stats: StalenessStats = field(default_factory=StalenessStats)
     """Staleness over the whole run (every consumed group)."""
     evals: list[EvalResult] = field(default_factory=list)
     """Finished evaluations, in completion order."""
-    on_step: Callable[[int, dict[str, float]], Awaitable[None]] | None = None
-    """Optional async callback after each step (tests, bench)."""
+    trained_samples: int = 0
+    """Samples trained on by this run (not counting a resumed run's earlier steps)."""
     _eval_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _saved_at: int = -1
 
     def _counting_prompts(self) -> Iterator[Prompt]:
         for p in self.prompts:
             self.state.prompts_consumed += 1
             yield p
 
-    async def run(self) -> LoopState:
+    async def run(self) -> DriverState:
+        """Start the worker, run steps until settings.steps (or should_stop), stop everything, save."""
         s = self.settings
         buffer = GroupBuffer(
             capacity=s.capacity,
@@ -240,14 +256,19 @@ class AsyncLoop:
         )
         worker.start()
         t_start = self.clock()
+        if self.state.step > 0:
+            self._saved_at = self.state.step  # resumed from the checkpoint of this step
         try:
-            while self.state.step < s.steps:
+            while self.state.step < s.steps and not self.should_stop():
                 await self._one_step(buffer, worker, t_start)
         finally:
             await worker.stop()
             await buffer.close()
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
+        if self._saved_at != self.state.step:
+            snapshot = DriverState(**self.state.as_dict())
+            await asyncio.get_running_loop().run_in_executor(self.trainer_executor, self.hooks.save, snapshot)
         return self.state
 
     async def _one_step(self, buffer: GroupBuffer, worker: AsyncRolloutWorker, t_start: float) -> None:
@@ -256,40 +277,42 @@ class AsyncLoop:
         consumed = await buffer.get_batch(s.batch_groups)
         t1 = self.clock()
         groups = [c.group for c in consumed]
-        metrics = await asyncio.to_thread(self.hooks.train, groups, st.step)
+        loop = asyncio.get_running_loop()
+        metrics = dict(await loop.run_in_executor(self.trainer_executor, self.hooks.train, groups, st.step))
         t2 = self.clock()
         st.step += 1
-        metrics["time/wait_data_s"] = t1 - t0
-        metrics["time/train_s"] = t2 - t1
+        self.trained_samples += sum(len(g.samples) for g in groups)
+        metrics.update({"wait_data_s": t1 - t0, "train_wall_s": t2 - t1})
         if st.step % s.update_interval == 0 or st.step == s.steps:
             if s.eval_pins_version and self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-            pub = await self.hooks.publish(st.version + 1)
+            metrics.update(await self.hooks.publish(st.version + 1))
             st.version += 1
             await buffer.set_version(st.version)
-            metrics.update({f"weights/{k}": v for k, v in pub.items()})
-            metrics["time/update_weights_s"] = self.clock() - t2
-        metrics["weight_version"] = float(st.version)
+            metrics["publish_wall_s"] = self.clock() - t2
+        # Groups submitted from here on carry indices >= next_group_index; a resume never reuses one.
+        st.next_group_index = worker.next_group_index
         window = buffer.take_window()
         self.run_stats.merge(window)
-        metrics.update(window.summary())
-        metrics.update(histogram_metrics(window))
+        elapsed = max(self.clock() - t_start, 1e-9)
+        metrics.update(staleness_metrics(window))
         metrics.update(buffer.metrics())
         metrics.update(worker.metrics())
-        n_samples = sum(len(g.samples) for g in groups)
-        metrics["rollout/samples_per_s"] = worker.counters.finished_samples / max(
-            self.clock() - t_start, 1e-9
+        metrics.update(
+            {
+                "weight_version": float(st.version),
+                "rollout_samples_per_s": worker.counters.finished_samples / elapsed,
+                "trained_samples_per_s": self.trained_samples / elapsed,
+            }
         )
-        metrics["train/samples"] = float(n_samples)
-        metrics["reward/mean"] = sum(sum(g.rewards) for g in groups) / max(n_samples, 1)
-        st.next_group_index = worker.next_group_index
         if s.eval_interval and (st.step % s.eval_interval == 0 or st.step == s.steps):
-            self._launch_eval(st.step - 1, st.version)
-        if s.save_interval and (st.step % s.save_interval == 0 or st.step == s.steps):
-            await asyncio.to_thread(self.hooks.save, LoopState(**st.as_dict()))
-        self.hooks.log(st.step - 1, metrics)
+            self._launch_eval(st.step, st.version)
+        if s.save_interval and st.step % s.save_interval == 0:
+            await loop.run_in_executor(self.trainer_executor, self.hooks.save, DriverState(**st.as_dict()))
+            self._saved_at = st.step
+        self.hooks.log("train", st.step, metrics)
         if self.on_step is not None:
-            await self.on_step(st.step - 1, metrics)
+            await self.on_step(st.step, metrics)
 
     def _launch_eval(self, step: int, version: int) -> None:
         """Evaluate `version` in the background; the score is logged on `step` whenever it returns."""
@@ -300,26 +323,169 @@ class AsyncLoop:
                 outcome = await self.hooks.evaluate(version)
             except Exception as err:  # an eval failure must not stop training; it is logged on its step
                 log.warning("evaluation of step %d (version %d) failed: %r", step, version, err)
-                self.hooks.log(step, {"eval/failed": 1.0, "eval/version": float(version)})
+                self.hooks.log("eval", step, {"eval_failed": 1.0, "weight_version": float(version)})
                 return
             latency = self.clock() - t0
             mixed = bool(outcome.versions_seen - {version})
             self.evals.append(EvalResult(step, version, outcome.metrics, latency, mixed))
-            scores = {f"eval/{k}": v for k, v in outcome.metrics.items()}
+            scores = dict(outcome.metrics)
             scores.update(
-                {
-                    "eval/version": float(version),
-                    "eval/latency_s": latency,
-                    "eval/mixed_versions": float(mixed),
-                }
+                {"weight_version": float(version), "eval_latency_s": latency, "mixed_versions": float(mixed)}
             )
-            self.hooks.log(step, scores)
+            self.hooks.log("eval", step, scores)
 
         task = asyncio.create_task(evaluate(), name=f"eval-step-{step}")
         self._eval_tasks.add(task)
         task.add_done_callback(self._eval_tasks.discard)
 
 
-def run_loop(loop: AsyncLoop) -> LoopState:
-    """Run the loop on a fresh event loop (for synchronous callers such as the CLI)."""
-    return asyncio.run(loop.run())
+# ------------------------------------------------------------------------------- the real components
+
+BUFFER_GROUPS_ANNOTATION = "lockstep.dev/async-buffer-groups"
+"""Annotation overriding the buffer capacity in groups (default 2 x spec.algorithm.batchSize)."""
+
+
+def settings_for_job(job: RLJob, c: Components) -> AsyncSettings:
+    """The loop's knobs from the manifest and the sync driver's RunSettings (pure)."""
+    spec, s = job.spec, c.settings
+    raw = job.metadata.annotations.get(BUFFER_GROUPS_ANNOTATION)
+    try:
+        buffer_groups = int(raw) if raw is not None else None
+    except ValueError as e:
+        raise ValueError(
+            f"metadata.annotations[{BUFFER_GROUPS_ANNOTATION}]: {raw!r} is not an integer"
+        ) from e
+    if buffer_groups is not None and buffer_groups < 1:
+        raise ValueError(
+            f"metadata.annotations[{BUFFER_GROUPS_ANNOTATION}] must be >= 1 group, got {buffer_groups}"
+        )
+    timeout = spec.agent.timeout_seconds
+    return AsyncSettings(
+        steps=s.steps,
+        batch_groups=s.batch_groups,
+        n_samples_per_prompt=s.samples_per_prompt,
+        max_in_flight=spec.rollout.max_in_flight,
+        max_staleness=spec.schedule.max_weight_staleness,
+        buffer_groups=buffer_groups,
+        update_interval=s.update_interval,
+        eval_interval=s.eval_interval,
+        save_interval=s.save_interval,
+        sample_timeout_s=float(timeout) if timeout is not None else None,
+    )
+
+
+class ComponentHooks:
+    """LoopHooks over the sync driver's Components: the same train step, push, checkpoint and metrics."""
+
+    def __init__(self, c: Components, pause_mode: str, executor: Executor) -> None:
+        self.c = c
+        """The run's components."""
+        self.pause_mode = pause_mode
+        """spec.weightSync.pauseMode (retract by default; abort is refused earlier)."""
+        self.executor = executor
+        """The trainer thread (weight export runs there, like training)."""
+
+    def train(self, groups: list[Group], step: int) -> dict[str, float]:
+        from lockstep.driver.steps import train_on_groups
+
+        return train_on_groups(self.c, groups)
+
+    async def publish(self, version: int) -> dict[str, float]:
+        """Retract in-flight requests on every engine, push `version`, continue (seed §5)."""
+        from lockstep.driver.steps import push_weights
+
+        clients = self.c.clients
+        await asyncio.gather(*(cl.pause_generation(self.pause_mode) for cl in clients))
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.executor, push_weights, self.c, version)
+        finally:
+            await asyncio.gather(*(cl.continue_generation() for cl in clients))
+
+    async def evaluate(self, version: int) -> EvalOutcome:
+        """Mean reward on the task's eval split, one sample per item at the eval temperature (as sync)."""
+        from dataclasses import replace
+
+        from lockstep.driver.steps import EVAL_GROUP_BASE
+        from lockstep.types import Sample
+
+        c = self.c
+        sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
+        rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
+        samples = []
+        for i in range(c.task.eval_size):
+            item = c.task.item(i, "eval")
+            prompt = rollout.render(item.messages)
+            samples.append(Sample(EVAL_GROUP_BASE + i, 0, prompt, metadata=c.item_metadata(item)))
+        done = await asyncio.gather(*(rollout.run_sample(s) for s in samples))
+        rewards = [s.reward if s.reward is not None else 0.0 for s in done]
+        seen = {v for s in done for v in s.token_versions if v is not None}
+        return EvalOutcome(
+            {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(done))}, seen
+        )
+
+    def save(self, state: DriverState) -> None:
+        from lockstep.driver.state import save_checkpoint
+
+        save_checkpoint(self.c.backend, self.c.run_dir, state)
+
+    def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        self.c.metrics.log(kind, step, metrics)
+
+
+def task_prompts(c: Components, start: int) -> Iterator[Prompt]:
+    """The task's train prompts from data position `start` on, rendered with the chat format."""
+    index = start
+    while True:
+        item = c.task.item(index, "train")
+        yield Prompt(c.rollout.render(item.messages), c.item_metadata(item))
+        index += 1
+
+
+def run_fully_async(job: RLJob, components: Components) -> DriverState:
+    """Run the fully-async loop of `job` on its built components; returns the final DriverState.
+
+    Same conventions as the sync loop: resume from checkpoints/latest, SFT warm start once, the trainer's
+    weights pushed before the first step, eval before training and at the eval interval, metrics.jsonl
+    (kinds train/eval) and metrics.png (plus the queue and staleness panels).
+    """
+    from lockstep.driver.loop import evaluate_at
+    from lockstep.driver.state import load_checkpoint
+    from lockstep.driver.steps import push_weights, sft_warm_start
+    from lockstep.observability.plot import plot_metrics
+
+    c = components
+    spec = job.spec
+    pause_mode = str(spec.weight_sync.pause_mode)
+    check_schedule(str(spec.schedule.mode), spec.schedule.colocate, pause_mode)
+    settings = settings_for_job(job, c)
+    state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
+    if not state.sft_done and c.settings.sft_steps > 0:
+        if settings.eval_interval:
+            c.metrics.log("eval_init", 0, evaluate_at(c, state))
+        for k, m in enumerate(sft_warm_start(c)):
+            c.metrics.log("sft", k + 1, m)
+    state.sft_done = True
+    c.metrics.log("publish", state.step, push_weights(c, state.version))  # engines == trainer before step 1
+    if settings.eval_interval and state.step == 0:
+        c.metrics.log("eval", 0, evaluate_at(c, state))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer") as trainer:
+        loop = AsyncLoop(
+            settings,
+            ComponentHooks(c, pause_mode, trainer),
+            c.rollout.run_sample,
+            task_prompts(c, state.prompts_consumed),
+            state=state,
+            clock=c.clock,
+            should_stop=c.stop.is_set,
+            trainer_executor=trainer,
+        )
+        state = c.runner.run(loop.run())
+    log.info(
+        "fully-async run: %d steps, version %d, staleness %s",
+        state.step,
+        state.version,
+        {k: round(v, 3) for k, v in loop.run_stats.summary().items()},
+    )
+    plot_metrics(c.metrics.path, c.run_dir / "metrics.png", extra_panels=FULLY_ASYNC_PANELS)
+    return state

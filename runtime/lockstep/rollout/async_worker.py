@@ -59,11 +59,13 @@ class WorkerCounters:
     finished_samples: int = 0
     """Trajectories that ended, in any status."""
     failed_samples: int = 0
-    """Trajectories whose generate callable raised (status FAILED)."""
+    """Trajectories whose generate callable raised (marked FAILED here)."""
     timed_out_samples: int = 0
     """Trajectories cut by the per-sample timeout (status ABORTED)."""
     completed_groups: int = 0
     """Groups whose every sample finished (then offered to the buffer)."""
+    unusable_samples: int = 0
+    """Trajectories that ended ABORTED or FAILED, however (their groups are dropped at put)."""
     generated_tokens: int = 0
     """Response tokens of finished trajectories."""
 
@@ -192,6 +194,7 @@ class AsyncRolloutWorker:
     async def _run_sample(self, sample: Sample) -> None:
         done = await self._generate_one(sample)
         self.counters.finished_samples += 1
+        self.counters.unusable_samples += done.status in (SampleStatus.ABORTED, SampleStatus.FAILED)
         self.counters.generated_tokens += len(done.response_ids)
         slots = self._partial[done.group_index]
         slots[done.index] = done
@@ -210,9 +213,10 @@ class AsyncRolloutWorker:
         return {
             "in_flight": float(self._in_flight),
             "max_in_flight": float(self.max_in_flight),
-            "rollout/submitted_groups": float(c.submitted_groups),
-            "rollout/finished_samples": float(c.finished_samples),
-            "rollout/failed_samples": float(c.failed_samples),
-            "rollout/timed_out_samples": float(c.timed_out_samples),
-            "rollout/generated_tokens": float(c.generated_tokens),
+            "rollout_submitted_groups": float(c.submitted_groups),
+            "rollout_finished_samples": float(c.finished_samples),
+            "rollout_unusable_samples": float(c.unusable_samples),
+            "rollout_failed_samples": float(c.failed_samples),
+            "rollout_timed_out_samples": float(c.timed_out_samples),
+            "rollout_generated_tokens": float(c.generated_tokens),
         }

@@ -18,9 +18,9 @@ from lockstep.driver.fully_async import (
     AsyncSettings,
     ColocateRefused,
     EvalOutcome,
-    LoopState,
     check_schedule,
 )
+from lockstep.driver.state import DriverState
 from lockstep.rollout.async_worker import Prompt
 from lockstep.types import Group, Sample
 
@@ -52,7 +52,8 @@ class Hooks:
         self.engine = engine
         self.trained: list[list[int]] = []
         self.logged: list[tuple[int, dict[str, float]]] = []
-        self.saved: list[LoopState] = []
+        self.eval_logged: list[tuple[int, dict[str, float]]] = []
+        self.saved: list[DriverState] = []
         self.eval_gate: asyncio.Event | None = None
 
     def train(self, groups: list[Group], step: int) -> dict[str, float]:
@@ -72,13 +73,13 @@ class Hooks:
         if self.eval_gate is not None:
             await self.eval_gate.wait()
         seen.add(self.engine.version)
-        return EvalOutcome({"accuracy": version / 10}, seen)
+        return EvalOutcome({"reward_mean": version / 10}, seen)
 
-    def save(self, state: LoopState) -> None:
+    def save(self, state: DriverState) -> None:
         self.saved.append(state)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.logged.append((step, metrics))
+    def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        (self.logged if kind == "train" else self.eval_logged).append((step, metrics))
 
 
 def long_tail_prompts(start: int = 0) -> Iterator[Prompt]:
@@ -102,17 +103,18 @@ async def test_loop_trains_publishes_and_measures() -> None:
     assert len(hooks.trained) == 6 and all(len(b) == 2 for b in hooks.trained)
     flat = [i for b in hooks.trained for i in b]
     assert len(set(flat)) == len(flat)  # each group trained once
-    steps = [s for s, _ in hooks.logged]
-    assert steps == list(range(6))
+    assert [s for s, _ in hooks.logged] == [1, 2, 3, 4, 5, 6]  # steps done, as the sync loop logs them
     last = hooks.logged[-1][1]
     for key in (
         "queue_size",
         "stale_groups_filtered",
         "in_flight",
         "weight_version_sample_coverage",
-        "staleness/s_old_mean",
+        "staleness_s_old_mean",
         "mixed_version_ratio",
-        "staleness/token_weighted_mean",
+        "staleness_token_weighted_mean",
+        "rollout_samples_per_s",
+        "trained_samples_per_s",
     ):
         assert key in last
     assert last["weight_version_sample_coverage"] == 1.0
@@ -120,6 +122,7 @@ async def test_loop_trains_publishes_and_measures() -> None:
     assert loop.run_stats.mixed_groups > 0
     assert max(loop.run_stats.s_old) >= 1
     assert [s.step for s in hooks.saved] == [3, 6]
+    assert loop.trained_samples == 6 * 2 * 2
     assert hooks.saved[-1].next_group_index >= 12
 
 
@@ -140,18 +143,18 @@ async def test_eval_attributed_to_its_step_with_latency() -> None:
     loop = AsyncLoop(settings(eval_interval=2, eval_pins_version=False), hooks, engine, long_tail_prompts())
 
     async def release_late(step: int, metrics: dict[str, float]) -> None:
-        if step == 4 and hooks.eval_gate is not None:
-            hooks.eval_gate.set()  # the eval launched after step 1 returns only now, steps later
+        if step == 5 and hooks.eval_gate is not None:
+            hooks.eval_gate.set()  # the eval launched after step 2 returns only now, steps later
 
     loop.on_step = release_late
     await loop.run()
     by_step = {r.step: r for r in loop.evals}
-    assert set(by_step) == {1, 3, 5}
-    assert by_step[1].version == 2 and by_step[1].metrics == {"accuracy": 0.2}
-    assert by_step[1].mixed_versions  # unpinned: the engines moved on while it ran, and it says so
-    eval_logs = [(s, m) for s, m in hooks.logged if "eval/accuracy" in m]
-    assert {s for s, _ in eval_logs} == {1, 3, 5}
-    assert all(m["eval/latency_s"] >= 0.0 for _, m in eval_logs)
+    assert set(by_step) == {2, 4, 6}
+    assert by_step[2].version == 2 and by_step[2].metrics == {"reward_mean": 0.2}
+    assert by_step[2].mixed_versions  # unpinned: the engines moved on while it ran, and it says so
+    assert sorted(s for s, _ in hooks.eval_logged) == [2, 4, 6]  # each on its own step, however late
+    assert all(m["eval_latency_s"] >= 0.0 and m["weight_version"] == s for s, m in hooks.eval_logged)
+    assert dict(hooks.eval_logged)[2]["mixed_versions"] == 1.0
 
 
 async def test_pinned_eval_never_mixes_versions() -> None:
@@ -161,19 +164,22 @@ async def test_pinned_eval_never_mixes_versions() -> None:
     await loop.run()
     assert len(loop.evals) == 6
     assert not any(r.mixed_versions for r in loop.evals)
-    assert [r.version for r in sorted(loop.evals, key=lambda r: r.step)] == [1, 2, 3, 4, 5, 6]
+    assert [(r.step, r.version) for r in sorted(loop.evals, key=lambda r: r.step)] == [
+        (k, k) for k in range(1, 7)
+    ]
 
 
 async def test_resume_continues_from_state() -> None:
     engine = ToyEngine()
     engine.version = 3
     hooks = Hooks(engine)
-    state = LoopState(step=3, version=3, next_group_index=40, prompts_consumed=40)
+    state = DriverState(step=3, version=3, next_group_index=40, prompts_consumed=40)
     loop = AsyncLoop(settings(), hooks, engine, long_tail_prompts(40), state=state)
     end = await loop.run()
     assert end.step == 6 and end.version == 6
     assert min(i for b in hooks.trained for i in b) >= 40
-    assert [s for s, _ in hooks.logged] == [3, 4, 5]
+    assert [s for s, _ in hooks.logged] == [4, 5, 6]
+    assert [s.step for s in hooks.saved] == [6]  # always saved at the end
 
 
 def test_colocate_refused_at_start() -> None:
