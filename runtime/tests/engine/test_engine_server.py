@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,8 @@ def _prompt(text: str) -> list[int]:
 
 def _reference_logprobs(path: Path, prompt: list[int], out: list[int], temperature: float) -> list[float]:
     """Independent full-sequence forward of the HF model: logprob of each output token."""
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model: Any = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out])).logits[0].float()  # [P+R, V]
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
