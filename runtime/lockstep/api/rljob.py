@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -29,6 +29,11 @@ from lockstep.api.common import (
     ObjectMeta,
 )
 
+# Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
+Label = Annotated[str, Field(max_length=63)]
+Arg = Annotated[str, Field(max_length=1024)]
+LabelKey = Annotated[str, Field(max_length=316)]
+
 # ---------------------------------------------------------------------------------------------- model
 
 
@@ -39,7 +44,7 @@ class LoraSpec(ApiModel):
     """Adapter rank r."""
     alpha: int = Field(default=16, ge=1, le=4096)
     """Scaling numerator; the adapter output is scaled by alpha / rank."""
-    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"], max_length=64)
+    target_modules: list[Label] = Field(default_factory=lambda: ["all-linear"], max_length=64)
     """Module names (or `all-linear`) that get adapters."""
 
 
@@ -119,7 +124,7 @@ class Teacher(ApiModel):
     """Teacher name, unique in the list; samples are routed to it by label."""
     url: str = Field(min_length=1, max_length=512, pattern=r"^https?://")
     """Base URL of the teacher's SGLang server (`http://host:port`)."""
-    labels: list[str] = Field(default_factory=list, max_length=64)
+    labels: list[Label] = Field(default_factory=list, max_length=64)
     """Sample labels routed to this teacher."""
 
 
@@ -196,7 +201,7 @@ class Precision(enum.StrEnum):
 
 
 class KVCacheDtype(enum.StrEnum):
-    """KV-cache dtype of the engine."""
+    """KV-cache dtype of the engine, spelled as SGLang's `--kv-cache-dtype` values."""
 
     AUTO = "auto"
     BF16 = "bf16"
@@ -277,7 +282,7 @@ class EngineSpec(ApiModel):
     """Prefill-decode disaggregation (separate prefill and decode servers)."""
     multi_token_prediction: bool = False
     """Speculative decoding with the model's MTP draft head."""
-    extra_args: list[str] = Field(default_factory=list, max_length=64)
+    extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 
 
@@ -547,7 +552,7 @@ class PlacementSpec(ApiModel):
 
     gpu_product: GPUProduct = GPUProduct.ANY
     """GPU product: `GB300`, `H100` or `any`."""
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    node_selector: dict[LabelKey, Label] = Field(default_factory=dict, max_length=32)
     """Extra node labels every pod requires."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations of every pod."""
@@ -648,6 +653,6 @@ class RLJob(ApiModel):
     metadata: ObjectMeta
     """Object metadata."""
     spec: RLJobSpec
-    """Desired state."""
+    """Desired state: model, algorithm, rollout, trainer, weightSync, schedule, data, agent, placement."""
     status: RLJobStatus | None = None
-    """Observed state."""
+    """Observed state, written by the operator and the driver."""
