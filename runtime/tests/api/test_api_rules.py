@@ -142,3 +142,9 @@ def test_changing_model_or_backend_is_refused_on_update() -> None:
     same = before.model_copy(deep=True)
     same.spec.schedule.steps = 5
     assert check_update(before, same) == []
+
+
+def test_docs_list_every_rule_with_its_message() -> None:
+    docs = (EXAMPLES.parent / "docs" / "api.md").read_text()
+    missing = [r.name for r in RULES if f"`{r.name}`" not in docs or r.message not in docs]
+    assert missing == [], "update the rules table of docs/api.md"
