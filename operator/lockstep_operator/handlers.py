@@ -153,7 +153,7 @@ async def cleanup(memo: Any, **_: Any) -> None:
 
 
 @kopf.on.probe(id="reconciles")
-def probe_reconciles(memo: Any, **_: Any) -> int:
+async def probe_reconciles(memo: Any, **_: Any) -> int:
     """Liveness detail: objects with a reconcile in flight."""
     return len(memo["coalescer"]._tasks) if "coalescer" in memo else 0
 
@@ -165,20 +165,22 @@ def _kick(memo: kopf.Memo, keys: list[Key]) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "rljobs")
-def rljob_event(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+async def rljob_event(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """An RLJob changed (spec or status): reconcile it."""
     if type != "DELETED":
         _kick(memo, [("RLJob", namespace or "", name)])
 
 
 @kopf.timer(GROUP, VERSION, "rljobs", interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-def rljob_resync(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+async def rljob_resync(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
     """Periodic level-triggered re-check of a job and its children."""
     _kick(memo, _family(name, namespace or ""))
 
 
-def _child_event(kind: str) -> Callable[..., None]:
-    def handler(type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:
+def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
+    async def handler(
+        type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
+    ) -> None:
         if type == "DELETED":
             return
         keys: list[Key] = [(kind, namespace or "", name)]
@@ -199,7 +201,7 @@ for _plural, _kind in (
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+async def pod_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
     """A pod of a job changed: reconcile its owner and the weight channel (placement may change)."""
     job, role, namespace = labels[LABEL_JOB], labels.get(LABEL_ROLE), namespace or ""
     keys: list[Key] = [("WeightChannel", namespace, channel_name(job))]
@@ -213,6 +215,6 @@ def pod_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: 
 
 
 @kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT, LABEL_ROLE: "driver"})
-def progress_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+async def progress_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
     """The driver reported progress: every object of the job folds it in."""
     _kick(memo, _family(labels[LABEL_JOB], namespace or ""))

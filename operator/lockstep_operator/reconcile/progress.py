@@ -67,6 +67,8 @@ def read_progress(config_map: Mapping[str, Any] | None) -> tuple[ProgressReport 
         return None, None
     try:
         return ProgressReport.model_validate(json.loads(raw)), None
-    except (ValueError, ValidationError) as err:
-        first = str(err).splitlines()[0][:300]
-        return None, f"{PROGRESS_KEY} in the progress ConfigMap is not a valid report: {first}"
+    except ValidationError as err:
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()[:5])
+        return None, f"{PROGRESS_KEY} in the progress ConfigMap is not a valid report: {where}"
+    except ValueError as err:
+        return None, f"{PROGRESS_KEY} in the progress ConfigMap is not JSON: {err}"

@@ -33,6 +33,7 @@ from lockstep_operator.reconcile.common import (
     ANN_GANG_MIN,
     ANN_JOB_REPLICAS,
     ANN_RESTART_LIMIT,
+    ANN_SHARED_VOLUME,
     ANN_STOPPED,
     ANN_SUSPENDED,
     annotations_of,
@@ -77,6 +78,7 @@ def child_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: 
         ANN_SUSPENDED: str(suspended).lower(),
         ANN_STOPPED: stopped,
         ANN_GANG_MIN: str(gang_min_member(spec)),
+        ANN_SHARED_VOLUME: spec.weight_sync.disk_delta.volume_claim or "",
     }
     pool = {
         "apiVersion": API_VERSION,

@@ -30,6 +30,7 @@ from lockstep_operator.reconcile.common import (
     ANN_GANG_MIN,
     ANN_LAST_SCALED,
     ANN_QUEUE_HISTORY,
+    ANN_SHARED_VOLUME,
     ANN_STOPPED,
     ANN_SUSPENDED,
     annotations_of,
@@ -68,7 +69,13 @@ def engine_placement(spec: RolloutPoolSpec) -> Placement:
 
 
 def engine_manifest(
-    owner: Owner, spec: RolloutPoolSpec, replica: int, *, gang_min: int, image: str
+    owner: Owner,
+    spec: RolloutPoolSpec,
+    replica: int,
+    *,
+    gang_min: int,
+    image: str,
+    shared_volume: str | None = None,
 ) -> Manifest:
     """Engine pod `replica` of the pool (pure)."""
     gang = spec.placement.gang
@@ -79,7 +86,11 @@ def engine_manifest(
         queue=gang.queue_name,
         member=replica < _pool_min(spec),
     )
-    container = Container(image=spec.engine.image or image, command=engine_command(spec.engine, spec.model))
+    container = Container(
+        image=spec.engine.image or image,
+        command=engine_command(spec.engine, spec.model),
+        shared_volume_claim=shared_volume or None,
+    )
     return engine_pod(
         owner,
         job=spec.job,
@@ -120,6 +131,7 @@ async def reconcile_pool(
         desired,
         gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
         image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
+        shared_volume=ann.get(ANN_SHARED_VOLUME),
     )
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
@@ -147,6 +159,7 @@ async def _converge_pods(
     *,
     gang_min: int,
     image: str,
+    shared_volume: str | None,
 ) -> list[Manifest]:
     """Delete failed and surplus engines, create missing ones; return the live (kept) pods."""
     by_index: dict[int, Manifest] = {}
@@ -163,7 +176,11 @@ async def _converge_pods(
     live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
     for index in range(desired):
         if index not in by_index:
-            await kube.apply(engine_manifest(owner, spec, index, gang_min=gang_min, image=image))
+            await kube.apply(
+                engine_manifest(
+                    owner, spec, index, gang_min=gang_min, image=image, shared_volume=shared_volume
+                )
+            )
     return live
 
 

@@ -29,6 +29,7 @@ from lockstep_operator.reconcile.common import (
     ANN_CLIQUE,
     ANN_GANG_MIN,
     ANN_RESTART_LIMIT,
+    ANN_SHARED_VOLUME,
     ANN_STOPPED,
     ANN_SUSPENDED,
     annotations_of,
@@ -67,6 +68,7 @@ def rank_manifest(
     gang_min: int,
     clique: str | None,
     image: str,
+    shared_volume: str | None = None,
 ) -> Manifest:
     """Rank pod `rank` of generation `generation` (pure)."""
     place = spec.placement
@@ -84,7 +86,11 @@ def rank_manifest(
         queue=place.gang.queue_name,
         member=True,
     )
-    container = Container(image=spec.trainer.image or image, command=trainer_command())
+    container = Container(
+        image=spec.trainer.image or image,
+        command=trainer_command(),
+        shared_volume_claim=shared_volume or None,
+    )
     return rank_pod(
         owner,
         job=spec.job,
@@ -195,6 +201,7 @@ async def _create_missing(
                 generation=restarts,
                 gang_min=gang_min,
                 clique=clique,
+                shared_volume=ann.get(ANN_SHARED_VOLUME),
                 image=settings.runtime_image,
             )
         )

@@ -1,0 +1,589 @@
+"""End-to-end: the operator against the real control plane and kwok GPU nodes.
+
+Why: the operator's promises are Kubernetes behaviour — children on the right nodes with the right GPU
+requests, status and printer columns, gang restarts, garbage collection — so they are checked against a
+real kube-apiserver, controller-manager (GC), scheduler and kwok kubelets, with the operator running
+in-process (kopf.testing.KopfRunner, standalone, all namespaces). kwok pods run no process, so the tests
+play the driver: they patch the `<job>-progress` ConfigMap exactly as the driver would.
+
+Covers: every example reconciles (children, nodes, GPU requests, NVLink packing); the transport choice
+for one fixture per topology; preflight pass and fail; an engine failure and a trainer rank failure
+recover (gang restart) and the restart limit fails the job; the operator stopped mid-reconcile and
+restarted leaves no duplicates; suspend/resume; deleting the job removes everything; `kubectl get
+rljobs` shows the columns; a gang scheduler whose CRDs are missing is a condition, and installed ones
+get their pod group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.controlplane.cluster import ControlPlane
+from e2e.controlplane.nodes import NodePool
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = "rl.lockstep.dev/job"
+WAIT = 60.0
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+class Operator:
+    """The operator running in-process; `restart()` stops it and starts a fresh runner."""
+
+    def __init__(self) -> None:
+        self.runner: Any = None
+
+    def start(self) -> None:
+        from kopf.testing import KopfRunner
+
+        args = ["run", "--standalone", "--all-namespaces", "-m", "lockstep_operator.handlers"]
+        self.runner = KopfRunner(args, timeout=60)
+        self.runner.__enter__()
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.__exit__(None, None, None)
+            self.runner = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: ControlPlane) -> Iterator[Operator]:
+    """CRDs installed, the operator running for the whole module."""
+    os.environ.setdefault("LOCKSTEP_OPERATOR_RESYNC_SECONDS", "3")
+    os.environ.setdefault("LOCKSTEP_OPERATOR_HA_MODE", "standalone")
+    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        cluster.apply(crd.read_text())
+    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        name = yaml.safe_load(crd.read_text())["metadata"]["name"]
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    op = Operator()
+    op.start()
+    yield op
+    op.stop()
+
+
+def example(name: str, **patch: Any) -> dict[str, Any]:
+    """An example manifest with nested overrides, e.g. spec={"placement": {"gang": {"scheduler": "none"}}}."""
+    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    _merge(manifest, patch)
+    return manifest
+
+
+def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def tiny(name: str, **spec: Any) -> dict[str, Any]:
+    """A CPU-only job (reference engine, CPU trainer) named `name`."""
+    return example("tiny-local", metadata={"name": name}, spec=spec)
+
+
+def no_gang(manifest: dict[str, Any]) -> dict[str, Any]:
+    _merge(manifest, {"spec": {"placement": {"gang": {"scheduler": "none"}}}})
+    return manifest
+
+
+def pods(cluster: ControlPlane, ns: str, job: str, role: str | None = None) -> list[dict[str, Any]]:
+    sel = f"{JOB}={job}" + (f",rl.lockstep.dev/role={role}" if role else "")
+    items: list[dict[str, Any]] = cluster.get("pods", "-n", ns, "-l", sel)["items"]
+    return items
+
+
+def running(cluster: ControlPlane, ns: str, job: str, role: str, count: int) -> list[dict[str, Any]]:
+    """Wait until exactly `count` live pods of `role` are Running; return them."""
+
+    def check() -> list[dict[str, Any]] | None:
+        live = [p for p in pods(cluster, ns, job, role) if not p["metadata"].get("deletionTimestamp")]
+        ok = len(live) == count and all(p["status"].get("phase") == "Running" for p in live)
+        return live if ok else None
+
+    return cluster.wait_for(check, timeout=WAIT, what=f"{count} running {role} pods of {job}")
+
+
+def status(cluster: ControlPlane, ns: str, kind: str, name: str) -> dict[str, Any]:
+    result: dict[str, Any] = cluster.get(kind, name, "-n", ns).get("status") or {}
+    return result
+
+
+def phase_is(cluster: ControlPlane, ns: str, job: str, phase: str) -> dict[str, Any]:
+    return cluster.wait_for(
+        lambda: (s := status(cluster, ns, "rljob", job)).get("phase") == phase and s,
+        timeout=WAIT,
+        what=f"rljob {job} phase {phase}",
+    )
+
+
+def report(cluster: ControlPlane, ns: str, job: str, **doc: Any) -> None:
+    """Act as the driver: write the progress document (the only thing the driver may patch)."""
+    patch = {"data": {"progress.json": json.dumps(doc)}}
+    cluster.kubectl(
+        "patch", "configmap", f"{job}-progress", "-n", ns, "--type=merge", "-p", json.dumps(patch)
+    )
+
+
+def cond(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions", []) if c["type"] == type_), {})
+
+
+def gpus(pod: dict[str, Any]) -> str | None:
+    limits: dict[str, str] = pod["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    return limits.get("nvidia.com/gpu")
+
+
+def node_labels(cluster: ControlPlane, node: str) -> dict[str, str]:
+    labels: dict[str, str] = cluster.get("node", node)["metadata"]["labels"]
+    return labels
+
+
+def shared_volume(cluster: ControlPlane, ns: str, claim: str) -> None:
+    """A ReadWriteMany claim bound to a static PersistentVolume (kwok pods never touch it)."""
+    pv = {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{claim}"},
+        "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": "/tmp/lockstep-shared"}, "persistentVolumeReclaimPolicy": "Delete"},
+    }  # fmt: skip
+    pvc = {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"{ns}-{claim}",
+                 "resources": {"requests": {"storage": "1Ti"}}},
+    }  # fmt: skip
+    cluster.apply([pv, pvc])
+
+
+def delete_and_wait(cluster: ControlPlane, ns: str, job: str) -> None:
+    cluster.kubectl("delete", "rljob", job, "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: not pods(cluster, ns, job), timeout=WAIT, what=f"pods of {job} gone")
+
+
+# --------------------------------------------------------------------------------------------- tests
+
+
+def test_h100_example_children_nodes_gpus_and_columns(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "qwen3-4b-h100"
+    cluster.apply(no_gang(example("h100")), namespace=namespace)
+    engines = running(cluster, namespace, job, "engine", 8)
+    ranks = running(cluster, namespace, job, "trainer", 1)
+    running(cluster, namespace, job, "driver", 1)
+    for pod in [*engines, *ranks]:
+        labels = node_labels(cluster, pod["spec"]["nodeName"])
+        assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert {gpus(p) for p in engines} == {"1"} and gpus(ranks[0]) == "8"
+    env = {e["name"]: e.get("value") for e in ranks[0]["spec"]["containers"][0]["env"]}
+    assert env["MASTER_ADDR"] == f"{job}-trainer-0.{job}-trainer.{namespace}.svc"
+    assert (env["WORLD_SIZE"], env["RANK"], env["NPROC_PER_NODE"]) == ("1", "0", "8")
+    services = {s["metadata"]["name"]: s for s in cluster.get("services", "-n", namespace)["items"]}
+    assert services[f"{job}-trainer"]["spec"]["clusterIP"] == "None"
+    assert services[f"{job}-rollout-router"]["spec"]["ports"][0]["port"] == 30000
+    for kind in ("rolloutpool", "trainergroup", "weightchannel"):
+        owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
+        assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == job
+    st = phase_is(cluster, namespace, job, "Preflight")  # checkWeightUpdateEqual: true
+    assert st["transport"] == "broadcast"  # requested and feasible (one network)
+    versions = {p["metadata"]["name"]: 4 for p in engines}
+    report(
+        cluster,
+        namespace,
+        job,
+        step=0,
+        weightVersion=0,
+        engineVersions={n: 0 for n in versions},
+        preflight="passed",
+    )
+    phase_is(cluster, namespace, job, "Running")
+    report(
+        cluster,
+        namespace,
+        job,
+        step=4,
+        weightVersion=4,
+        reward=0.625,
+        staleness=1,
+        queueSize=3,
+        engineVersions=versions,
+        preflight="passed",
+    )
+    cluster.wait_for(
+        lambda: status(cluster, namespace, "rljob", job).get("weightVersion") == 4,
+        timeout=WAIT,
+        what="weightVersion 4 folded into the job",
+    )
+    table = cluster.kubectl("get", "rljobs", "-n", namespace).stdout.splitlines()
+    assert table[0].split()[:7] == ["NAME", "PHASE", "STEP", "VERSION", "REWARD", "STALENESS", "TRANSPORT"]
+    assert table[1].split()[:7] == [job, "Running", "4", "4", "0.625", "1", "broadcast"]
+    assert "AGE" in table[0]
+    delete_and_wait(cluster, namespace, job)
+
+
+def test_gb300_example_packs_trainer_into_one_nvlink_domain(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = example("glm5-gb300")["metadata"]["name"]
+    cluster.apply(no_gang(example("glm5-gb300")), namespace=namespace)
+    ranks = running(cluster, namespace, job, "trainer", 8)
+    engines = running(cluster, namespace, job, "engine", 8)
+    cliques = {node_labels(cluster, p["spec"]["nodeName"]).get("nvidia.com/gpu.clique") for p in ranks}
+    assert len(cliques) == 1 and None not in cliques
+    assert {gpus(p) for p in [*ranks, *engines]} == {"4"}
+    for pod in [*ranks, *engines]:
+        assert node_labels(cluster, pod["spec"]["nodeName"])["nvidia.com/gpu.product"] == "NVIDIA-GB300"
+    cmd = engines[0]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-dp-attention" in cmd
+    assert len({p["spec"]["nodeName"] for p in ranks}) == 8  # one rank pod per tray
+    delete_and_wait(cluster, namespace, job)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [("p2p", "p2p"), ("broadcast", "broadcast"), ("cuda-ipc", "cuda-ipc"), ("disk-delta", "disk-delta")],
+)
+def test_transport_choice_per_topology(
+    cluster: ControlPlane, operator: Operator, namespace: str, case: str, expected: str
+) -> None:
+    job = f"topo-{case}"
+    two_by_two = {
+        "trainer": {"device": "cuda", "nodes": 2, "gpusPerNode": 4},
+        "rollout": {"replicas": 2, "gpusPerEngine": 4},
+    }
+    if case == "p2p":  # GB300 trays: rdma/ib on every node, 2 nodes per side
+        spec: dict[str, Any] = {**two_by_two, "placement": {"gpuProduct": "GB300"}}
+    elif case == "broadcast":  # Ethernet-only H100 nodes: one network, no RDMA
+        spec = {
+            "trainer": {"device": "cuda", "nodes": 1, "gpusPerNode": 8},
+            "rollout": {"replicas": 2, "gpusPerEngine": 2},
+            "placement": {
+                "gpuProduct": "H100",
+                "nodeSelector": {"node.kubernetes.io/instance-type": "hgx-h100-eth"},
+            },
+        }
+    elif case == "cuda-ipc":
+        spec = {"schedule": {"colocate": True}}
+    else:  # two nodes on different networks, only a shared volume between them
+        cluster.add_nodes(
+            [
+                NodePool(
+                    prefix="lsop-split",
+                    count=2,
+                    capacity={"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"},
+                    labels={"lockstep-e2e/split": "true"},
+                    taints=[{"key": "lockstep-e2e/split", "value": "true", "effect": "NoSchedule"}],
+                    per_node_labels=[
+                        {"from": 0, "to": 1, "labels": {"rl.lockstep.dev/network": "net-a"}},
+                        {"from": 1, "to": 2, "labels": {"rl.lockstep.dev/network": "net-b"}},
+                    ],
+                )
+            ]
+        )
+        spec = {
+            "trainer": {"device": "cuda", "nodes": 1, "gpusPerNode": 8},
+            "rollout": {"replicas": 1, "gpusPerEngine": 8},
+            "weightSync": {"diskDelta": {"volumeClaim": "shared-ckpt"}},
+            "placement": {
+                "nodeSelector": {"lockstep-e2e/split": "true"},
+                "tolerations": [{"key": "lockstep-e2e/split", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+        }
+        shared_volume(cluster, namespace, "shared-ckpt")
+    cluster.apply(tiny(job, **spec), namespace=namespace)
+    st = cluster.wait_for(
+        lambda: (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s,
+        timeout=WAIT,
+        what=f"transport of {job}",
+    )
+    assert st["transport"] == expected, st["reason"]
+    assert st["reason"]
+    job_status = cluster.wait_for(
+        lambda: (s := status(cluster, namespace, "rljob", job)).get("transport") and s,
+        timeout=WAIT,
+        what="transport folded into the job",
+    )
+    assert job_status["transport"] == expected and job_status["transportReason"] == st["reason"]
+    delete_and_wait(cluster, namespace, job)
+    if case == "disk-delta":
+        cluster.kubectl("delete", "node", "lsop-split-0", "lsop-split-1", "--wait=false")
+
+
+def test_infeasible_requested_transport_is_a_condition(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "want-p2p"
+    cluster.apply(
+        tiny(job, weightSync={"transport": "p2p", "checkWeightUpdateEqual": False}), namespace=namespace
+    )
+    st = cluster.wait_for(
+        lambda: (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s,
+        timeout=WAIT,
+        what="transport chosen",
+    )
+    feasible = cond(st, "RequestedTransportFeasible")
+    assert feasible["status"] == "False" and "p2p" in feasible["message"]
+    assert st["transport"] != "p2p"
+
+
+def test_preflight_failure_fails_the_job_naming_tensors(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "preflight-bad"
+    cluster.apply(tiny(job), namespace=namespace)
+    running(cluster, namespace, job, "driver", 1)
+    phase_is(cluster, namespace, job, "Preflight")
+    report(
+        cluster,
+        namespace,
+        job,
+        step=0,
+        weightVersion=0,
+        preflight="failed",
+        preflightMismatched=["model.layers.0.mlp.up_proj.weight", "lm_head.weight"],
+    )
+    st = phase_is(cluster, namespace, job, "Failed")
+    failed = cond(st, "Failed")
+    assert failed["reason"] == "PreflightFailed" and "model.layers.0.mlp.up_proj.weight" in failed["message"]
+    channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
+    assert channel["preflightPassed"] is False and cond(channel, "PreflightPassed")["status"] == "False"
+    # A failed job frees its GPUs: engine and trainer pods go away.
+    cluster.wait_for(
+        lambda: not pods(cluster, namespace, job, "engine") and not pods(cluster, namespace, job, "trainer"),
+        timeout=WAIT,
+        what="pods of the failed job deleted",
+    )
+
+
+def test_engine_version_gates_readiness(cluster: ControlPlane, operator: Operator, namespace: str) -> None:
+    job = "versions"
+    cluster.apply(tiny(job, rollout={"replicas": 2}), namespace=namespace)
+    engines = running(cluster, namespace, job, "engine", 2)
+    names = sorted(p["metadata"]["name"] for p in engines)
+    report(
+        cluster,
+        namespace,
+        job,
+        step=2,
+        weightVersion=2,
+        engineVersions={names[0]: 2, names[1]: 1},
+        preflight="passed",
+    )
+    pool = cluster.wait_for(
+        lambda: (
+            (s := status(cluster, namespace, "rolloutpool", f"{job}-rollout")).get("readyReplicas") == 1 and s
+        ),
+        timeout=WAIT,
+        what="one engine ready (the other lags a version)",
+    )
+    assert (
+        cond(pool, "WeightsSynced")["status"] == "False"
+        and names[1] in cond(pool, "WeightsSynced")["message"]
+    )
+    assert [e.get("weightVersion") for e in pool["engines"]] == [2, 1]
+    report(
+        cluster,
+        namespace,
+        job,
+        step=2,
+        weightVersion=2,
+        engineVersions={names[0]: 2, names[1]: 2},
+        preflight="passed",
+    )
+    cluster.wait_for(
+        lambda: status(cluster, namespace, "rolloutpool", f"{job}-rollout").get("readyReplicas") == 2,
+        timeout=WAIT,
+        what="both engines ready at version 2",
+    )
+
+
+def test_engine_failure_is_replaced(cluster: ControlPlane, operator: Operator, namespace: str) -> None:
+    job = "engine-fail"
+    cluster.apply(tiny(job, rollout={"replicas": 2}), namespace=namespace)
+    before = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, namespace, job, "engine", 2)
+    }
+    victim = sorted(before)[1]
+    cluster.kubectl("label", "pod", victim, "-n", namespace, "lockstep.dev/inject-failure=container")
+    cluster.wait_for(
+        lambda: (
+            {
+                p["metadata"]["name"]: p["metadata"]["uid"]
+                for p in running(cluster, namespace, job, "engine", 2)
+            }.get(victim)
+            not in (None, before[victim])
+        ),
+        timeout=WAIT,
+        what="the failed engine replaced by a new pod",
+    )
+
+
+def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "gang"
+    manifest = tiny(job, trainer={"nodes": 2}, backoffLimit=1)
+    cluster.apply(manifest, namespace=namespace)
+    first = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, namespace, job, "trainer", 2)
+    }
+    cluster.kubectl(
+        "label", "pod", f"{job}-trainer-1", "-n", namespace, "lockstep.dev/inject-failure=container"
+    )
+
+    def restarted() -> bool:
+        now = {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in running(cluster, namespace, job, "trainer", 2)
+        }
+        return all(now[n] != first[n] for n in first)  # rank 0 restarted too: the whole gang
+
+    cluster.wait_for(restarted, timeout=WAIT, what="both ranks recreated")
+    assert status(cluster, namespace, "trainergroup", f"{job}-trainer")["restarts"] == 1
+    cluster.kubectl(
+        "annotate", "pod", f"{job}-trainer-0", "-n", namespace, "lockstep.dev/failure-message=NCCL timeout"
+    )
+    cluster.kubectl(
+        "label", "pod", f"{job}-trainer-0", "-n", namespace, "lockstep.dev/inject-failure=container"
+    )
+    st = phase_is(cluster, namespace, job, "Failed")
+    failed = cond(st, "Failed")
+    assert failed["reason"] == "GangRestartLimitExceeded" and "rank 0" in failed["message"]
+    assert "NCCL timeout" in failed["message"]
+
+
+def test_suspend_scales_to_zero_and_resume_restores(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "pause"
+    cluster.apply(tiny(job, rollout={"replicas": 2}), namespace=namespace)
+    running(cluster, namespace, job, "engine", 2)
+    cluster.kubectl("patch", "rljob", job, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    phase_is(cluster, namespace, job, "Suspended")
+    cluster.wait_for(lambda: not pods(cluster, namespace, job), timeout=WAIT, what="no pods while suspended")
+    assert cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)["spec"]["replicas"] == 2
+    cluster.kubectl(
+        "patch", "rljob", job, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    running(cluster, namespace, job, "engine", 2)
+    running(cluster, namespace, job, "trainer", 1)
+
+
+def test_scale_subresource_is_honoured(cluster: ControlPlane, operator: Operator, namespace: str) -> None:
+    job = "scaled"
+    cluster.apply(tiny(job), namespace=namespace)
+    running(cluster, namespace, job, "engine", 1)
+    cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", namespace, "--replicas=3")
+    running(cluster, namespace, job, "engine", 3)
+    pool = cluster.wait_for(
+        lambda: (s := status(cluster, namespace, "rolloutpool", f"{job}-rollout")).get("replicas") == 3 and s,
+        timeout=WAIT,
+        what="status.replicas 3",
+    )
+    assert pool["selector"] and f"{JOB}={job}" in pool["selector"]
+
+
+def test_operator_restarted_mid_reconcile_leaves_no_duplicates(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "restart"
+    cluster.apply(tiny(job, rollout={"replicas": 3}, trainer={"nodes": 2}), namespace=namespace)
+    cluster.wait_for(lambda: pods(cluster, namespace, job), timeout=WAIT, what="first pod created")
+    operator.restart()  # killed while the job's children are being created
+    running(cluster, namespace, job, "engine", 3)
+    running(cluster, namespace, job, "trainer", 2)
+    running(cluster, namespace, job, "driver", 1)
+    assert len(pods(cluster, namespace, job)) == 6
+    for kind in ("rolloutpool", "trainergroup", "weightchannel", "services", "configmaps"):
+        names = [
+            o["metadata"]["name"] for o in cluster.get(kind, "-n", namespace, "-l", f"{JOB}={job}")["items"]
+        ]
+        assert len(names) == len(set(names))
+    assert len(cluster.get("rolloutpool", "-n", namespace)["items"]) == 1
+
+
+def test_delete_removes_everything(cluster: ControlPlane, operator: Operator, namespace: str) -> None:
+    job = "gone"
+    cluster.apply(tiny(job), namespace=namespace)
+    running(cluster, namespace, job, "driver", 1)
+    cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false")
+
+    def nothing_left() -> bool:
+        kinds = "pods,services,configmaps,serviceaccounts,roles,rolebindings,rolloutpools,trainergroups,weightchannels"
+        return not cluster.get(kinds, "-n", namespace, "-l", f"{JOB}={job}")["items"]
+
+    cluster.wait_for(nothing_left, timeout=WAIT, what="every child garbage-collected")
+    cluster.wait_for(
+        lambda: not cluster.get("rljobs", "-n", namespace)["items"], timeout=WAIT, what="the job itself gone"
+    )
+
+
+def test_driver_rbac_is_narrow(cluster: ControlPlane, operator: Operator, namespace: str) -> None:
+    job = "rbac"
+    cluster.apply(tiny(job), namespace=namespace)
+    running(cluster, namespace, job, "driver", 1)
+    sa = f"system:serviceaccount:{namespace}:{job}-driver"
+
+    def can(*args: str) -> str:
+        return cluster.kubectl(
+            "auth", "can-i", *args, "-n", namespace, f"--as={sa}", check=False
+        ).stdout.strip()
+
+    assert can("patch", f"configmap/{job}-progress") == "yes"
+    assert can("patch", f"configmap/{job}-config") == "no"
+    assert can("list", "pods") == "no"
+    assert can("patch", f"rljob/{job}") == "no"
+
+
+def test_missing_gang_scheduler_is_a_condition_and_installed_one_gets_a_pod_group(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "gang-missing"
+    cluster.apply(tiny(job, placement={"gang": {"scheduler": "scheduler-plugins"}}), namespace=namespace)
+    st = cluster.wait_for(
+        lambda: (s := status(cluster, namespace, "rljob", job)).get("conditions") and s,
+        timeout=WAIT,
+        what="status",
+    )
+    admitted = cond(st, "Admitted")
+    assert admitted["status"] == "False" and "scheduler-plugins" in admitted["message"]
+    assert st["phase"] == "Pending" and not pods(cluster, namespace, job)
+    # Install a Kueue Workload API: plain pod groups need no object, only labels on the members.
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "workloads.kueue.x-k8s.io"},
+        "spec": {"group": "kueue.x-k8s.io", "scope": "Namespaced",
+                 "names": {"plural": "workloads", "singular": "workload", "kind": "Workload"},
+                 "versions": [{"name": "v1beta1", "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+    }  # fmt: skip
+    cluster.apply(crd)
+    cluster.kubectl("wait", "--for=condition=Established", "crd/workloads.kueue.x-k8s.io", "--timeout=60s")
+    job2 = "gang-kueue"
+    cluster.apply(
+        tiny(
+            job2,
+            trainer={"nodes": 2},
+            rollout={"replicas": 3, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}},
+            placement={"gang": {"scheduler": "kueue", "queueName": "rl"}},
+        ),
+        namespace=namespace,
+    )
+    ranks = running(cluster, namespace, job2, "trainer", 2)
+    engines = running(cluster, namespace, job2, "engine", 3)
+    members = [p for p in [*ranks, *engines] if "kueue.x-k8s.io/pod-group-name" in p["metadata"]["labels"]]
+    assert len(members) == 3  # 2 ranks + 1 minimum replica
+    assert {p["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] for p in members} == {"3"}
+    assert all(p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rl" for p in [*ranks, *engines])

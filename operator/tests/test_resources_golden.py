@@ -1,0 +1,118 @@
+"""Golden tests of the child manifests: what the operator applies for the examples, byte for byte.
+
+Regenerate after an intended change with `LOCKSTEP_UPDATE_GOLDEN=1 pytest operator/tests` and review
+the diff of operator/tests/golden/.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lockstep.api.rljob import Autoscaling, RLJob
+from lockstep.api.rolloutpool import RolloutPoolSpec
+from lockstep.api.trainergroup import TrainerGroupSpec
+from lockstep_operator.reconcile.rljob import child_manifests, gang_min_member
+from lockstep_operator.reconcile.rolloutpool import engine_manifest
+from lockstep_operator.reconcile.trainergroup import rank_manifest
+from lockstep_operator.resources import config, podgroups
+from lockstep_operator.resources.common import Owner
+from lockstep_operator.resources.pods import rank_env
+
+GOLDEN = Path(__file__).parent / "golden"
+IMAGE = "registry.example/lockstep-runtime:test"
+
+
+def load(name: str) -> RLJob:
+    return RLJob.model_validate(
+        yaml.safe_load((Path(__file__).parent / "fixtures" / f"{name}.yaml").read_text())
+    )
+
+
+def owner(kind: str, name: str) -> Owner:
+    return Owner(
+        api_version="rl.lockstep.dev/v1alpha1",
+        kind=kind,
+        name=name,
+        uid=f"uid-{name}",
+        namespace="team-a",
+        labels={"team": "rl"},
+    )
+
+
+def check(name: str, value: Any) -> None:
+    text = yaml.safe_dump(value, sort_keys=True)
+    path = GOLDEN / f"{name}.yaml"
+    if os.environ.get("LOCKSTEP_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}: run with LOCKSTEP_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} differs from {path}"
+
+
+@pytest.mark.parametrize("example", ["h100", "glm5-gb300", "tiny-local"])
+def test_job_children(example: str) -> None:
+    job = load(example)
+    name = job.metadata.name
+    own = owner("RLJob", name)
+    pool, trainer, channel = child_manifests(own, job.spec, suspended=False, stopped="")
+    pool_spec = RolloutPoolSpec.model_validate({**pool["spec"], "replicas": job.spec.rollout.replicas})
+    trainer_spec = TrainerGroupSpec.model_validate(trainer["spec"])
+    engine0 = engine_manifest(
+        owner("RolloutPool", f"{name}-rollout"), pool_spec, 0, gang_min=gang_min_member(job.spec), image=IMAGE
+    )
+    rank0 = rank_manifest(
+        owner("TrainerGroup", f"{name}-trainer"),
+        trainer_spec,
+        0,
+        generation=0,
+        gang_min=gang_min_member(job.spec),
+        clique="uuid.1" if example == "glm5-gb300" else None,
+        image=IMAGE,
+    )
+    check(
+        f"{example}-children",
+        {"pool": pool, "trainer": trainer, "channel": channel, "engine0": engine0, "rank0": rank0},
+    )
+
+
+def test_driver_config_and_rbac() -> None:
+    own = owner("RLJob", "j")
+    check("driver-config-rbac", {
+        "config": config.runtime_config_map(own, job="j", rendered={"spec": {"a": 1}}),
+        "progress": config.progress_config_map(own, job="j"),
+        "rbac": config.driver_rbac(own, job="j"),
+    })  # fmt: skip
+
+
+def test_pod_groups_per_scheduler() -> None:
+    own = owner("RLJob", "j")
+    groups = {s: podgroups.pod_group(own, job="j", scheduler=s, min_member=16, queue="rl")
+              for s in ("none", "volcano", "kueue", "scheduler-plugins")}  # fmt: skip
+    keys = {
+        f"{s}-{m}": podgroups.member_keys(job="j", scheduler=s, min_member=16, queue="rl", member=m)
+        for s in ("none", "volcano", "kueue", "scheduler-plugins")
+        for m in (True, False)
+    }
+    as_dict = {k: {"scheduler": g.scheduler_name, "labels": dict(g.labels), "annotations": dict(g.annotations)}
+               for k, g in keys.items()}  # fmt: skip
+    check("podgroups", {"groups": groups, "keys": as_dict})
+    assert groups["volcano"] is not None and groups["volcano"]["spec"]["minMember"] == 16
+    assert groups["none"] is None and groups["kueue"] is None
+
+
+def test_gang_counts_all_ranks_and_min_replicas() -> None:
+    spec = load("glm5-gb300").spec
+    assert gang_min_member(spec) == spec.trainer.nodes + spec.rollout.replicas
+    scaled = spec.model_copy(update={"rollout": spec.rollout.model_copy(
+        update={"autoscaling": Autoscaling(min_replicas=2, max_replicas=8)})})  # fmt: skip
+    assert gang_min_member(scaled) == spec.trainer.nodes + 2
+
+
+def test_rank_env_is_torchrun_style() -> None:
+    env = rank_env(trainer="j-trainer", namespace="ns", rank=3, nodes=4, nproc=8)
+    assert env["MASTER_ADDR"] == "j-trainer-0.j-trainer.ns.svc" and env["MASTER_PORT"] == "29500"
+    assert (env["WORLD_SIZE"], env["RANK"], env["NODE_RANK"], env["NPROC_PER_NODE"]) == ("4", "3", "3", "8")
+    assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("4", "3", "8")

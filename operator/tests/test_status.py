@@ -1,0 +1,235 @@
+"""Golden tests of the pure status functions: job phases, pool readiness by version, trainer, channel."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lockstep.api.common import ConditionStatus
+from lockstep.api.rljob import Phase, RLJob, RLJobSpec, RLJobStatus
+from lockstep.api.rolloutpool import RolloutPoolStatus
+from lockstep.api.trainergroup import TrainerGroupStatus
+from lockstep.api.weightchannel import WeightChannelStatus
+from lockstep_operator.reconcile.progress import ProgressReport, read_progress
+from lockstep_operator.reconcile.status import (
+    JobObserved,
+    channel_status,
+    condition,
+    job_status,
+    pool_status,
+    set_condition,
+    trainer_status,
+)
+from lockstep_operator.topology import Decision
+
+T0 = dt.datetime(2026, 12, 2, 10, 0, tzinfo=dt.UTC)
+T1 = T0 + dt.timedelta(minutes=1)
+
+
+def spec(check: bool = True, **rollout: Any) -> RLJobSpec:
+    raw = yaml.safe_load((Path(__file__).parent / "fixtures" / "tiny-local.yaml").read_text())
+    raw["spec"]["weightSync"]["checkWeightUpdateEqual"] = check
+    raw["spec"]["rollout"].update(rollout)
+    return RLJob.model_validate(raw).spec
+
+
+def observed(
+    *,
+    ready: bool = True,
+    driver: str | None = "Running",
+    progress: ProgressReport | None = None,
+    channel: WeightChannelStatus | None = None,
+    trainer_failed: str | None = None,
+    gang: str | None = None,
+) -> JobObserved:
+    trainer = trainer_status(
+        [pod("t-0", ready)],
+        nodes=1,
+        gpus_per_node=1,
+        restarts=0,
+        failed=trainer_failed,
+        previous=None,
+        step=None,
+        generation=1,
+        now=T0,
+    )
+    pool = RolloutPoolStatus(replicas=1, ready_replicas=1 if ready else 0)
+    return JobObserved(
+        pool=pool,
+        trainer=trainer,
+        channel=channel,
+        progress=progress,
+        progress_problem=None,
+        driver_phase=driver,
+        gang_problem=gang,
+    )
+
+
+def pod(name: str, ready: bool, replica: int = 0, ip: str | None = "10.0.0.1") -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"rl.lockstep.dev/replica": str(replica)}},
+        "status": {"phase": "Running", "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }  # fmt: skip
+
+
+def phase(s: RLJobSpec, obs: JobObserved, prev: Phase | None = None) -> RLJobStatus:
+    return job_status(s, obs, RLJobStatus(phase=prev) if prev else None, generation=1, now=T1)
+
+
+def test_phases_in_order() -> None:
+    s = spec()
+    empty = JobObserved(None, None, None, None, None, None, None)
+    assert phase(s, empty).phase == Phase.PENDING
+    assert phase(s, observed(ready=False)).phase == Phase.STARTING
+    assert phase(s, observed()).phase == Phase.PREFLIGHT
+    passed = WeightChannelStatus(preflight_passed=True)
+    st = phase(s, observed(channel=passed))
+    assert st.phase == Phase.RUNNING and st.start_time == T1
+    assert condition(st.conditions, "Progressing").status == ConditionStatus.TRUE  # type: ignore[union-attr]
+
+
+def test_without_the_check_running_waits_for_the_init_step() -> None:
+    s = spec(check=False)
+    assert phase(s, observed()).phase == Phase.PREFLIGHT
+    assert phase(s, observed(progress=ProgressReport(step=0))).phase == Phase.RUNNING
+    pf = condition(phase(s, observed()).conditions, "PreflightPassed")
+    assert pf is not None and pf.status == ConditionStatus.UNKNOWN and pf.reason == "NotRequested"
+
+
+def test_preflight_failure_names_tensors_and_is_sticky() -> None:
+    s = spec()
+    bad = ProgressReport(step=0, preflight="failed", preflight_mismatched=["lm_head.weight"])
+    st = phase(s, observed(progress=bad))
+    failed = condition(st.conditions, "Failed")
+    assert st.phase == Phase.FAILED and failed is not None and "lm_head.weight" in failed.message
+    assert st.completion_time == T1
+    assert (
+        phase(s, observed(channel=WeightChannelStatus(preflight_passed=True)), Phase.FAILED).phase
+        == Phase.FAILED
+    )
+
+
+def test_trainer_limit_and_driver_errors_fail_the_job() -> None:
+    s = spec()
+    st = phase(s, observed(trainer_failed="rank 1 failed: OOMKilled"))
+    assert st.phase == Phase.FAILED and "OOMKilled" in condition(st.conditions, "Failed").message  # type: ignore[union-attr]
+    assert phase(s, observed(progress=ProgressReport(error="dataset missing"))).phase == Phase.FAILED
+
+
+def test_done_suspended_and_degraded() -> None:
+    s = spec()
+    assert phase(s, observed(progress=ProgressReport(step=20, done=True))).phase == Phase.SUCCEEDED
+    assert phase(s.model_copy(update={"suspend": True}), observed()).phase == Phase.SUSPENDED
+    st = phase(s, observed(ready=False), Phase.RUNNING)
+    assert st.phase == Phase.RUNNING
+    assert condition(st.conditions, "Degraded").status == ConditionStatus.TRUE  # type: ignore[union-attr]
+
+
+def test_missing_scheduler_is_not_admitted() -> None:
+    st = phase(spec(), observed(gang="volcano is not installed"))
+    admitted = condition(st.conditions, "Admitted")
+    assert admitted is not None and admitted.status == ConditionStatus.FALSE and "volcano" in admitted.message
+
+
+def test_progress_is_folded_into_status() -> None:
+    prog = ProgressReport(step=7, weight_version=7, reward=0.5, staleness=2, queue_size=3)
+    obs = observed(progress=prog, channel=WeightChannelStatus(preflight_passed=True))
+    st = phase(spec(), obs, Phase.RUNNING)
+    assert (st.step, st.reward, st.staleness, st.queue_size) == (7, 0.5, 2, 3)
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    c1 = set_condition([], "Ready", True, "A", "", now=T0, generation=1)
+    c2 = set_condition(c1, "Ready", True, "B", "x", now=T1, generation=2)
+    c3 = set_condition(c2, "Ready", False, "C", "", now=T1, generation=2)
+    assert c2[0].last_transition_time == T0 and c2[0].reason == "B" and c3[0].last_transition_time == T1
+
+
+def test_pool_engine_ready_only_at_the_current_version() -> None:
+    pods = [pod("p-0", True, 0), pod("p-1", True, 1), pod("p-2", False, 2, None)]
+    st = pool_status(
+        pods,
+        selector="a=b",
+        current_version=3,
+        engine_versions={"p-0": 3, "p-1": 2},
+        min_replicas=2,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
+    assert st.replicas == 3 and st.ready_replicas == 1 and st.weight_version == 3
+    assert [e.ready for e in st.engines] == [True, False, False] and st.engines[2].address is None
+    synced = condition(st.conditions, "WeightsSynced")
+    assert synced is not None and synced.status == ConditionStatus.FALSE and "p-1" in synced.message
+    breached = condition(st.conditions, "MinAvailableBreached")
+    assert breached is not None and breached.status == ConditionStatus.TRUE
+    before_any = pool_status(
+        pods[:2],
+        selector="a=b",
+        current_version=None,
+        engine_versions={},
+        min_replicas=1,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
+    assert before_any.ready_replicas == 2  # no version published yet: health alone decides
+
+
+def test_trainer_status_counts_ranks() -> None:
+    st = trainer_status(
+        [pod("t-0", True), pod("t-1", False)],
+        nodes=2,
+        gpus_per_node=4,
+        restarts=1,
+        failed=None,
+        previous=None,
+        step=3,
+        generation=1,
+        now=T0,
+    )
+    assert (st.world_size, st.ready_ranks, st.restarts) == (8, 4, 1)
+    assert condition(st.conditions, "Degraded").status == ConditionStatus.TRUE  # type: ignore[union-attr]
+    assert TrainerGroupStatus.model_validate(st.wire()) == st
+
+
+def test_channel_status_keeps_choice_while_waiting_and_reports_preflight() -> None:
+    chosen = channel_status(
+        Decision("p2p", "RDMA everywhere", ("p2p", "broadcast")),
+        progress=None,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
+    assert chosen.transport is not None and chosen.transport.value == "p2p"
+    waiting = channel_status(
+        Decision(None, "waiting", ()),
+        progress=ProgressReport(preflight="passed"),
+        previous=chosen,
+        generation=1,
+        now=T1,
+    )
+    assert waiting.transport == chosen.transport and waiting.reason == "RDMA everywhere"
+    assert waiting.preflight_passed is True
+    rejected = channel_status(
+        Decision("broadcast", "b", ("broadcast",), "p2p needs RDMA"),
+        progress=None,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
+    feas = condition(rejected.conditions, "RequestedTransportFeasible")
+    assert feas is not None and feas.status == ConditionStatus.FALSE and "RDMA" in feas.message
+
+
+def test_read_progress_contract() -> None:
+    assert read_progress(None) == (None, None)
+    report, problem = read_progress(
+        {"data": {"progress.json": '{"step": 1, "weightVersion": 1, "queueSize": 0}'}}
+    )
+    assert report is not None and report.weight_version == 1 and problem is None
+    report, problem = read_progress({"data": {"progress.json": '{"stepp": 1}'}})
+    assert report is None and problem is not None and "stepp" in problem
