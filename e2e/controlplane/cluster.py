@@ -128,12 +128,19 @@ class ControlPlane:
     sets False so that they outlive it. Linux ties this to the *thread* that called start(): start
     from a thread that lives as long as the control plane (the main thread), or set False."""
 
+    clock: Callable[[], float] = time.monotonic
+    """Monotonic clock (seconds) for timeouts and `milestones`; injected for tests of the timings."""
+
+    milestones: dict[str, float] = field(default_factory=dict, init=False)
+    """Seconds from start() to: etcd, apiserver (/readyz), controllers (kcm + scheduler healthy, the
+    default ServiceAccount made), nodes (all Ready and schedulable), ready (start() returns)."""
     ports: Ports | None = field(default=None, init=False)
     """The ports in use once started."""
     admin_token: str = field(default="", init=False, repr=False)
     """The bearer token of user `admin` (group system:masters). Never logged."""
     pids: dict[str, int] = field(default_factory=dict, init=False)
     """Component name -> pid; each component leads its own process group (pgid == pid)."""
+    _t0: float = field(default=0.0, init=False, repr=False)
     _owns_work_dir: bool = field(default=False, init=False)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, init=False, repr=False)
 
@@ -185,8 +192,10 @@ class ControlPlane:
             self.work_dir = Path(tempfile.mkdtemp(prefix="lockstep-cp-"))
             self._owns_work_dir = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._t0 = self.clock()
         try:
             self._start_all()
+            self._mark("ready")
         except BaseException:
             self.stop(check=False)
             raise
@@ -197,16 +206,24 @@ class ControlPlane:
         self._write_credentials()
         self._spawn("etcd", self._etcd_args())
         self._wait(lambda: self._http_ok(f"http://127.0.0.1:{ports.etcd_client}/health"), "etcd", "/health")
+        self._mark("etcd")
         self._spawn("kube-apiserver", self._apiserver_args())
         self._wait(self.ca_file.exists, "kube-apiserver", "its self-signed certificate")
         self._write_kubeconfig()
         self._wait(lambda: self._api_ok("/readyz"), "kube-apiserver", "/readyz")
+        self._mark("apiserver")
         self._spawn("kube-controller-manager", self._controller_manager_args())
         self._spawn("kube-scheduler", self._scheduler_args())
         self._spawn("kwok", self._kwok_args())
-        self._wait_components_ready()
+        node_names: list[str] = []
+        if self.nodes_file is not None:
+            from e2e.controlplane.nodes import create_nodes, load_pools
 
-    def _wait_components_ready(self) -> None:
+            # Created while the controllers start: kwok picks them up as soon as it watches.
+            node_names = create_nodes(self, load_pools(self.nodes_file))
+        self._wait_components_ready(node_names)
+
+    def _wait_components_ready(self, node_names: list[str]) -> None:
         assert self.ports is not None
         kcm, sched = self.ports.controller_manager, self.ports.scheduler
         self._wait(
@@ -219,10 +236,15 @@ class ControlPlane:
             "kube-controller-manager",
             "the `default` ServiceAccount",
         )
-        if self.nodes_file is not None:
-            from e2e.controlplane.nodes import add_nodes, load_pools
+        self._mark("controllers")
+        if node_names:
+            from e2e.controlplane.nodes import wait_nodes_ready
 
-            add_nodes(self, load_pools(self.nodes_file), timeout=self.start_timeout)
+            wait_nodes_ready(self, node_names, timeout=self.start_timeout)
+        self._mark("nodes")
+
+    def _mark(self, milestone: str) -> None:
+        self.milestones[milestone] = self.clock() - self._t0
 
     def stop(self, check: bool = True) -> None:
         """Kill every process group started (TERM, then KILL), then verify nothing is left.
@@ -327,6 +349,9 @@ class ControlPlane:
             f"--cert-dir={self._dir / 'kcm-certs'}",
             f"--controllers={KCM_CONTROLLERS}",
             f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+            # The default 20 QPS throttles the node-lifecycle controller lifting 27 taints at start.
+            "--kube-api-qps=200",
+            "--kube-api-burst=400",
             f"--service-account-private-key-file={self._dir / 'sa.key'}",
             f"--root-ca-file={self.ca_file}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -378,8 +403,8 @@ class ControlPlane:
         self.pids[name] = proc.pid
 
     def _wait(self, probe: Callable[[], bool], name: str, what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
+        deadline = self.clock() + self.start_timeout
+        while self.clock() < deadline:
             proc = self._procs.get(name)
             if proc is not None and proc.poll() is not None:
                 raise ControlPlaneError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
@@ -420,14 +445,21 @@ class ControlPlane:
 
     def api_get(self, path: str) -> Any:
         """GET an API path as admin; JSON decoded (or text for /readyz-like endpoints)."""
-        req = urllib.request.Request(
-            self.api_url + path, headers={"Authorization": f"Bearer {self.admin_token}"}
-        )
-        with urllib.request.urlopen(req, timeout=5, context=self._ssl_context()) as resp:
-            body = resp.read().decode()
+        return self.api_request("GET", path)
+
+    def api_request(self, method: str, path: str, body: Any = None) -> Any:
+        """One API call as admin (JSON body); raises urllib.error.HTTPError on a non-2xx answer."""
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.api_url + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=10, context=self._ssl_context()) as resp:
+            text = resp.read().decode()
         with contextlib.suppress(json.JSONDecodeError):
-            return json.loads(body)
-        return body
+            return json.loads(text)
+        return text
 
     # ------------------------------------------------------------------ test helpers
     def kubectl(
