@@ -193,8 +193,38 @@ class _Inliner:
             node["additionalProperties"] = self.convert(node["additionalProperties"])
         if "items" in node:
             node["items"] = self.convert(node["items"])
+        unsupported = sorted(k for k in node if k not in _ALLOWED and not k.startswith("x-kubernetes-"))
+        if unsupported:
+            raise ValueError(f"schema keywords {unsupported} are not allowed in a CRD schema (in {node})")
         return _ordered(node)
 
+
+_ALLOWED = frozenset(
+    {
+        "description",
+        "type",
+        "format",
+        "enum",
+        "default",
+        "minimum",
+        "exclusiveMinimum",
+        "maximum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minItems",
+        "maxItems",
+        "minProperties",
+        "maxProperties",
+        "required",
+        "properties",
+        "additionalProperties",
+        "items",
+    }
+)
+"""Schema keywords a structural CRD schema accepts (others, e.g. propertyNames, the apiserver refuses)."""
 
 _KEY_ORDER = (
     "description",

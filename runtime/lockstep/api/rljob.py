@@ -32,7 +32,6 @@ from lockstep.api.common import (
 # Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
 Label = Annotated[str, Field(max_length=63)]
 Arg = Annotated[str, Field(max_length=1024)]
-LabelKey = Annotated[str, Field(max_length=316)]
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -552,7 +551,7 @@ class PlacementSpec(ApiModel):
 
     gpu_product: GPUProduct = GPUProduct.ANY
     """GPU product: `GB300`, `H100` or `any`."""
-    node_selector: dict[LabelKey, Label] = Field(default_factory=dict, max_length=32)
+    node_selector: dict[str, Label] = Field(default_factory=dict, max_length=32)
     """Extra node labels every pod requires."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations of every pod."""

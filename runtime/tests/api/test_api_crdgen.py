@@ -164,3 +164,10 @@ def test_conditions_are_a_map_keyed_by_type() -> None:
     assert item["properties"]["status"]["enum"] == ["True", "False", "Unknown"]
     assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert "observedGeneration" in item["properties"]
+
+
+def test_keywords_the_apiserver_refuses_fail_generation() -> None:
+    from lockstep.api.crdgen import _Inliner
+
+    with pytest.raises(ValueError, match=r"\['propertyNames'\] are not allowed"):
+        _Inliner({}, {}).convert({"type": "object", "propertyNames": {"maxLength": 3}})
