@@ -1,0 +1,70 @@
+"""CUDA transports into the reference engine running as a separate process on the GPU (marked gpu).
+
+CUDA IPC: the trainer's bf16 tensors are packed per bucket on the device and mapped by the engine;
+the pre-flight check (noise, update, checksums by name) proves every tensor arrived. NCCL broadcast:
+NCCL needs a GPU per rank, so with one GPU the test is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lockstep.weights import preflight
+from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
+from lockstep.weights.ipc import CudaIpcTransport
+from lockstep.weights.pipeline import PipelineConfig
+from weights_subproc import EngineProcess
+
+pytestmark = pytest.mark.gpu
+
+
+def trainer_export(tiny_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    model = model.to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.01)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+@pytest.fixture
+def cuda_engine(tiny_dir: Path) -> Iterator[EngineProcess]:
+    engine = EngineProcess(tiny_dir, device="cuda", extra=["--dtype", "bfloat16"])
+    yield engine
+    engine.close()
+
+
+def test_cuda_ipc_update_is_complete(cuda_engine: EngineProcess, tiny_dir: Path) -> None:
+    named = trainer_export(tiny_dir)
+    transport = CudaIpcTransport(
+        cuda_engine.url, device="cuda", config=PipelineConfig(bucket_bytes=32 * 1024)
+    )
+    try:
+        result = preflight.check_weight_update_equal([cuda_engine.url], transport, lambda: named, version=1)
+    finally:
+        transport.close()
+    assert result.passed, result.message
+    assert result.checked_tensors == len(named)
+
+
+def test_nccl_broadcast_update_is_complete(tiny_dir: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank (trainer source + engine); this machine has one")
+    engine = EngineProcess(
+        tiny_dir, device="cuda", extra=["--dtype", "bfloat16"], env={"CUDA_VISIBLE_DEVICES": "1"}
+    )
+    named = trainer_export(tiny_dir)
+    transport = BroadcastTransport([EngineTarget(engine.url)], backend="nccl", device="cuda")
+    try:
+        result = preflight.check_weight_update_equal([engine.url], transport, lambda: named, version=1)
+    finally:
+        transport.close()
+        engine.close()
+    assert result.passed, result.message
