@@ -8,6 +8,7 @@ table of runtime/tests/api/bad_manifests.yaml, the same rows the offline tests r
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib.util
 import json
 import sys
@@ -18,7 +19,15 @@ from typing import Any
 
 import pytest
 import yaml
-from lockstep.api import RLJob, RLJobStatus, RolloutPool, TrainerGroup, WeightChannel, load_manifest
+from lockstep.api import (
+    Condition,
+    RLJob,
+    RLJobStatus,
+    RolloutPool,
+    TrainerGroup,
+    WeightChannel,
+    load_manifest,
+)
 from lockstep.api.crdgen import KINDS, render
 
 from e2e.controlplane.cluster import ControlPlane
@@ -149,7 +158,16 @@ def _table(text: str) -> list[list[str]]:
 
 def test_rljob_printer_columns(crds: ControlPlane, namespace: str) -> None:
     crds.apply((REPO / "examples" / "tiny-local.yaml").read_text(), namespace=namespace)
+    running = Condition(
+        type="Progressing",
+        status="True",
+        reason="StepDone",
+        message="step 12",
+        last_transition_time=dt.datetime(2026, 12, 2, 10, 0, 0, 250000, tzinfo=dt.UTC),
+        observed_generation=1,
+    )
     status = RLJobStatus(
+        conditions=[running],
         phase="Running",
         step=12,
         weight_version=12,

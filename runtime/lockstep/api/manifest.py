@@ -62,18 +62,21 @@ def _problems_from(err: ValidationError, prefix: str) -> list[Problem]:
     return out
 
 
-def _read(path_or_text: str | Path) -> tuple[list[Any], str]:
-    """YAML documents of a file path or of literal text, and the source name for messages."""
-    if isinstance(path_or_text, Path) or ("\n" not in path_or_text and Path(path_or_text).is_file()):
-        path = Path(path_or_text)
-        text, source = path.read_text(encoding="utf-8"), str(path)
+def _read(path_or_text: str | Path) -> list[Any]:
+    """The YAML documents of a file, or of YAML text.
+
+    A Path is a file. A str is YAML text when it has a newline or starts with `{`; otherwise it is a
+    file path (so a mistyped path raises FileNotFoundError rather than parsing as YAML).
+    """
+    if isinstance(path_or_text, str) and ("\n" in path_or_text or path_or_text.lstrip().startswith("{")):
+        text = path_or_text
     else:
-        text, source = str(path_or_text), "<text>"
+        text = Path(path_or_text).read_text(encoding="utf-8")
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise ManifestError([Problem("(yaml)", None, f"not valid YAML: {exc}".replace("\n", " "))]) from exc
-    return docs, source
+    return docs
 
 
 def parse_object(doc: Any, prefix: str = "") -> BaseModel:
@@ -105,7 +108,7 @@ def parse_object(doc: Any, prefix: str = "") -> BaseModel:
 
 def load_objects(path_or_text: str | Path) -> list[BaseModel]:
     """Every object of a (multi-document) manifest; all problems of all documents in one error."""
-    docs, _ = _read(path_or_text)
+    docs = _read(path_or_text)
     if not docs:
         raise ManifestError([Problem("(document)", None, "the manifest is empty: write an RLJob")])
     objects: list[BaseModel] = []
@@ -121,7 +124,11 @@ def load_objects(path_or_text: str | Path) -> list[BaseModel]:
 
 
 def load_manifest(path_or_text: str | Path) -> RLJob:
-    """The one RLJob of a manifest file (a path) or YAML text; raises ManifestError."""
+    """The one RLJob of a manifest file (a path) or YAML text.
+
+    Raises ManifestError (one `path: value: what to do` line per problem) for a bad manifest and
+    FileNotFoundError for a missing file.
+    """
     objects = load_objects(path_or_text)
     jobs = [o for o in objects if isinstance(o, RLJob)]
     if len(jobs) != 1:

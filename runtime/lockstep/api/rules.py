@@ -65,219 +65,218 @@ class Rule:
         return out
 
 
-def _rules() -> tuple[Rule, ...]:
-    mode, colocate = field("schedule.mode"), field("schedule.colocate")
-    transport = field("weightSync.transport")
-    streaming = transport.in_(WEIGHT_STREAMING_TRANSPORTS)
-    world = field("nodes") * field("gpusPerNode")
-    par = "parallelism."
-    return (
-        Rule(
-            "fully-async-colocate",
-            RLJobSpec,
-            ~(mode.eq("fully-async") & colocate.eq(True)),
-            "schedule.colocate",
-            "fully-async needs separate GPUs for rollout and training: set schedule.colocate to false "
-            "or schedule.mode to sync",
+# Sub-expressions shared by several rules (paths relative to the rule's scope).
+_mode, _colocate = field("schedule.mode"), field("schedule.colocate")
+_transport = field("weightSync.transport")
+_streaming = _transport.in_(WEIGHT_STREAMING_TRANSPORTS)
+_world = field("nodes") * field("gpusPerNode")
+_par = "parallelism."
+RULES: Final[tuple[Rule, ...]] = (
+    Rule(
+        "fully-async-colocate",
+        RLJobSpec,
+        ~(_mode.eq("fully-async") & _colocate.eq(True)),
+        "schedule.colocate",
+        "fully-async needs separate GPUs for rollout and training: set schedule.colocate to false "
+        "or schedule.mode to sync",
+    ),
+    Rule(
+        "staleness-needs-fully-async",
+        RLJobSpec,
+        has("schedule.maxWeightStaleness").implies(_mode.eq("fully-async")),
+        "schedule.maxWeightStaleness",
+        "maxWeightStaleness bounds the fully-async buffer: remove it or set schedule.mode to fully-async",
+    ),
+    Rule(
+        "streaming-transport-colocate",
+        RLJobSpec,
+        _streaming.implies(_colocate.eq(False)),
+        "weightSync.transport",
+        "p2p and disk-delta do not support colocated engines: use transport cuda-ipc or auto, or "
+        "set schedule.colocate to false",
+    ),
+    Rule(
+        "streaming-transport-lora",
+        RLJobSpec,
+        _streaming.implies(~has("model.lora")),
+        "weightSync.transport",
+        "p2p and disk-delta do not support LoRA: use transport broadcast or auto, or remove model.lora",
+    ),
+    Rule(
+        "streaming-transport-prefill-decode",
+        RLJobSpec,
+        _streaming.implies(field("rollout.prefillDecode").eq(False)),
+        "weightSync.transport",
+        "p2p and disk-delta do not support prefill-decode disaggregation: use transport broadcast "
+        "or auto, or set rollout.prefillDecode to false",
+    ),
+    Rule(
+        "cuda-ipc-needs-colocate",
+        RLJobSpec,
+        _transport.eq("cuda-ipc").implies(_colocate.eq(True)),
+        "weightSync.transport",
+        "cuda-ipc shares GPU memory, so engines and trainer must share GPUs: set "
+        "schedule.colocate to true or use transport auto",
+    ),
+    Rule(
+        "nvfp4-serving-needs-nvfp4-training",
+        RLJobSpec,
+        field("rollout.precision").eq("nvfp4").implies(field("trainer.precision").eq("nvfp4")),
+        "rollout.precision",
+        "NVFP4 serving needs NVFP4 training (every stage that touches weights must quantize "
+        "alike): set trainer.precision to nvfp4 or serve bf16, fp8 or mxfp8",
+    ),
+    Rule(
+        "true-on-policy-profile",
+        RLJobSpec,
+        field("algorithm.trueOnPolicy")
+        .eq(True)
+        .implies(
+            has("model.variant")
+            & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
         ),
-        Rule(
-            "staleness-needs-fully-async",
-            RLJobSpec,
-            has("schedule.maxWeightStaleness").implies(mode.eq("fully-async")),
-            "schedule.maxWeightStaleness",
-            "maxWeightStaleness bounds the fully-async buffer: remove it or set schedule.mode to fully-async",
+        "algorithm.trueOnPolicy",
+        "true-on-policy has profiles only for model family-variant "
+        + ", ".join(TRUE_ON_POLICY_PROFILES)
+        + ": set algorithm.trueOnPolicy to false or use a registered model",
+    ),
+    Rule(
+        "true-on-policy-fsdp",
+        RLJobSpec,
+        field("algorithm.trueOnPolicy").eq(True).implies(field("trainer.backend").eq("fsdp")),
+        "trainer.backend",
+        "true-on-policy runs on the fsdp backend only: set trainer.backend to fsdp or "
+        "algorithm.trueOnPolicy to false",
+    ),
+    Rule(
+        "in-flight-holds-a-group",
+        RLJobSpec,
+        field("rollout.maxInFlight").ge(field("algorithm.samplesPerPrompt")),
+        "rollout.maxInFlight",
+        "a whole group is submitted at a time: raise rollout.maxInFlight to at least "
+        "algorithm.samplesPerPrompt",
+    ),
+    Rule(
+        "eval-needs-prompts",
+        RLJobSpec,
+        has("schedule.evalInterval").implies(has("data.evalPrompts")),
+        "schedule.evalInterval",
+        "evaluation needs held-out prompts: set data.evalPrompts or remove schedule.evalInterval",
+    ),
+    Rule(
+        "trainer-parallelism-divides-gpus",
+        TrainerSpec,
+        (_world % (field(_par + "tensor") * field(_par + "pipeline") * field(_par + "context"))).eq(0),
+        "parallelism",
+        "tensor x pipeline x context parallel must divide nodes x gpusPerNode: change "
+        "trainer.parallelism or the trainer's GPU count",
+    ),
+    Rule(
+        "trainer-expert-parallelism-divides-gpus",
+        TrainerSpec,
+        ((_world // field(_par + "pipeline")) % (field(_par + "expert") * field(_par + "expertTensor"))).eq(
+            0
         ),
-        Rule(
-            "streaming-transport-colocate",
-            RLJobSpec,
-            streaming.implies(colocate.eq(False)),
-            "weightSync.transport",
-            "p2p and disk-delta do not support colocated engines: use transport cuda-ipc or auto, or "
-            "set schedule.colocate to false",
+        "parallelism.expert",
+        "expert x expertTensor parallel must divide (nodes x gpusPerNode) / pipeline (EP reuses the "
+        "same ranks, it does not multiply GPUs): change trainer.parallelism.expert",
+    ),
+    Rule(
+        "megatron-needs-cuda",
+        TrainerSpec,
+        field("device").eq("cpu").implies(field("backend").eq("fsdp")),
+        "device",
+        "the megatron backend needs CUDA: set trainer.backend to fsdp for cpu ranks, or device to cuda",
+    ),
+    Rule(
+        "fsdp-offload-not-disk",
+        TrainerSpec,
+        field("offload").eq("disk").implies(field("backend").eq("megatron")),
+        "offload",
+        "fsdp offloads to host memory only: set trainer.offload to cpu or trainer.backend to megatron",
+    ),
+    Rule(
+        "backend-immutable",
+        TrainerSpec,
+        field("backend").eq(old("backend")),
+        "backend",
+        "the trainer backend cannot change after creation: create a new job",
+        transition=True,
+    ),
+    Rule(
+        "model-immutable",
+        ModelSpec,
+        field("checkpoint").eq(old("checkpoint")) & field("family").eq(old("family")),
+        "checkpoint",
+        "the model cannot change after creation: create a new job",
+        transition=True,
+    ),
+    Rule(
+        "engine-tp-divides-gpus",
+        EngineSpec,
+        (field("gpusPerEngine") % field("tensorParallel")).eq(0),
+        "tensorParallel",
+        "tensorParallel must divide gpusPerEngine: change one of them",
+    ),
+    Rule(
+        "engine-dp-attention-divides-tp",
+        EngineSpec,
+        (field("tensorParallel") % field("dataParallelAttention")).eq(0),
+        "dataParallelAttention",
+        "dataParallelAttention must divide tensorParallel: change one of them",
+    ),
+    Rule(
+        "replicas-within-autoscaling",
+        RolloutSpec,
+        has("autoscaling").implies(
+            field("replicas").ge(field("autoscaling.minReplicas"))
+            & field("replicas").le(field("autoscaling.maxReplicas"))
         ),
-        Rule(
-            "streaming-transport-lora",
-            RLJobSpec,
-            streaming.implies(~has("model.lora")),
-            "weightSync.transport",
-            "p2p and disk-delta do not support LoRA: use transport broadcast or auto, or remove model.lora",
+        "replicas",
+        "replicas must lie within autoscaling.minReplicas..maxReplicas: change replicas or the bounds",
+    ),
+    Rule(
+        "pool-replicas-within-autoscaling",
+        RolloutPoolSpec,
+        has("autoscaling").implies(
+            field("replicas").ge(field("autoscaling.minReplicas"))
+            & field("replicas").le(field("autoscaling.maxReplicas"))
         ),
-        Rule(
-            "streaming-transport-prefill-decode",
-            RLJobSpec,
-            streaming.implies(field("rollout.prefillDecode").eq(False)),
-            "weightSync.transport",
-            "p2p and disk-delta do not support prefill-decode disaggregation: use transport broadcast "
-            "or auto, or set rollout.prefillDecode to false",
-        ),
-        Rule(
-            "cuda-ipc-needs-colocate",
-            RLJobSpec,
-            transport.eq("cuda-ipc").implies(colocate.eq(True)),
-            "weightSync.transport",
-            "cuda-ipc shares GPU memory, so engines and trainer must share GPUs: set "
-            "schedule.colocate to true or use transport auto",
-        ),
-        Rule(
-            "nvfp4-serving-needs-nvfp4-training",
-            RLJobSpec,
-            field("rollout.precision").eq("nvfp4").implies(field("trainer.precision").eq("nvfp4")),
-            "rollout.precision",
-            "NVFP4 serving needs NVFP4 training (every stage that touches weights must quantize "
-            "alike): set trainer.precision to nvfp4 or serve bf16, fp8 or mxfp8",
-        ),
-        Rule(
-            "true-on-policy-profile",
-            RLJobSpec,
-            field("algorithm.trueOnPolicy")
-            .eq(True)
-            .implies(
-                has("model.variant")
-                & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
-            ),
-            "algorithm.trueOnPolicy",
-            "true-on-policy has profiles only for model family-variant "
-            + ", ".join(TRUE_ON_POLICY_PROFILES)
-            + ": set algorithm.trueOnPolicy to false or use a registered model",
-        ),
-        Rule(
-            "true-on-policy-fsdp",
-            RLJobSpec,
-            field("algorithm.trueOnPolicy").eq(True).implies(field("trainer.backend").eq("fsdp")),
-            "trainer.backend",
-            "true-on-policy runs on the fsdp backend only: set trainer.backend to fsdp or "
-            "algorithm.trueOnPolicy to false",
-        ),
-        Rule(
-            "in-flight-holds-a-group",
-            RLJobSpec,
-            field("rollout.maxInFlight").ge(field("algorithm.samplesPerPrompt")),
-            "rollout.maxInFlight",
-            "a whole group is submitted at a time: raise rollout.maxInFlight to at least "
-            "algorithm.samplesPerPrompt",
-        ),
-        Rule(
-            "eval-needs-prompts",
-            RLJobSpec,
-            has("schedule.evalInterval").implies(has("data.evalPrompts")),
-            "schedule.evalInterval",
-            "evaluation needs held-out prompts: set data.evalPrompts or remove schedule.evalInterval",
-        ),
-        Rule(
-            "trainer-parallelism-divides-gpus",
-            TrainerSpec,
-            (world % (field(par + "tensor") * field(par + "pipeline") * field(par + "context"))).eq(0),
-            "parallelism",
-            "tensor x pipeline x context parallel must divide nodes x gpusPerNode: change "
-            "trainer.parallelism or the trainer's GPU count",
-        ),
-        Rule(
-            "trainer-expert-parallelism-divides-gpus",
-            TrainerSpec,
-            ((world // field(par + "pipeline")) % (field(par + "expert") * field(par + "expertTensor"))).eq(
-                0
-            ),
-            "parallelism.expert",
-            "expert x expertTensor parallel must divide (nodes x gpusPerNode) / pipeline (EP reuses the "
-            "same ranks, it does not multiply GPUs): change trainer.parallelism.expert",
-        ),
-        Rule(
-            "megatron-needs-cuda",
-            TrainerSpec,
-            field("device").eq("cpu").implies(field("backend").eq("fsdp")),
-            "device",
-            "the megatron backend needs CUDA: set trainer.backend to fsdp for cpu ranks, or device to cuda",
-        ),
-        Rule(
-            "fsdp-offload-not-disk",
-            TrainerSpec,
-            field("offload").eq("disk").implies(field("backend").eq("megatron")),
-            "offload",
-            "fsdp offloads to host memory only: set trainer.offload to cpu or trainer.backend to megatron",
-        ),
-        Rule(
-            "backend-immutable",
-            TrainerSpec,
-            field("backend").eq(old("backend")),
-            "backend",
-            "the trainer backend cannot change after creation: create a new job",
-            transition=True,
-        ),
-        Rule(
-            "model-immutable",
-            ModelSpec,
-            field("checkpoint").eq(old("checkpoint")) & field("family").eq(old("family")),
-            "checkpoint",
-            "the model cannot change after creation: create a new job",
-            transition=True,
-        ),
-        Rule(
-            "engine-tp-divides-gpus",
-            EngineSpec,
-            (field("gpusPerEngine") % field("tensorParallel")).eq(0),
-            "tensorParallel",
-            "tensorParallel must divide gpusPerEngine: change one of them",
-        ),
-        Rule(
-            "engine-dp-attention-divides-tp",
-            EngineSpec,
-            (field("tensorParallel") % field("dataParallelAttention")).eq(0),
-            "dataParallelAttention",
-            "dataParallelAttention must divide tensorParallel: change one of them",
-        ),
-        Rule(
-            "replicas-within-autoscaling",
-            RolloutSpec,
-            has("autoscaling").implies(
-                field("replicas").ge(field("autoscaling.minReplicas"))
-                & field("replicas").le(field("autoscaling.maxReplicas"))
-            ),
-            "replicas",
-            "replicas must lie within autoscaling.minReplicas..maxReplicas: change replicas or the bounds",
-        ),
-        Rule(
-            "pool-replicas-within-autoscaling",
-            RolloutPoolSpec,
-            has("autoscaling").implies(
-                field("replicas").ge(field("autoscaling.minReplicas"))
-                & field("replicas").le(field("autoscaling.maxReplicas"))
-            ),
-            "replicas",
-            "replicas must lie within autoscaling.minReplicas..maxReplicas: scale within the bounds or "
-            "change them",
-        ),
-        Rule(
-            "autoscaling-bounds-ordered",
-            Autoscaling,
-            field("minReplicas").le(field("maxReplicas")),
-            "minReplicas",
-            "minReplicas must not exceed maxReplicas: swap or fix them",
-        ),
-        Rule(
-            "mismatch-bounds-ordered",
-            MismatchSpec,
-            field("low").lt(field("high")),
-            "low",
-            "the mismatch interval needs low < high (default [0, 2]): fix low or high",
-        ),
-        Rule(
-            "opd-default-teacher-exists",
-            OPDSpec,
-            has("defaultTeacher").implies(field("defaultTeacher").in_(field("teachers").map("name"))),
-            "defaultTeacher",
-            "defaultTeacher must name one of the teachers: fix the name or add that teacher",
-        ),
-        Rule(
-            "kueue-needs-queue",
-            GangScheduling,
-            field("scheduler").eq("kueue").implies(has("queueName")),
-            "queueName",
-            "kueue admits workloads through a LocalQueue: set placement.gang.queueName",
-        ),
-    )
+        "replicas",
+        "replicas must lie within autoscaling.minReplicas..maxReplicas: scale within the bounds or "
+        "change them",
+    ),
+    Rule(
+        "autoscaling-bounds-ordered",
+        Autoscaling,
+        field("minReplicas").le(field("maxReplicas")),
+        "minReplicas",
+        "minReplicas must not exceed maxReplicas: swap or fix them",
+    ),
+    Rule(
+        "mismatch-bounds-ordered",
+        MismatchSpec,
+        field("low").lt(field("high")),
+        "low",
+        "the mismatch interval needs low < high (default [0, 2]): fix low or high",
+    ),
+    Rule(
+        "opd-default-teacher-exists",
+        OPDSpec,
+        has("defaultTeacher").implies(field("defaultTeacher").in_(field("teachers").map("name"))),
+        "defaultTeacher",
+        "defaultTeacher must name one of the teachers: fix the name or add that teacher",
+    ),
+    Rule(
+        "kueue-needs-queue",
+        GangScheduling,
+        field("scheduler").eq("kueue").implies(has("queueName")),
+        "queueName",
+        "kueue admits workloads through a LocalQueue: set placement.gang.queueName",
+    ),
+)
 
 
-RULES: Final[tuple[Rule, ...]] = _rules()
 """Every cross-field rule of the API."""
 
 

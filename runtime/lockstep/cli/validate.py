@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="check manifests offline (schema and cross-field rules)",
         description="Check Lockstep manifests offline; one line per problem: FILE: path: value: what to do.",
     )
-    parser.add_argument("manifests", nargs="+", type=Path, metavar="MANIFEST", help="YAML files to check")
+    parser.add_argument(
+        "manifests", nargs="+", metavar="MANIFEST", help="YAML files to check (`-` reads standard input)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     for path in args.manifests:
         try:
-            load_objects(Path(path))
+            # a text source must look like YAML text to load_objects; give stdin a trailing newline
+            load_objects(sys.stdin.read() + "\n" if path == "-" else Path(path))
         except OSError as exc:
             print(f"{path}: cannot read: {exc.strerror or exc}", file=sys.stderr)
             code = 2
