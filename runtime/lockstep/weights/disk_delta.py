@@ -575,6 +575,37 @@ Reload = Callable[[Path, int], None]
 """Engine reload of a patched local checkpoint at a version (pause, /update_weights_from_disk, continue)."""
 
 
+def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: float = 600.0) -> Reload:
+    """A Reload for an engine over HTTP: pause, /update_weights_from_disk at the version, continue.
+
+    This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5).
+    """
+    import httpx
+
+    from lockstep.serving.payloads import (
+        ContinueGenerationRequest,
+        PauseGenerationRequest,
+        UpdateWeightsFromDiskRequest,
+    )
+
+    base = engine_url.rstrip("/")
+
+    def post(path: str, body: BaseModel) -> None:
+        r = httpx.post(base + path, json=body.model_dump(mode="json", exclude_none=True), timeout=timeout_s)
+        if r.status_code != 200 or r.json().get("success") is False:
+            raise DeltaError(f"{base}{path} answered {r.status_code}: {r.text[:500]}")
+
+    def reload(local: Path, version: int) -> None:
+        post("/pause_generation", PauseGenerationRequest(mode=pause_mode))
+        try:
+            body = UpdateWeightsFromDiskRequest(model_path=str(local), weight_version=str(version))
+            post("/update_weights_from_disk", body)
+        finally:
+            post("/continue_generation", ContinueGenerationRequest())
+
+    return reload
+
+
 class DiskDeltaTransport:
     """WeightTransport over a shared directory: publish, patch each engine host's copy, then reload.
 

@@ -197,3 +197,22 @@ def test_p2p_commit_refuses_damaged_buffer(engine_server: EngineServer, tiny_dir
     with pytest.raises(p2p.P2PWriteError, match="refused"):
         target.commit(p2p.P2PCommitRequest(version=9, checksums={named[0][0]: "0" * 32}))
     assert engine_server.engine.weight_version == 0
+
+
+def test_disk_delta_into_engine(engine_server: EngineServer, tiny_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from lockstep.weights import disk_delta as dd
+
+    local = tmp_path / "local"
+    shutil.copytree(tiny_dir, local)
+    v0 = export(trainer_model(tiny_dir, seed=0))  # a trainer that loaded the same checkpoint ...
+    v0 = [(n, engine_server.engine.named_weights()[n].clone()) for n, _ in v0]  # ... exactly
+    transport = dd.DiskDeltaTransport(
+        dd.DeltaPublisher(tmp_path / "root", tiny_dir), [(local, dd.http_reload(engine_server.url))]
+    )
+    transport.first_update(v0)
+    named = export(trainer_model(tiny_dir))
+    report = transport.push(named, version=5)
+    assert_engine_holds(engine_server, named, 5)
+    assert report.extra["update_weights_wire_bytes"] == report.wire_bytes > 0
