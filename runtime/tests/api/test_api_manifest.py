@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,7 +42,7 @@ def test_wrong_api_version_names_the_right_one() -> None:
 
 
 def test_several_documents_are_indexed() -> None:
-    pool = {
+    pool: dict[str, Any] = {
         "apiVersion": "rl.lockstep.dev/v1alpha1",
         "kind": "RolloutPool",
         "metadata": {"name": "p"},
