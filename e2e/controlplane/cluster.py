@@ -203,8 +203,8 @@ class ControlPlane:
 
     def _start_all(self) -> None:
         ports = self.ports = Ports(*portutil.free_ports(5))
-        self._write_credentials()
         self._spawn("etcd", self._etcd_args())
+        self._write_credentials()  # the RSA key is made while etcd starts
         self._wait(lambda: self._http_ok(f"http://127.0.0.1:{ports.etcd_client}/health"), "etcd", "/health")
         self._mark("etcd")
         self._spawn("kube-apiserver", self._apiserver_args())
