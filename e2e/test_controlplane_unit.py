@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from e2e.controlplane import ports as portutil
-from e2e.controlplane.cluster import COMPONENTS, ControlPlane, ControlPlaneError, find_binaries, wait_for
+from e2e.controlplane.cluster import (
+    COMPONENTS,
+    START_ATTEMPTS,
+    ControlPlane,
+    ControlPlaneError,
+    find_binaries,
+    wait_for,
+)
 
 
 def test_find_binaries_names_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,18 +30,33 @@ def test_find_binaries_names_what_is_missing(tmp_path: Path, monkeypatch: pytest
         find_binaries()
 
 
-def test_a_component_dying_at_start_is_reported_with_its_log(tmp_path: Path) -> None:
+def fake_bin(tmp_path: Path, message: str) -> Path:
+    """Binaries that log `message`, count their runs in tmp_path/runs and exit 3."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in (*COMPONENTS, "kubectl"):
         script = bin_dir / name
-        script.write_text("#!/bin/sh\necho 'etcdmain: listen tcp: address already in use' >&2\nexit 3\n")
+        script.write_text(f"#!/bin/sh\necho {name} >> {tmp_path}/runs\necho '{message}' >&2\nexit 3\n")
         script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    cp = ControlPlane(bin_dir=bin_dir, nodes_file=None, start_timeout=20)
-    with pytest.raises(ControlPlaneError, match=r"(?s)etcd exited with 3.*address already in use"):
+    return bin_dir
+
+
+def test_a_component_dying_at_start_is_reported_with_its_log(tmp_path: Path) -> None:
+    cp = ControlPlane(bin_dir=fake_bin(tmp_path, "etcdmain: bad flag --x"), nodes_file=None, start_timeout=20)
+    with pytest.raises(ControlPlaneError, match=r"(?s)etcd exited with 3.*bad flag --x"):
         cp.start()
     assert cp.pids == {}
     assert cp.work_dir is not None and not cp.work_dir.exists()
+    assert (tmp_path / "runs").read_text().split() == ["etcd"]  # not retried: not a port race
+
+
+def test_a_lost_port_race_is_retried_on_new_ports(tmp_path: Path) -> None:
+    cp = ControlPlane(
+        bin_dir=fake_bin(tmp_path, "listen tcp 127.0.0.1:1: bind: address already in use"), nodes_file=None
+    )
+    with pytest.raises(ControlPlaneError, match="address already in use"):
+        cp.start()
+    assert (tmp_path / "runs").read_text().split() == ["etcd"] * START_ATTEMPTS
 
 
 def test_wait_for_names_the_condition_and_last_value() -> None:

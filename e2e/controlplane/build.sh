@@ -14,6 +14,10 @@ kwok_version=$(grep -Eo "sigs.k8s.io/kwok v[^ ]+" "$here/kwok/go.mod" | head -n1
 key="k8s-${k8s_version}_etcd-${etcd_version}_kwok-${kwok_version}"
 bin="${LOCKSTEP_CACHE:-$HOME/.cache/lockstep}/controlplane/$key/bin"
 mkdir -p "$bin"
+# Several test sessions may call this at once on a fresh machine: one builds, the others wait for it
+# and then find the binaries there.
+exec 9>"$bin/.build.lock"
+flock 9
 
 major=${k8s_version#v}; major=${major%%.*}
 minor=${k8s_version#v*.}; minor=${minor%%.*}
@@ -31,8 +35,8 @@ build() {  # build <module dir> <package> <output name> [ldflags]
   if [ -x "$bin/$out" ]; then return 0; fi
   echo "building $out from $pkg" >&2
   local start=$SECONDS
-  (cd "$here/$dir" && go build -trimpath -ldflags "$flags" -o "$bin/$out.tmp" "$pkg")
-  mv "$bin/$out.tmp" "$bin/$out"
+  (cd "$here/$dir" && go build -trimpath -ldflags "$flags" -o "$bin/$out.tmp.$$" "$pkg")
+  mv "$bin/$out.tmp.$$" "$bin/$out"
   echo "built $out in $((SECONDS - start)) s" >&2
 }
 

@@ -55,6 +55,7 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 KCM_CONTROLLERS = "*"
 NODE_MONITOR_GRACE = "180s"
 SERVICE_CIDR = "10.96.0.0/16"
+START_ATTEMPTS = 3  # a start that lost a port race to another process is retried on new ports
 POD_CIDR = "10.244.0.1/16"  # kwok hands out pod IPs from here; they are data only, never routed
 
 
@@ -185,21 +186,33 @@ class ControlPlane:
         self.stop()
 
     def start(self) -> ControlPlane:
-        """Start every component in order and wait until all are ready; on failure stop what started."""
+        """Start every component in order and wait until all are ready; on failure stop what started.
+
+        Ports are picked free just before use, so another process on the machine may take one first;
+        a start that fails with "address already in use" is retried on new ports (in a new temp dir).
+        """
         if self.bin_dir is None:
             self.bin_dir = find_binaries()
-        if self.work_dir is None:
-            self.work_dir = Path(tempfile.mkdtemp(prefix="lockstep-cp-"))
-            self._owns_work_dir = True
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._t0 = self.clock()
-        try:
-            self._start_all()
-            self._mark("ready")
-        except BaseException:
-            self.stop(check=False)
-            raise
-        return self
+        fresh_dir = self.work_dir is None
+        for attempt in range(START_ATTEMPTS):
+            if fresh_dir:
+                self.work_dir = Path(tempfile.mkdtemp(prefix="lockstep-cp-"))
+                self._owns_work_dir = True
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.milestones.clear()
+            self._t0 = self.clock()
+            try:
+                self._start_all()
+                self._mark("ready")
+                return self
+            except ControlPlaneError as exc:
+                self.stop(check=False)
+                if not (fresh_dir and "address already in use" in str(exc)) or attempt + 1 == START_ATTEMPTS:
+                    raise
+            except BaseException:
+                self.stop(check=False)
+                raise
+        raise AssertionError("unreachable")
 
     def _start_all(self) -> None:
         ports = self.ports = Ports(*portutil.free_ports(5))
