@@ -15,6 +15,7 @@ lockstep.api.manifest (calls `evaluate`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,10 @@ class Ref(Expr):
             value = value[key]
         return value
 
+    def matches(self, pattern: str) -> Expr:
+        """The string matches the RE2 regular expression (CEL `matches`; unanchored unless ^...$)."""
+        return Matches(self, pattern)
+
     def map(self, field: str) -> Expr:
         """The list of `field` of each element: CEL `list.map(x, x.field)`."""
         return Pluck(self, field)
@@ -163,6 +168,19 @@ class Pluck(Expr):
 
     def evaluate(self, env: Mapping[str, Any]) -> Any:
         return [item[self.field] for item in self.ref.evaluate(env)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Matches(Expr):
+    ref: Ref
+    pattern: str
+
+    def to_cel(self) -> str:
+        return f"{self.ref.to_cel()}.matches({_cel_literal(self.pattern)})"
+
+    def evaluate(self, env: Mapping[str, Any]) -> Any:
+        # Python's re and RE2 agree on the simple patterns we use (classes, groups, anchors)
+        return re.search(self.pattern, self.ref.evaluate(env)) is not None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -67,8 +67,9 @@ class ObjectMeta(BaseModel):
         extra="allow", use_attribute_docstrings=True, populate_by_name=True, alias_generator=to_camel
     )
 
-    name: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
-    """Object name, a DNS-1123 label (it prefixes the names of the pods and services of the job)."""
+    name: str = Field(min_length=1, max_length=253)
+    """Object name. Lockstep kinds need a DNS-1123 label (rule `name-is-a-label`), since it prefixes
+    the names of the pods and services of the job."""
     namespace: str | None = None
     """Namespace; None in a manifest file means the current namespace."""
     labels: dict[str, str] = Field(default_factory=dict)
@@ -116,3 +117,14 @@ class Condition(ApiModel):
     """When the status last changed (RFC 3339)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation this condition was computed from."""
+
+
+class KubeObject(ApiModel):
+    """Base of the four kinds: the part every Kubernetes object has.
+
+    Rules on the whole object (the name, lockstep.api.rules) sit here; crdgen puts them at the root
+    of each CRD schema.
+    """
+
+    metadata: ObjectMeta
+    """Object metadata."""

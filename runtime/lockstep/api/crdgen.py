@@ -265,7 +265,7 @@ def schema_for(model: type[BaseModel]) -> dict[str, Any]:
             defs[name]["x-kubernetes-validations"] = [r.x_kubernetes_validation() for r in rules]
     inliner = _Inliner(defs, classes)
     props = raw["properties"]
-    return {
+    root: dict[str, Any] = {
         "description": _describe(model.__doc__ or ""),
         "type": "object",
         "required": ["spec"],
@@ -280,6 +280,10 @@ def schema_for(model: type[BaseModel]) -> dict[str, Any]:
             "status": inliner.convert(props["status"]),
         },
     }
+    rules = rules_for(model)
+    if rules:
+        root["x-kubernetes-validations"] = [r.x_kubernetes_validation() for r in rules]
+    return root
 
 
 def crd_for(kind: Kind) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from lockstep.api.common import (
     NAME_PATTERN,
     ApiModel,
     Condition,
-    ObjectMeta,
+    KubeObject,
 )
 
 # Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
@@ -642,15 +642,13 @@ class RLJobStatus(ApiModel):
     """When the job succeeded or failed."""
 
 
-class RLJob(ApiModel):
+class RLJob(KubeObject):
     """An RL post-training job (kind RLJob)."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""
     kind: Literal["RLJob"] = "RLJob"
     """RLJob"""
-    metadata: ObjectMeta
-    """Object metadata."""
     spec: RLJobSpec
     """Desired state: model, algorithm, rollout, trainer, weightSync, schedule, data, agent, placement."""
     status: RLJobStatus | None = None

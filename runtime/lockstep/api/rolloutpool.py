@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, ObjectMeta
+from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
 from lockstep.api.rljob import Autoscaling, EngineSpec, ModelSpec, PlacementSpec
 
 
@@ -71,15 +71,13 @@ class RolloutPoolStatus(ApiModel):
     """The metadata.generation the status describes."""
 
 
-class RolloutPool(ApiModel):
+class RolloutPool(KubeObject):
     """A pool of rollout engine replicas (kind RolloutPool)."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""
     kind: Literal["RolloutPool"] = "RolloutPool"
     """RolloutPool"""
-    metadata: ObjectMeta
-    """Object metadata."""
     spec: RolloutPoolSpec
     """Desired state."""
     status: RolloutPoolStatus | None = None

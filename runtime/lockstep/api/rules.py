@@ -20,6 +20,7 @@ from typing import Any, Final
 from pydantic import BaseModel
 
 from lockstep.api.cel import Expr, field, has, old
+from lockstep.api.common import NAME_PATTERN, KubeObject
 from lockstep.api.rljob import (
     Autoscaling,
     EngineSpec,
@@ -55,11 +56,13 @@ class Rule:
     """What is wrong and how to fix it."""
     transition: bool = False
     """Compares with the previous object (`oldSelf`); checked on update only."""
+    cel_field_path: bool = True
+    """Emit `field` as the CEL fieldPath; off for metadata, which the CRD schema does not describe."""
 
     def x_kubernetes_validation(self) -> dict[str, Any]:
         """The CRD x-kubernetes-validations entry."""
         out: dict[str, Any] = {"rule": self.expr.to_cel(), "message": self.message}
-        if self.field:
+        if self.field and self.cel_field_path:
             out["fieldPath"] = "." + self.field
         out["reason"] = "FieldValueForbidden" if self.transition else "FieldValueInvalid"
         return out
@@ -72,6 +75,15 @@ _streaming = _transport.in_(WEIGHT_STREAMING_TRANSPORTS)
 _world = field("nodes") * field("gpusPerNode")
 _par = "parallelism."
 RULES: Final[tuple[Rule, ...]] = (
+    Rule(
+        "name-is-a-label",
+        KubeObject,
+        field("metadata.name").matches(NAME_PATTERN) & field("metadata.name").size().le(63),
+        "metadata.name",
+        "metadata.name must be a DNS-1123 label (it prefixes pod and service names): at most 63 "
+        "lowercase letters, digits and '-', starting and ending with a letter or digit",
+        cel_field_path=False,
+    ),
     Rule(
         "fully-async-colocate",
         RLJobSpec,
@@ -342,6 +354,6 @@ def check_rules(obj: BaseModel, path: str = "", old_obj: BaseModel | None = None
                     continue
                 env["oldSelf"] = before.model_dump(mode="json", by_alias=True, exclude_none=True)
             if not rule.expr.evaluate(env):
-                blamed = f"{where}.{rule.field}" if rule.field else where
+                blamed = ".".join(p for p in (where, rule.field) if p)
                 problems.append(Problem(blamed, _dig(wire, rule.field), rule.message))
     return problems

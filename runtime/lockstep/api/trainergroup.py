@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, ObjectMeta
+from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
 from lockstep.api.rljob import ModelSpec, PlacementSpec, TrainerSpec
 
 
@@ -51,15 +51,13 @@ class TrainerGroupStatus(ApiModel):
     """The metadata.generation the status describes."""
 
 
-class TrainerGroup(ApiModel):
+class TrainerGroup(KubeObject):
     """The trainer ranks of a job (kind TrainerGroup)."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""
     kind: Literal["TrainerGroup"] = "TrainerGroup"
     """TrainerGroup"""
-    metadata: ObjectMeta
-    """Object metadata."""
     spec: TrainerGroupSpec
     """Desired state."""
     status: TrainerGroupStatus | None = None

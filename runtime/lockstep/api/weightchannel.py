@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, ObjectMeta
+from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
 from lockstep.api.rljob import Transport, WeightSyncSpec
 
 
@@ -60,15 +60,13 @@ class WeightChannelStatus(ApiModel):
     """The metadata.generation the status describes."""
 
 
-class WeightChannel(ApiModel):
+class WeightChannel(KubeObject):
     """A trainer-to-engines weight path (kind WeightChannel)."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""
     kind: Literal["WeightChannel"] = "WeightChannel"
     """WeightChannel"""
-    metadata: ObjectMeta
-    """Object metadata."""
     spec: WeightChannelSpec
     """Desired state."""
     status: WeightChannelStatus | None = None
