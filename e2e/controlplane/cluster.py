@@ -479,7 +479,13 @@ class ControlPlane:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
         """Run the built kubectl against this cluster; check=True raises with stderr on a non-zero exit."""
-        cmd = [self._bin("kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        # --cache-dir: discovery cache in the work dir, not one ~/.kube/cache entry per run's port.
+        cmd = [
+            self._bin("kubectl"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self._dir / 'kubectl-cache'}",
+            *args,
+        ]
         proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise ControlPlaneError(
