@@ -6,7 +6,9 @@
 # Called by e2e/controlplane/cluster.py (and so by the test command) and usable by hand.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly
+# GOTOOLCHAIN=local: never download a toolchain unless asked (GOTOOLCHAIN=auto fetches the one go.mod
+# names through the Go module proxy when the local Go is older).
+export GOTOOLCHAIN=${GOTOOLCHAIN:-local} CGO_ENABLED=0 GOFLAGS=-mod=readonly
 
 k8s_version=$(awk '$1=="k8s.io/kubernetes"{print $2}' "$here/kube/go.mod")
 etcd_version=$(awk '$1=="go.etcd.io/etcd/server/v3"{print $2}' "$here/kube/go.mod")
@@ -30,9 +32,20 @@ ldflags="-s -w \
  -X k8s.io/client-go/pkg/version.gitMajor=${major} \
  -X k8s.io/client-go/pkg/version.gitMinor=${minor}"
 
+need_go() {  # a clear message instead of "go: command not found" / "go.mod requires go >= ..."
+  local want
+  want=$(awk '$1=="go"{print $2}' "$here/kube/go.mod")
+  if ! command -v go >/dev/null; then
+    echo "build.sh: the Go toolchain (>= $want) is needed to build the control plane once; install it" \
+      "(https://go.dev/dl) or set LOCKSTEP_CONTROLPLANE_BIN to prebuilt binaries" >&2
+    exit 2
+  fi
+}
+
 build() {  # build <module dir> <package> <output name> [ldflags]
   local dir=$1 pkg=$2 out=$3 flags=${4:-"-s -w"}
   if [ -x "$bin/$out" ]; then return 0; fi
+  need_go
   echo "building $out from $pkg" >&2
   local start=$SECONDS
   (cd "$here/$dir" && go build -trimpath -ldflags "$flags" -o "$bin/$out.tmp.$$" "$pkg")
