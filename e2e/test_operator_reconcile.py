@@ -114,7 +114,12 @@ def running(cluster: ControlPlane, ns: str, job: str, role: str, count: int) -> 
         ok = len(live) == count and all(p["status"].get("phase") == "Running" for p in live)
         return live if ok else None
 
-    return cluster.wait_for(check, timeout=WAIT, what=f"{count} running {role} pods of {job}")
+    try:
+        return cluster.wait_for(check, timeout=WAIT, what=f"{count} running {role} pods of {job}")
+    except TimeoutError as err:
+        seen = [(p["metadata"]["name"], p["status"].get("phase"), [c.get("message") for c in p["status"].get("conditions", [])])
+                for p in pods(cluster, ns, job, role)]  # fmt: skip
+        raise TimeoutError(f"{err}; pods: {seen}; job status: {status(cluster, ns, 'rljob', job)}") from None
 
 
 def status(cluster: ControlPlane, ns: str, kind: str, name: str) -> dict[str, Any]:

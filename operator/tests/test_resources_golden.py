@@ -57,7 +57,8 @@ def test_job_children(example: str) -> None:
     job = load(example)
     name = job.metadata.name
     own = owner("RLJob", name)
-    pool, trainer, channel = child_manifests(own, job.spec, suspended=False, stopped="")
+    clique = "uuid.1" if example == "glm5-gb300" else ""
+    pool, trainer, channel = child_manifests(own, job.spec, suspended=False, stopped="", clique=clique, avoid_clique=clique)
     pool_spec = RolloutPoolSpec.model_validate({**pool["spec"], "replicas": job.spec.rollout.replicas})
     trainer_spec = TrainerGroupSpec.model_validate(trainer["spec"])
     engine0 = engine_manifest(
@@ -69,7 +70,7 @@ def test_job_children(example: str) -> None:
         0,
         generation=0,
         gang_min=gang_min_member(job.spec),
-        clique="uuid.1" if example == "glm5-gb300" else None,
+        clique=clique,
         image=IMAGE,
     )
     check(

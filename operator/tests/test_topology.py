@@ -112,3 +112,13 @@ def test_pick_clique_best_fit() -> None:
     assert none.clique is None and "no NVLink domain" in none.reason
     h100 = pick_clique(nodes, product="NVIDIA-H100-80GB-HBM3", ranks=1, gpus_per_rank=8, used={})
     assert h100.clique is None and "not packed" in h100.reason
+
+
+def test_engines_fit_outside_the_trainer_clique() -> None:
+    from lockstep_operator.reconcile.placement import engines_fit_outside
+
+    nodes = [node(f"a{i}", clique="c.1", gpus=4, product="NVIDIA-GB300") for i in range(3)]
+    nodes += [node(f"b{i}", clique="c.2", gpus=4, product="NVIDIA-GB300") for i in range(2)]
+    assert engines_fit_outside(nodes, {}, product="NVIDIA-GB300", clique="c.1", replicas=2, gpus=4)
+    assert not engines_fit_outside(nodes, {"b0": 1}, product="NVIDIA-GB300", clique="c.1", replicas=2, gpus=4)
+    assert engines_fit_outside(nodes, {}, product=None, clique="c.1", replicas=4, gpus=2)

@@ -29,6 +29,8 @@ from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.reconcile.common import (
+    ANN_AVOID_CLIQUE,
+    ANN_CLIQUE,
     ANN_COLOCATE,
     ANN_GANG_MIN,
     ANN_JOB_REPLICAS,
@@ -40,10 +42,11 @@ from lockstep_operator.reconcile.common import (
     previous_status,
     write_status,
 )
+from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress
 from lockstep_operator.reconcile.status import JobObserved, job_status, set_condition
 from lockstep_operator.resources import config, podgroups
-from lockstep_operator.resources.commands import driver_command
+from lockstep_operator.resources.commands import driver_command, product_label
 from lockstep_operator.resources.common import (
     API_VERSION,
     Owner,
@@ -71,8 +74,13 @@ def gang_min_member(spec: RLJobSpec) -> int:
     return int(spec.trainer.nodes) + min_replicas(spec)
 
 
-def child_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str) -> list[Manifest]:
-    """The three child kinds of the job (pure; pool spec.replicas deliberately left out)."""
+def child_manifests(
+    owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str, clique: str = "", avoid_clique: str = ""
+) -> list[Manifest]:
+    """The three child kinds of the job (pure; pool spec.replicas deliberately left out).
+
+    `clique`/`avoid_clique`: the placement plan (reconcile.placement), fixed once per job.
+    """
     job = owner.name
     common_ann = {
         ANN_SUSPENDED: str(suspended).lower(),
@@ -87,7 +95,7 @@ def child_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: 
             owner,
             pool_name(job),
             job_labels(job),
-            {**common_ann, ANN_JOB_REPLICAS: str(spec.rollout.replicas)},
+            {**common_ann, ANN_JOB_REPLICAS: str(spec.rollout.replicas), ANN_AVOID_CLIQUE: avoid_clique},
         ),
         "spec": {
             "job": job,
@@ -104,7 +112,7 @@ def child_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: 
             owner,
             trainer_name(job),
             job_labels(job),
-            {**common_ann, ANN_RESTART_LIMIT: str(spec.backoff_limit)},
+            {**common_ann, ANN_RESTART_LIMIT: str(spec.backoff_limit), ANN_CLIQUE: clique},
         ),
         "spec": {
             "job": job,
@@ -224,7 +232,10 @@ async def _ensure_gang(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> str |
 async def _apply_children(
     kube: KubeClient, owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str
 ) -> None:
-    pool, trainer, channel = child_manifests(owner, spec, suspended=suspended, stopped=stopped)
+    clique, avoid = await _placement_plan(kube, owner, spec)
+    pool, trainer, channel = child_manifests(
+        owner, spec, suspended=suspended, stopped=stopped, clique=clique, avoid_clique=avoid
+    )
     existing = await kube.get(API_VERSION, "RolloutPool", owner.namespace, pool["metadata"]["name"])
     if existing is None:
         # Created with replicas by a create (Update operation): later applies leave replicas to /scale.
@@ -248,6 +259,24 @@ async def _apply_children(
         await kube.apply(pool)
     await kube.apply(trainer)
     await kube.apply(channel)
+
+
+async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tuple[str, str]:
+    """The NVLink placement decided once: read back from the children, else planned now."""
+    trainer = await kube.get(API_VERSION, "TrainerGroup", owner.namespace, trainer_name(owner.name))
+    pool = await kube.get(API_VERSION, "RolloutPool", owner.namespace, pool_name(owner.name))
+    if trainer is not None and ANN_CLIQUE in annotations_of(trainer):
+        avoid = annotations_of(pool).get(ANN_AVOID_CLIQUE, "") if pool else ""
+        return annotations_of(trainer)[ANN_CLIQUE], avoid
+    gpus_per_rank = spec.trainer.gpus_per_node if spec.trainer.device.value == "cuda" else 0
+    return await plan_cliques(
+        kube,
+        product=product_label(spec.placement.gpu_product.value),
+        ranks=spec.trainer.nodes,
+        gpus_per_rank=gpus_per_rank,
+        engines=spec.rollout.replicas,
+        gpus_per_engine=spec.rollout.gpus_per_engine,
+    )
 
 
 async def _ensure_driver(

@@ -27,6 +27,7 @@ from lockstep_operator.autoscale import QueueSample, ScalePolicy, decide_replica
 from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.reconcile.common import (
     ANN_AUTOSCALER,
+    ANN_AVOID_CLIQUE,
     ANN_GANG_MIN,
     ANN_LAST_SCALED,
     ANN_QUEUE_HISTORY,
@@ -57,7 +58,7 @@ HISTORY = 32
 """Queue samples kept in the pool annotation (enough for the policy's window)."""
 
 
-def engine_placement(spec: RolloutPoolSpec) -> Placement:
+def engine_placement(spec: RolloutPoolSpec, avoid_clique: str | None = None) -> Placement:
     """GPU requests and node selection of one engine replica."""
     place = spec.placement
     return Placement(
@@ -65,6 +66,7 @@ def engine_placement(spec: RolloutPoolSpec) -> Placement:
         product=product_label(place.gpu_product.value),
         node_selector=dict(place.node_selector),
         tolerations=[t.wire() for t in place.tolerations],
+        avoid_clique=avoid_clique or None,
     )
 
 
@@ -76,6 +78,7 @@ def engine_manifest(
     gang_min: int,
     image: str,
     shared_volume: str | None = None,
+    avoid_clique: str | None = None,
 ) -> Manifest:
     """Engine pod `replica` of the pool (pure)."""
     gang = spec.placement.gang
@@ -97,7 +100,7 @@ def engine_manifest(
         pool=owner.name,
         replica=replica,
         container=container,
-        placement=engine_placement(spec),
+        placement=engine_placement(spec, avoid_clique),
         gang=keys,
     )
 
@@ -132,6 +135,7 @@ async def reconcile_pool(
         gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
         image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
         shared_volume=ann.get(ANN_SHARED_VOLUME),
+        avoid_clique=ann.get(ANN_AVOID_CLIQUE),
     )
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
@@ -160,6 +164,7 @@ async def _converge_pods(
     gang_min: int,
     image: str,
     shared_volume: str | None,
+    avoid_clique: str | None,
 ) -> list[Manifest]:
     """Delete failed and surplus engines, create missing ones; return the live (kept) pods."""
     by_index: dict[int, Manifest] = {}
@@ -178,7 +183,13 @@ async def _converge_pods(
         if index not in by_index:
             await kube.apply(
                 engine_manifest(
-                    owner, spec, index, gang_min=gang_min, image=image, shared_volume=shared_volume
+                    owner,
+                    spec,
+                    index,
+                    gang_min=gang_min,
+                    image=image,
+                    shared_volume=shared_volume,
+                    avoid_clique=avoid_clique,
                 )
             )
     return live

@@ -36,6 +36,7 @@ from lockstep_operator.reconcile.common import (
     previous_status,
     write_status,
 )
+from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress
 from lockstep_operator.reconcile.status import condition, is_true, trainer_status
 from lockstep_operator.resources import podgroups
@@ -48,10 +49,9 @@ from lockstep_operator.resources.common import (
     progress_name,
     selector,
 )
-from lockstep_operator.resources.pods import GPU, Container, Placement, rank_pod, selector_labels
+from lockstep_operator.resources.pods import Container, Placement, rank_pod, selector_labels
 from lockstep_operator.resources.services import headless_service
 from lockstep_operator.settings import OperatorSettings
-from lockstep_operator.topology import NodeFacts, parse_count, pick_clique
 
 
 def gpus_per_pod(spec: TrainerGroupSpec) -> int:
@@ -208,24 +208,16 @@ async def _create_missing(
 
 
 async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec) -> str | None:
-    """Pick an NVLink domain with room for every rank (pure choice over observed nodes and pods)."""
-    gpus = gpus_per_pod(spec)
-    product = product_label(spec.placement.gpu_product.value)
-    if gpus == 0:
-        return None
-    nodes = [NodeFacts.from_node(n) for n in await kube.list("v1", "Node", None)]
-    if not any("nvidia.com/gpu.clique" in n.labels for n in nodes):
-        return None
-    used: dict[str, int] = {}
-    for pod in await kube.list("v1", "Pod", None):
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue
-        for c in pod["spec"].get("containers", []):
-            used[node] = used.get(node, 0) + parse_count(
-                ((c.get("resources") or {}).get("requests") or {}).get(GPU, "0")
-            )
-    return pick_clique(nodes, product=product, ranks=spec.trainer.nodes, gpus_per_rank=gpus, used=used).clique
+    """For a TrainerGroup created without the job's placement plan: pick a clique now."""
+    clique, _ = await plan_cliques(
+        kube,
+        product=product_label(spec.placement.gpu_product.value),
+        ranks=spec.trainer.nodes,
+        gpus_per_rank=gpus_per_pod(spec),
+        engines=0,
+        gpus_per_engine=0,
+    )
+    return clique or None
 
 
 async def _write(

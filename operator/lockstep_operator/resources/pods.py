@@ -49,6 +49,8 @@ class Placement:
     """Required nvidia.com/gpu.product label value, e.g. NVIDIA-H100-80GB-HBM3; None = any."""
     clique: str | None = None
     """Required nvidia.com/gpu.clique (one NVLink domain); None = no packing."""
+    avoid_clique: str | None = None
+    """A nvidia.com/gpu.clique to stay out of (engines leave the trainer's NVLink domain to it)."""
     cpu: str | None = None
     """CPU request, e.g. "8"."""
     memory: str | None = None
@@ -151,6 +153,15 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         spec["tolerations"] = tolerations
     if gang.scheduler_name:
         spec["schedulerName"] = gang.scheduler_name
+    if p.avoid_clique:
+        rule = {"key": CLIQUE_LABEL, "operator": "NotIn", "values": [p.avoid_clique]}
+        spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [rule]}]
+                }
+            }
+        }
     return spec
 
 
