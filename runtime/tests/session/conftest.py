@@ -18,6 +18,8 @@ TOOL_CALL = '<call>{"name":"calc","arguments":{"a":2,"b":3}}</call>'
 TRAINED_CONVERSATIONS = (
     f"<|user|>add 2 and 3<|assistant|>{TOOL_CALL}<|eos|><|tool|>5<|assistant|>the sum is 5<|eos|>",
     "<|user|>hi<|assistant|>hello<|eos|><|user|>bye<|assistant|>bye now<|eos|>",
+    '<|user|>calc 2+3<|assistant|><call>{"name":"calc","arguments":{"expression":"2+3"}}</call><|eos|>'
+    "<|tool|>5<|assistant|>5<|eos|>",
 )
 
 
@@ -39,7 +41,7 @@ def trained_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = Qwen3ForCausalLM.from_pretrained(base)
     enc = [tok.encode(c) for c in TRAINED_CONVERSATIONS]
     width = max(map(len, enc))
-    ids = torch.tensor([e + [0] * (width - len(e)) for e in enc])  # [2, T]
+    ids = torch.tensor([e + [0] * (width - len(e)) for e in enc])  # [3, T]
     labels = torch.tensor([e + [-100] * (width - len(e)) for e in enc])  # padding is not learned
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CI machine has 2 shared cores; one thread is as fast and fairer

@@ -44,11 +44,13 @@ class ReplicaPool:
         self.ring = HashRing([r.rstrip("/") for r in replicas])
         """Session id -> replica URL."""
         self._http = httpx.AsyncClient(timeout=timeout_s)
+        self._last_version: dict[str, int | None] = {}
 
     async def generate(
         self, session_id: str, input_ids: Sequence[int], sampling: SamplingParams, routed_experts: bool
     ) -> GenerateResult:
-        url = self.ring.pick(session_id) + "/generate"
+        replica = self.ring.pick(session_id)
+        url = replica + "/generate"
         req = GenerateRequest(
             input_ids=list(input_ids),
             sampling_params=sampling,
@@ -61,7 +63,11 @@ class ReplicaPool:
         )
         if resp.status_code >= 400:
             raise EngineError(url, resp.status_code, resp.text[:500])
-        return result_from_reply(GenerateReply.model_validate(resp.json()), None)
+        # Stock SGLang reports one weight_version per reply; result_from_reply only trusts it for
+        # every token when this replica reported the same version before the request was sent.
+        result = result_from_reply(GenerateReply.model_validate(resp.json()), self._last_version.get(replica))
+        self._last_version[replica] = result.weight_version
+        return result
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,0 +1,71 @@
+"""`lockstep sessions`: serve the TITO session server in front of one or more engine replicas.
+
+Why it exists: in a cluster the session server runs as its own process (or a sidecar of the driver)
+between agents and the rollout pool; agents point their OpenAI client at
+http://HOST:PORT/sessions/{id}/v1 after creating a session with POST /sessions. Sessions stick to one
+replica by consistent hashing of the session id (and the X-SMG-Routing-Key header for a router).
+
+Who calls it: the pods the operator creates, users, tests. Imports nothing heavy at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sessions",
+        help="serve the TITO session server (token-exact multi-turn agent sessions)",
+        description="Serve the TITO session server: OpenAI-compatible chat per session, token-exact samples.",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="engine replica or router base URL (repeat for several replicas), e.g. http://127.0.0.1:30000",
+    )
+    parser.add_argument("--family", required=True, help="model family: tiny, qwen3 or glm47")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8300, help="port (default 8300; 0 picks a free one)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="reply budget when a request names none"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="temperature when a request names none"
+    )
+    parser.add_argument("--r3", action="store_true", help="capture routed experts (R3) on every turn")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from lockstep.models.registry import names
+    from lockstep.rollout.session.engine import ReplicaPool
+    from lockstep.rollout.session.server import SessionServer, SessionServerConfig
+
+    if args.family.removeprefix("builtin:") not in names():
+        print(f"--family {args.family!r} is unknown; choose one of {', '.join(names())}")
+        return 2
+    config = SessionServerConfig(
+        family=args.family,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        capture_routing=args.r3,
+    )
+
+    async def serve() -> None:
+        server = SessionServer(config, ReplicaPool(args.engine))
+        url = await server.start(args.host, args.port)
+        print(f"session server on {url} -> {', '.join(args.engine)}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+    return 0
