@@ -58,11 +58,18 @@ def test_job_children(example: str) -> None:
     name = job.metadata.name
     own = owner("RLJob", name)
     clique = "uuid.1" if example == "glm5-gb300" else ""
-    pool, trainer, channel = child_manifests(own, job.spec, suspended=False, stopped="", clique=clique, avoid_clique=clique)
+    pool, trainer, channel = child_manifests(
+        own, job.spec, suspended=False, stopped="", clique=clique, avoid_clique=clique
+    )
     pool_spec = RolloutPoolSpec.model_validate({**pool["spec"], "replicas": job.spec.rollout.replicas})
     trainer_spec = TrainerGroupSpec.model_validate(trainer["spec"])
     engine0 = engine_manifest(
-        owner("RolloutPool", f"{name}-rollout"), pool_spec, 0, gang_min=gang_min_member(job.spec), image=IMAGE
+        owner("RolloutPool", f"{name}-rollout"),
+        pool_spec,
+        0,
+        gang_min=gang_min_member(job.spec),
+        image=IMAGE,
+        avoid_clique=clique,
     )
     rank0 = rank_manifest(
         owner("TrainerGroup", f"{name}-trainer"),
