@@ -67,8 +67,10 @@ def test_sampled_ids_survive_even_when_text_would_tokenize_differently() -> None
     assert p2[: len(p1) + len(odd)] == p1 + odd
     (s,) = t.samples()
     assert s.response_ids[: len(odd)] == odd
-    expected = QWEN.encode_messages(t.messages(t.head), add_generation_prompt=False)
-    assert classify(expected, closed_row(t.row(t.head), QWEN), QWEN) == ["assistant_text"]
+    head = t.head
+    assert head is not None
+    expected = QWEN.encode_messages(t.messages(head), add_generation_prompt=False)
+    assert classify(expected, closed_row(t.row(head), QWEN), QWEN) == ["assistant_text"]
 
 
 @pytest.mark.parametrize(
