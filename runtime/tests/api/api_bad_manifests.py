@@ -7,6 +7,8 @@ real apiserver (e2e/test_api_crds.py); both build the manifests here so they tes
 from __future__ import annotations
 
 import copy
+import functools
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,12 @@ class BadManifest:
 
 
 def example(name: str) -> dict[str, Any]:
-    """The decoded example examples/<name>.yaml."""
+    """The decoded example examples/<name>.yaml (a fresh copy)."""
+    return copy.deepcopy(_parsed_example(name))
+
+
+@functools.cache
+def _parsed_example(name: str) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
     return doc
 
@@ -71,3 +78,60 @@ def load_table() -> list[BadManifest]:
             )
         )
     return out
+
+
+# Values that the cross-field rules look at; every combination is valid field by field, so whether a
+# random manifest passes depends on the rules alone.
+CHOICES: dict[str, list[Any]] = {
+    "spec.schedule.mode": ["sync", "fully-async"],
+    "spec.schedule.colocate": [False, True],
+    "spec.schedule.maxWeightStaleness": [None, 0, 3],
+    "spec.schedule.evalInterval": [None, 5],
+    "spec.data.evalPrompts": [None, "builtin:reverse"],
+    "spec.weightSync.transport": ["auto", "broadcast", "p2p", "disk-delta", "cuda-ipc"],
+    "spec.model.lora": [None, {"rank": 4}],
+    "spec.model.variant": [None, "4b", "8b"],
+    "spec.model.family": ["tiny", "qwen3"],
+    "spec.rollout.prefillDecode": [False, True],
+    "spec.rollout.precision": ["bf16", "fp8", "nvfp4"],
+    "spec.rollout.gpusPerEngine": [0, 1, 4],
+    "spec.rollout.tensorParallel": [1, 2, 4],
+    "spec.rollout.dataParallelAttention": [1, 2, 4],
+    "spec.rollout.replicas": [1, 3, 5],
+    "spec.rollout.autoscaling": [
+        None,
+        {"minReplicas": 2, "maxReplicas": 4},
+        {"minReplicas": 4, "maxReplicas": 2},
+    ],
+    "spec.rollout.maxInFlight": [2, 64],
+    "spec.algorithm.samplesPerPrompt": [4, 8],
+    "spec.algorithm.trueOnPolicy": [False, True],
+    "spec.algorithm.mismatch.low": [0.0, 2.5],
+    "spec.trainer.precision": ["bf16", "nvfp4"],
+    "spec.trainer.backend": ["fsdp", "megatron"],
+    "spec.trainer.device": ["cpu", "cuda"],
+    "spec.trainer.offload": ["none", "cpu", "disk"],
+    "spec.trainer.nodes": [1, 2, 3],
+    "spec.trainer.gpusPerNode": [1, 4, 8],
+    "spec.trainer.parallelism.tensor": [1, 2, 4],
+    "spec.trainer.parallelism.pipeline": [1, 2],
+    "spec.trainer.parallelism.context": [1, 2],
+    "spec.trainer.parallelism.expert": [1, 2, 8],
+    "spec.placement.gang": [
+        {"scheduler": "none"},
+        {"scheduler": "kueue"},
+        {"scheduler": "kueue", "queueName": "q"},
+    ],
+}
+
+
+def random_manifest(rng: random.Random, name: str, change: float = 0.08) -> dict[str, Any]:
+    """tiny-local (valid) with each rule-relevant field, with probability `change`, set to a random
+    choice (None leaves it unset); about a third of the results pass."""
+    manifest = example("tiny-local")
+    manifest["metadata"]["name"] = name
+    for dotted, values in CHOICES.items():
+        value = rng.choice(values)
+        if rng.random() < change and value is not None:
+            _set(manifest, dotted, value)
+    return manifest

@@ -7,11 +7,12 @@ model and backend) must refuse updates.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import yaml
-from api_bad_manifests import EXAMPLES, example, load_table
+from api_bad_manifests import EXAMPLES, example, load_table, random_manifest
 from lockstep.api import RULES, ManifestError, check_update, load_manifest, parse_object
 from lockstep.cli import main
 
@@ -148,3 +149,17 @@ def test_docs_list_every_rule_with_its_message() -> None:
     docs = (EXAMPLES.parent / "docs" / "api.md").read_text()
     missing = [r.name for r in RULES if f"`{r.name}`" not in docs or r.message not in docs]
     assert missing == [], "update the rules table of docs/api.md"
+
+
+def test_random_manifests_evaluate_without_rule_bugs() -> None:
+    # every rule guards what may be absent: no RuleBug, only ManifestError or success
+    rng = random.Random(7)
+    outcomes = {"valid": 0, "refused": 0}
+    for i in range(300):
+        try:
+            parse_object(random_manifest(rng, f"r{i}"))
+            outcomes["valid"] += 1
+        except ManifestError as err:
+            assert all(p.message for p in err.problems)
+            outcomes["refused"] += 1
+    assert outcomes["valid"] > 0 and outcomes["refused"] > 0, outcomes
