@@ -643,7 +643,9 @@ class RLJobStatus(ApiModel):
 
 
 class RLJob(KubeObject):
-    """An RL post-training job (kind RLJob)."""
+    """An RL post-training job: the policy model, how it samples (rollout), learns (algorithm,
+    trainer), moves weights (weightSync) and loops (schedule). The operator runs it as a RolloutPool,
+    a TrainerGroup and a WeightChannel; `lockstep run` runs it on one machine."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""

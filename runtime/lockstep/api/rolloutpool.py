@@ -72,7 +72,8 @@ class RolloutPoolStatus(ApiModel):
 
 
 class RolloutPool(KubeObject):
-    """A pool of rollout engine replicas (kind RolloutPool)."""
+    """The rollout engine replicas of one RLJob behind one router; scalable through /scale
+    (`kubectl scale rolloutpool`). Created by the operator from the job's spec.rollout."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""

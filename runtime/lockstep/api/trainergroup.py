@@ -52,7 +52,8 @@ class TrainerGroupStatus(ApiModel):
 
 
 class TrainerGroup(KubeObject):
-    """The trainer ranks of a job (kind TrainerGroup)."""
+    """The trainer ranks of one RLJob, started and restarted as one gang. Created by the operator
+    from the job's spec.trainer."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""

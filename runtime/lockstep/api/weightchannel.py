@@ -61,7 +61,8 @@ class WeightChannelStatus(ApiModel):
 
 
 class WeightChannel(KubeObject):
-    """A trainer-to-engines weight path (kind WeightChannel)."""
+    """How weight versions travel from a TrainerGroup to a RolloutPool (broadcast, p2p, disk-delta,
+    cuda-ipc), with the chosen transport, why, and the last version delivered. Created by the operator."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""
