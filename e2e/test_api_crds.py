@@ -263,6 +263,8 @@ def test_child_kinds_apply_from_the_models(crds: ControlPlane, namespace: str) -
     crds.apply([tg.wire(), wch.wire()], namespace=namespace)
     head, row = _table(crds.kubectl("get", "tg", "-n", namespace).stdout)
     assert head[:2] == ["NAME", "BACKEND"] and row[:2] == ["tg", "fsdp"]
+    names = crds.kubectl("get", "lockstep", "-n", namespace, "-o", "name").stdout.split()
+    assert sorted(names) == ["trainergroup.rl.lockstep.dev/tg", "weightchannel.rl.lockstep.dev/wch"]
     stored = crds.get("weightchannel", "wch", "-n", namespace)
     assert _prune_empty(stored["spec"]) == _prune_empty(wch.spec.wire())
 
