@@ -55,9 +55,9 @@ def _problems_from(err: ValidationError, prefix: str) -> list[Problem]:
             else:
                 parts.append(str(loc))
         value = None if e["type"] == "missing" else e.get("input")
+        if isinstance(value, dict | list) and e["type"] != "extra_forbidden":
+            value = None  # a whole section would drown the line; the path says where
         message = _HINTS.get(e["type"], e["msg"].removeprefix("Value error, "))
-        if isinstance(value, dict | list):
-            value = None if e["type"] != "extra_forbidden" else value
         out.append(Problem(".".join(parts), value, message))
     return out
 
@@ -145,5 +145,8 @@ def load_manifest(path_or_text: str | Path) -> RLJob:
 
 
 def check_update(old: BaseModel, new: BaseModel) -> list[Problem]:
-    """Problems of changing `old` into `new` (the transition rules, e.g. immutable model and backend)."""
-    return [p for p in check_rules(new, "", old_obj=old) if p not in check_rules(new, "")]
+    """Problems of changing `old` into `new`: the transition rules (immutable model and backend).
+
+    `new` must itself be valid (parse_object); this adds only what an update checks on top.
+    """
+    return check_rules(new, "", old_obj=old)

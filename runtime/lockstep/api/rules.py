@@ -287,8 +287,6 @@ RULES: Final[tuple[Rule, ...]] = (
         "kueue admits workloads through a LocalQueue: set placement.gang.queueName",
     ),
 )
-
-
 """Every cross-field rule of the API."""
 
 
@@ -338,21 +336,24 @@ def _dig(wire: Any, dotted: str) -> Any:
 
 
 def check_rules(obj: BaseModel, path: str = "", old_obj: BaseModel | None = None) -> list[Problem]:
-    """Evaluate every rule on every model inside obj; with old_obj, also the transition rules."""
+    """Evaluate the rules on every model inside obj (its wire path prefixed by `path`).
+
+    Without old_obj: the rules that hold for any object (what creating it checks). With old_obj:
+    only the transition rules, comparing each model with the one at the same path in old_obj (what
+    an update checks in addition).
+    """
     olds = dict(walk(old_obj, path)) if old_obj is not None else {}
     problems: list[Problem] = []
     for where, node in walk(obj, path):
-        rules = rules_for(type(node))
-        if not rules:
+        rules = [r for r in rules_for(type(node)) if r.transition == (old_obj is not None)]
+        before = olds.get(where)
+        if not rules or (old_obj is not None and before is None):
             continue
         wire = node.model_dump(mode="json", by_alias=True, exclude_none=True)
+        env: dict[str, Any] = {"self": wire}
+        if before is not None:
+            env["oldSelf"] = before.model_dump(mode="json", by_alias=True, exclude_none=True)
         for rule in rules:
-            env: dict[str, Any] = {"self": wire}
-            if rule.transition:
-                before = olds.get(where)
-                if before is None:
-                    continue
-                env["oldSelf"] = before.model_dump(mode="json", by_alias=True, exclude_none=True)
             if not rule.expr.evaluate(env):
                 blamed = ".".join(p for p in (where, rule.field) if p)
                 problems.append(Problem(blamed, _dig(wire, rule.field), rule.message))
