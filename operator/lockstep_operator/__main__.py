@@ -14,22 +14,23 @@ Never imports torch (operator/tests/test_no_torch.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import kopf
 from prometheus_client import start_http_server
 
-from lockstep_operator.settings import OperatorSettings, load_settings
+from lockstep_operator.settings import OperatorSettings, effective_priority, load_settings
 
 
-def kopf_kwargs(settings: OperatorSettings) -> dict[str, object]:
+def kopf_kwargs(settings: OperatorSettings, pod_name: str | None = None) -> dict[str, object]:
     """Arguments of kopf.run for these settings (pure; tested)."""
     kwargs: dict[str, object] = {}
     if settings.ha_mode == "standalone":
         kwargs["standalone"] = True
     else:
         kwargs["peering_name"] = settings.peering_name
-        kwargs["priority"] = settings.priority
+        kwargs["priority"] = effective_priority(settings, pod_name)
     if settings.namespaces:
         kwargs["namespaces"] = list(settings.namespaces)
     else:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         start_http_server(settings.metrics_port)
     import lockstep_operator.handlers  # noqa: F401  (registers the handlers with kopf's default registry)
 
-    kopf.run(**kopf_kwargs(settings))  # type: ignore[arg-type]
+    kopf.run(**kopf_kwargs(settings, os.environ.get("POD_NAME")))  # type: ignore[arg-type]
     return 0
 
 

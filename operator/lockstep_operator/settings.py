@@ -11,6 +11,7 @@ the reconcile functions); tests build `OperatorSettings(...)` directly.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Literal
@@ -39,8 +40,9 @@ class OperatorSettings(BaseModel):
     """peering: several replicas, one active (kopf peering, highest priority wins); standalone: one replica."""
     peering_name: str = "lockstep-operator"
     """Name of the kopf ClusterKopfPeering/KopfPeering object used for HA."""
-    priority: int = 0
-    """This replica's peering priority (higher wins); e.g. from the pod's ordinal."""
+    priority: int | None = None
+    """This replica's peering priority (higher wins, lower ones pause). Unset: derived from $POD_NAME, so
+    the replicas of one Deployment get distinct priorities and exactly one is active."""
     health_port: int = Field(default=8080, ge=0, le=65535)
     """Port of the liveness/readiness endpoint (/healthz); 0 disables it."""
     metrics_port: int = Field(default=9090, ge=0, le=65535)
@@ -51,6 +53,15 @@ class OperatorSettings(BaseModel):
     """Root log level."""
     gang_restart_limit_default: int = Field(default=3, ge=0)
     """Gang restarts of a TrainerGroup allowed when its spec does not say."""
+
+
+def effective_priority(settings: OperatorSettings, pod_name: str | None) -> int:
+    """The peering priority: the setting, else a stable number in [1, 1000) from the pod name."""
+    if settings.priority is not None:
+        return settings.priority
+    if not pod_name:
+        return 0
+    return 1 + zlib.crc32(pod_name.encode()) % 999
 
 
 @lru_cache(maxsize=1)

@@ -14,3 +14,23 @@ def test_defaults_and_overrides() -> None:
 def test_bad_value_names_the_variable() -> None:
     with pytest.raises(ValueError, match="LOCKSTEP_OPERATOR_HA_MODE"):
         settings_from_env({"LOCKSTEP_OPERATOR_HA_MODE": "raft"})
+
+
+def test_kopf_arguments_and_peering_priority() -> None:
+    from lockstep_operator.__main__ import kopf_kwargs
+
+    standalone = kopf_kwargs(
+        settings_from_env({"LOCKSTEP_OPERATOR_HA_MODE": "standalone", "LOCKSTEP_OPERATOR_NAMESPACES": "a"})
+    )
+    assert standalone == {
+        "standalone": True,
+        "namespaces": ["a"],
+        "liveness_endpoint": "http://0.0.0.0:8080/healthz",
+    }
+    peering = settings_from_env({"LOCKSTEP_OPERATOR_HEALTH_PORT": "0"})
+    one, two = kopf_kwargs(peering, "op-abc"), kopf_kwargs(peering, "op-xyz")
+    assert one["peering_name"] == "lockstep-operator" and one["clusterwide"] is True
+    assert (
+        one["priority"] != two["priority"] and one["priority"] == kopf_kwargs(peering, "op-abc")["priority"]
+    )
+    assert kopf_kwargs(settings_from_env({"LOCKSTEP_OPERATOR_PRIORITY": "7"}), "x")["priority"] == 7
