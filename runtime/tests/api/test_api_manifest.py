@@ -68,3 +68,11 @@ def test_validate_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert capsys.readouterr().out.strip() == (
         "-: spec.schedule.steps: 0: Input should be greater than or equal to 1"
     )
+
+
+def test_show_defaults_prints_the_filled_in_object(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--show-defaults", str(EXAMPLES / "tiny-local.yaml")]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["spec"]["weightSync"]["bucketMiB"] == 512
+    assert shown["spec"]["algorithm"]["mismatch"] == {"correction": "tis", "low": 0.0, "high": 2.0}
+    assert load_manifest(yaml.safe_dump(shown)) == load_manifest(EXAMPLES / "tiny-local.yaml")
