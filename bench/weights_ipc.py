@@ -5,8 +5,8 @@ on the device once. The engine runs as a separate process (`lockstep engine --de
 the same GPU; the trainer holds a Qwen3-0.6B-shaped model (builtin "bigger", ~0.6B params, 1.2 GB in
 bf16). Each update packs buckets of 512 MiB on the device, sends IPC handles through
 /update_weights_from_tensor and the engine copies them into its weights. Baseline, measured in the
-same run: one device-to-device copy of the same number of bytes (torch copy_, synchronized). Prints
-the median of N updates, GB/s, and the ratio update / device copy; writes JSON to --out.
+same run: one device-to-device copy of the same number of bytes (torch copy_, synchronized). Also
+measures an update with no tensors (the HTTP control calls alone). Prints the median of N updates, GB/s, and the ratio update / device copy; writes JSON to --out.
 
 Run on a CUDA machine from the repository root:
   PYTHONPATH=runtime:runtime/tests/weights python bench/weights_ipc.py --out bench/results/weights_ipc.json
@@ -73,6 +73,12 @@ def main() -> int:
                 transport.push(named, version=v)
                 times.append(time.perf_counter() - t0)
             times = times[1:]  # the first update opens the IPC mappings and warms the allocator
+            # The control-plane floor: an update with no tensors (pause, flush, version, continue).
+            floor = []
+            for v in range(args.runs):
+                t0 = time.perf_counter()
+                transport.push([], version=50 + v)
+                floor.append(time.perf_counter() - t0)
             # Prove the last update delivered everything (checksums by name, on the engine).
             check = preflight.check_weight_update_equal([engine.url], transport, lambda: named, version=100)
             transport.close()
@@ -90,6 +96,7 @@ def main() -> int:
         "ipc_update_s_median": ipc_s,
         "ipc_update_s_all": times,
         "ipc_update_GBps": nbytes / ipc_s / 1e9,
+        "control_only_update_s_median": statistics.median(floor),
         "device_copy_s": copy_s,
         "device_copy_GBps": nbytes / copy_s / 1e9,
         "ratio_update_over_copy": ipc_s / copy_s,

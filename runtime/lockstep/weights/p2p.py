@@ -15,9 +15,9 @@ memory, and each target receives only its own shards. The pieces, as the spec la
 4. One reusable registered staging buffer per sender: tensors are packed into it and written with
    batched writes; staging memory stays constant however many targets there are.
 
-Per bucket, writes to every target but the last are synchronous; the last target's write runs on a
-background thread while the next bucket is gathered, converted and resharded (the staging buffer is
-reused only after that write finished). A failed write raises `P2PWriteError`; it is never only
+The staging buffer is used as two halves: one is filled while the other is written on a background
+thread, so packing overlaps the wire, and the last target's write of a bucket overlaps gathering,
+converting and resharding the next bucket (a half is reused only after its write finished). A failed write raises `P2PWriteError`; it is never only
 logged (the spec's revision logged and carried on, which is why pre-flight exists). After the last
 bucket each target commits: it checks the checksums of what arrived and only then loads it and
 advances its weight version, so a version is activated whole or not at all.
@@ -262,6 +262,73 @@ class _Staging:
         self.engine.unregister_memory(self.base)
 
 
+class _Pipe:
+    """Double buffering inside the one staging buffer: one half is filled while the other is written.
+
+    Writes run on a single background thread, so they reach the targets in submission order; a half
+    is reused only after its previous write finished, and a failed write raises at that point or at
+    drain(), never only logged.
+    """
+
+    def __init__(self, staging: _Staging, pool: ThreadPoolExecutor) -> None:
+        self.staging, self.pool = staging, pool
+        self.half = staging.buffer.numel() // 2
+        if self.half < 1:
+            raise ValueError("staging_bytes must be at least 2 (two halves)")
+        self.pending: list[Future[None] | None] = [None, None]
+        self.cur, self.used = 0, 0
+        self.pieces: list[tuple[int, int, int]] = []
+        self.session = ""
+        self.last_name = ""
+
+    def _wait(self, h: int) -> None:
+        fut, self.pending[h] = self.pending[h], None
+        if fut is not None:
+            fut.result()
+
+    def add(self, session: str, data: torch.Tensor, remote: int, name: str) -> None:
+        """Queue `data` ([n] uint8) for `remote` on `session`, copying it into staging chunk by chunk."""
+        if session != self.session:
+            self.flush()
+            self.session = session
+        done, total = 0, data.numel()
+        while done < total:
+            if self.used == self.half:
+                self.flush()
+            n = min(self.half - self.used, total - done)
+            off = self.cur * self.half + self.used
+            self.staging.buffer[off : off + n].copy_(data[done : done + n])
+            self.pieces.append((off, remote + done, n))
+            self.used += n
+            done += n
+        self.last_name = name
+
+    def flush(self) -> None:
+        """Submit the current half's write and switch to the other half (waiting for its last write)."""
+        if not self.pieces:
+            return
+        what = f"a chunk ending in {self.last_name}"
+        self.pending[self.cur] = self.pool.submit(self.staging.write, self.session, self.pieces, what)
+        self.cur ^= 1
+        self.pieces, self.used = [], 0
+        self._wait(self.cur)
+
+    def drain(self) -> None:
+        """Write what is queued and wait for every write; raises the first failure."""
+        errors: list[BaseException] = []
+        try:
+            self.flush()
+        except BaseException as e:
+            errors.append(e)
+        for h in (0, 1):
+            try:
+                self._wait(h)
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
 class P2PTransport:
     """WeightTransport: this source writes its planned targets' shards, then the targets commit."""
 
@@ -301,17 +368,11 @@ class P2PTransport:
                 for tg in self.targets
             ]
 
-    def _send(
-        self, target: P2PTarget, tensors: list[tuple[str, torch.Tensor]], pending: Future[None] | None
-    ) -> list[tuple[int, int, int]]:
-        """Copy into staging and write, chunk by chunk; returns the last chunk's pieces, not yet written."""
+    def _send(self, pipe: _Pipe, target: P2PTarget, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Pack one target's tensors of a bucket into staging; full halves are written in the background."""
         import torch
 
-        info, cap = target.info, self.staging.buffer.numel()
-        pieces: list[tuple[int, int, int]] = []
-        used = 0
-        if pending is not None:
-            pending.result()  # the staging buffer is free only once the previous write finished
+        info = target.info
         for name, t in tensors:
             slot = info.slots.get(name)
             if slot is None:
@@ -323,17 +384,8 @@ class P2PTransport:
                 raise P2PWriteError(
                     f"{name}: {data.numel()} bytes for a {slot.nbytes}-byte slot on {info.session_id} (layout mismatch)"
                 )
-            done = 0
-            while done < data.numel():
-                if used == cap:
-                    self.staging.write(info.session_id, pieces, f"a chunk ending in {name}")
-                    pieces, used = [], 0
-                n = min(cap - used, data.numel() - done)
-                self.staging.buffer[used : used + n].copy_(data[done : done + n])
-                pieces.append((used, info.buffer_ptr + slot.offset + done, n))
-                used += n
-                done += n
-        return pieces
+            pipe.add(info.session_id, data, info.buffer_ptr + slot.offset, name)
+        pipe.flush()  # the next target's bytes go to the other half while this write flies
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         with self._lock:
@@ -342,22 +394,17 @@ class P2PTransport:
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         t0 = self.clock()
         checksums: list[dict[str, str]] = [{} for _ in self.targets]
-        pending: Future[None] | None = None
         payload = 0
-        for per_target in self._prepared(named_tensors):
-            for i, (target, tensors) in enumerate(zip(self.targets, per_target, strict=True)):
-                pieces = self._send(target, tensors, pending)
-                pending = None
-                what = f"bucket ending in {tensors[-1][0]}" if tensors else "an empty bucket"
-                if i < len(self.targets) - 1:
-                    self.staging.write(target.info.session_id, pieces, what)
-                else:  # overlap the last target's write with checksums and the next bucket's preparation
-                    pending = self._pool.submit(self.staging.write, target.info.session_id, pieces, what)
-                for name, t in tensors:
-                    checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
-                    payload += t.numel() * t.element_size()
-        if pending is not None:
-            pending.result()
+        pipe = _Pipe(self.staging, self._pool)
+        try:
+            for per_target in self._prepared(named_tensors):  # the next bucket is prepared while writes fly
+                for i, (target, tensors) in enumerate(zip(self.targets, per_target, strict=True)):
+                    self._send(pipe, target, tensors)
+                    for name, t in tensors:  # overlaps the write just submitted
+                        checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
+                        payload += t.numel() * t.element_size()
+        finally:
+            pipe.drain()  # never leave a write reading staging; re-raises the first failed write
         for target, sums in zip(self.targets, checksums, strict=True):
             missing = sorted(set(target.info.slots) - set(sums))
             if missing:
