@@ -225,44 +225,65 @@ class SessionServer:
     # -- one turn --------------------------------------------------------------------------------
 
     async def _chat(self, request: web.Request) -> web.Response:
+        # Server work of a turn = parsing the replayed history + the turn minus the engine call +
+        # serializing the reply; waiting for the session lock or the engine is not counted.
         try:
             s = self._session(request)
-            req = self._parse_chat(await request.read())
+            raw = await request.read()
+            t0 = self._perf()
+            req = self._parse_chat(raw)
+            parse_s = self._perf() - t0
             async with s.lock:
-                body = await self._turn(s, req)
+                body, work_s = await self._turn(s, req)
         except SessionError as exc:
             return _error(exc.status, str(exc))
-        return web.json_response(body)
+        t1 = self._perf()
+        text = json.dumps(body)
+        self._observe(parse_s + work_s + self._perf() - t1)
+        return web.Response(text=text, content_type="application/json")
 
     def _parse_chat(self, raw: bytes) -> ChatRequest:
         try:
-            body = json.loads(raw or b"{}")
-        except ValueError as exc:
-            raise SessionError(f"request body is not JSON: {exc}") from exc
-        bad = forbidden_fields(body)
-        if bad:
-            raise SessionError(
-                f"{', '.join(bad)}: agents cannot supply token IDs or offsets; the session server owns "
-                "the token row. Send messages only (remove these fields)."
-            )
-        try:
-            return ChatRequest.model_validate(body)
+            # One pass in pydantic-core (the replayed history can be megabytes at 64K tokens).
+            return ChatRequest.model_validate_json(raw or b"{}")
         except ValidationError as exc:
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                raise SessionError(f"request body is not JSON: {describe(exc)}") from exc
+            bad = forbidden_fields(body)
+            if bad:
+                raise SessionError(
+                    f"{', '.join(bad)}: agents cannot supply token IDs or offsets; the session server owns "
+                    "the token row. Send messages only (remove these fields)."
+                ) from exc
             raise SessionError(describe(exc)) from exc
 
     def _sampling(self, req: ChatRequest) -> SamplingParams:
         cfg = self.config
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop_ids = set(self.family.stop_ids)
+        strings: list[str] = []
+        for text in stops:
+            # A stop string that is exactly one token is the same stop as that token ID; sending it
+            # as an ID also works on engines without stop-string support (our reference engine).
+            ids = self.family.codec.encode(text) if text else []
+            if len(ids) == 1:
+                stop_ids.add(ids[0])
+            elif text:
+                strings.append(text)
         return SamplingParams(
             max_new_tokens=req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens,
             temperature=cfg.temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            stop=req.stop,
-            stop_token_ids=sorted(self.family.stop_ids),
+            stop=strings or None,
+            stop_token_ids=sorted(stop_ids),
             sampling_seed=req.seed,
             skip_special_tokens=False,
         )
 
-    async def _turn(self, s: Session, req: ChatRequest) -> dict[str, Any]:
+    async def _turn(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
+        """Run one turn; returns the completion body and the seconds of server work (engine excluded)."""
         t0 = self._perf()
         plan = s.tree.plan([m.to_message() for m in req.messages])
         sampling = self._sampling(req)
@@ -293,11 +314,11 @@ class SessionServer:
             routed_experts=res.routed_experts,
             cached_tokens=res.cached_tokens,
         )
+        prompt_len = len(plan.input_ids)
         node = s.tree.commit(plan, reply, out)
-        self._count(s, plan.reused, len(plan.added), len(plan.input_ids), res.cached_tokens)
-        body = _completion(s.id, node, reply, len(plan.input_ids), res.cached_tokens, int(self._clock()))
-        self._observe((t1 - t0) + (self._perf() - t2))
-        return body
+        self._count(s, plan.reused, len(plan.added), prompt_len, res.cached_tokens)
+        body = _completion(s.id, node, reply, prompt_len, res.cached_tokens, int(self._clock()))
+        return body, (t1 - t0) + (self._perf() - t2)
 
     def _count(self, s: Session, reused: int, tokenized: int, prompt: int, cached: int) -> None:
         s.reused_tokens += reused

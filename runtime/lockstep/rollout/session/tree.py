@@ -148,6 +148,9 @@ class TokenTree:
         """The newest committed turn (the linear trajectory's end)."""
         self._next_id = 0
         self._count = 0
+        # The newest checkpoint's row, kept so that extending it (the common case) costs no
+        # walk over the path; replaced on every commit.
+        self._cached: tuple[Node, list[int]] | None = None
 
     # -- locating and planning -------------------------------------------------------------------
 
@@ -228,7 +231,7 @@ class TokenTree:
         if parent is None:
             ids = self.family.encode_messages(appended, add_generation_prompt=True)
             return Plan(None, appended, ids, 0, list(ids), discard, 0)
-        row = self.row(parent)
+        row = self._cached[1] if self._cached is not None and self._cached[0] is parent else self.row(parent)
         suffix = self.family.codec.encode(self.family.render_appended(appended, add_generation_prompt=True))
         merge = self.family.merge(row[-4:], suffix)
         trim, added = merge.trim, [*merge.bridge, *merge.suffix]
@@ -273,6 +276,7 @@ class TokenTree:
         self._next_id += 1
         self._count += 1
         self.head = node
+        self._cached = (node, [*plan.input_ids, *out.ids])
         return node
 
     def _remove(self, node: Node) -> None:
@@ -295,6 +299,8 @@ class TokenTree:
 
     def row(self, node: Node) -> list[int]:
         """The checkpoint C_k of `node`: every token of its trajectory, as served and sampled."""
+        if self._cached is not None and self._cached[0] is node:
+            return list(self._cached[1])
         row: list[int] = []
         for n in self.path(node):
             if n.trim:
