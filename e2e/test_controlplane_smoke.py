@@ -7,12 +7,17 @@ ControlPlane stops without leaving a process or a listening port.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from e2e.controlplane import ports as portutil
-from e2e.controlplane.cluster import DEFAULT_NODES, ControlPlane, _group_alive
+from e2e.controlplane.cluster import COMPONENTS, DEFAULT_NODES, HERE, ControlPlane, _group_alive
 from e2e.controlplane.nodes import NodePool, load_pools, node_objects
 
 IMAGE = "registry.invalid/lockstep/sim:0"  # never pulled: kwok plays the kubelet
@@ -205,16 +210,47 @@ def test_added_nodes_become_ready_and_schedulable(cluster: ControlPlane, namespa
         cluster.kubectl("delete", "node", "smoke-extra-0", "--wait=false", check=False)
 
 
-@pytest.mark.timeout(120)
-def test_stop_leaves_no_process_and_no_port(cluster: ControlPlane) -> None:
-    # A second, short-lived control plane (no nodes) on other ports: stop() must leave nothing behind.
-    cp = ControlPlane(bin_dir=cluster.bin_dir, nodes_file=None).start()
+@pytest.mark.timeout(180)
+def test_start_sh_and_stop_sh_leave_no_process_and_no_port(cluster: ControlPlane, tmp_path: Path) -> None:
+    # A second, short-lived control plane (no nodes) through the people's scripts: it must outlive the
+    # start script, answer with the printed KUBECONFIG, and stop must leave nothing behind.
+    state, bin_dir = tmp_path / "running.json", cluster.bin_dir
+    assert bin_dir is not None
+    env = {**os.environ, "LOCKSTEP_CONTROLPLANE_BIN": str(bin_dir), "PYTHON": sys.executable}
+    start = subprocess.run(
+        ["bash", str(HERE / "start.sh"), "--no-nodes", "--state", str(state)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=150,
+        check=False,
+    )
+    assert start.returncode == 0, start.stderr
+    saved = json.loads(state.read_text())
     try:
-        pids, ports, work_dir = dict(cp.pids), sorted(cp.ports.all()), cp.work_dir  # type: ignore[union-attr]
-        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
-        assert portutil.listening(ports) == ports
+        kubeconfig = next(
+            line.split("=", 1)[1] for line in start.stdout.splitlines() if "KUBECONFIG=" in line
+        )
+        readyz = subprocess.run(
+            [str(bin_dir / "kubectl"), f"--kubeconfig={kubeconfig}", "get", "--raw", "/readyz"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert readyz.stdout == "ok", readyz.stderr
+        assert sorted(saved["pids"]) == sorted(COMPONENTS)
+        assert portutil.listening(saved["ports"]) == sorted(saved["ports"])
     finally:
-        cp.stop()
-    assert [n for n, p in pids.items() if _group_alive(p)] == []
-    assert portutil.listening(ports) == []
-    assert work_dir is not None and not work_dir.exists()
+        stop = subprocess.run(
+            ["bash", str(HERE / "stop.sh"), "--state", str(state)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert stop.returncode == 0, stop.stderr
+    assert [n for n, p in saved["pids"].items() if _group_alive(p)] == []
+    assert portutil.listening(saved["ports"]) == []
+    assert not Path(saved["work_dir"]).exists() and not state.exists()
