@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import faulthandler
 import json
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ async def _engine_run(
     seqs = [engine.new_sequence(p, sp) for p in prompts]
     sync(engine.device)
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(engine.submit(s) for s in seqs))
+    done = await asyncio.wait_for(asyncio.gather(*(engine.submit(s) for s in seqs)), 300)
     sync(engine.device)
     return time.perf_counter() - t0, list(done)
 
@@ -115,6 +116,7 @@ async def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--out", default=None, help="dir for engine_throughput_<date>_<device>.json/.md")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang prints every thread's stack, then exits
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = tiny_config() if args.tiny else bigger_config()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from collections import deque
@@ -42,6 +43,8 @@ import torch
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tiny import TinyTokenizer
 from lockstep.serving.payloads import SamplingParams
+
+log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -124,6 +127,8 @@ class EngineStats:
     """Scheduler steps run."""
     requests: int = 0
     """Requests finished (any reason)."""
+    failed_steps: int = 0
+    """Steps that raised (their sequences were aborted with the error)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -181,7 +186,9 @@ class ReferenceEngine:
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
-        self._slot_tokens: list[list[int]] = [[] for _ in range(max_running_requests)]  # valid KV per slot
+        self._slot_tokens: list[list[int]] = [
+            [] for _ in range(max_running_requests)
+        ]  # valid KV of free slots
         self._slot_used = [0] * max_running_requests  # LRU clock per slot
         self._clock = itertools.count(1)
         self._by_rid: dict[str, Sequence] = {}
@@ -427,10 +434,28 @@ class ReferenceEngine:
                 self._reap_aborted()
                 plan = self._plan()
                 if plan.prefill or plan.decode:
-                    results = await self.run_in_worker(self._execute, plan)
-                    self._apply(plan, results)
+                    try:
+                        results = await self.run_in_worker(self._execute, plan)
+                    except Exception as e:  # never leave requests waiting on a dead scheduler
+                        self._fail_step(plan, e)
+                    else:
+                        self._apply(plan, results)
             # Let handlers (abort, pause, new requests) in between steps; back off if nothing ran.
             await asyncio.sleep(0 if plan.prefill or plan.decode else 0.005)
+
+    def _fail_step(self, plan: _Plan, error: Exception) -> None:
+        """A step raised: log it, abort the sequences it touched (their KV is unknown), keep serving."""
+        log.exception("engine step failed; aborting %d sequences", len(plan.prefill) + len(plan.decode))
+        self.stats.failed_steps += 1
+        for seq in [*plan.prefill, *plan.decode]:
+            if seq.finish is None:
+                self._finish(
+                    seq, {"type": "abort", "message": f"engine step failed: {type(error).__name__}: {error}"}
+                )
+            slot = seq.slot
+            self._release(seq)
+            if slot >= 0:
+                self._slot_tokens[slot] = []  # the step may have half-written this KV
 
     def _reap_aborted(self) -> None:
         for seq in [s for s in self._running.values() if s.finish is not None]:
@@ -459,7 +484,11 @@ class ReferenceEngine:
             for s in range(self.runner.max_slots):
                 if s in taken:
                     continue
-                n = _lcp(self._slot_tokens[s], seq.tokens, cap)
+                run = self._running.get(s)  # a running slot's KV is valid for its tokens[:kv_len]
+                if run is None:
+                    n = _lcp(self._slot_tokens[s], seq.tokens, cap)
+                else:
+                    n = _lcp(run.tokens, seq.tokens, min(cap, run.kv_len))
                 if n > best_len:
                     best, best_len = s, n
             if any(_lcp(a.tokens, seq.tokens, cap) > best_len for a in admitted):
@@ -477,7 +506,7 @@ class ReferenceEngine:
             taken.add(slot)
             budget -= len(seq.tokens) - best_len
             seq.slot, seq.kv_len = slot, best_len
-            self._slot_tokens[slot] = []  # valid again once the step wrote it
+            self._slot_tokens[slot] = []  # while running, the sequence describes the slot
             if seq.cached_tokens < 0:
                 seq.cached_tokens = best_len
                 self.stats.prompt_tokens += seq.prompt_len
@@ -558,9 +587,8 @@ class ReferenceEngine:
             if seq.finish is None and seq.max_new <= len(seq.output_ids):
                 self._finish(seq, {"type": "length", "length": seq.max_new})
         for seq in [*plan.prefill, *plan.decode]:
-            self._slot_used[seq.slot] = next(self._clock) if seq.slot >= 0 else 0
             if seq.slot >= 0:
-                self._slot_tokens[seq.slot] = seq.tokens[: seq.kv_len]
+                self._slot_used[seq.slot] = next(self._clock)
             if seq.finish is not None:
                 self._release(seq)
 

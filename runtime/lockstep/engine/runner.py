@@ -102,9 +102,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         """The engine's generator for rows without a sampling_seed."""
         self.generator.manual_seed(seed)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
-        """Capture decode steps into CUDA graphs (CUDA only)."""
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self.cuda_graphs = cuda_graphs
+        """Decode on static bucketed buffers, captured into CUDA graphs on CUDA (eager on CPU, for tests)."""
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]] = {}
         self._graph_pool: Any = None
 
     # -- forward ---------------------------------------------------------------------------------
@@ -210,6 +210,7 @@ class ModelRunner:
     def _decode_graph(
         self, tokens: list[int], positions: list[int], num_slots: int, kv_len: int
     ) -> torch.Tensor:
+        """Decode on static, bucketed buffers: replay a CUDA graph on CUDA, run the same shapes eagerly on CPU."""
         b = _bucket(num_slots, _BATCH_BUCKETS, self.max_slots)
         kv = _kv_bucket(kv_len, self.context_length)
         key = (b, kv)
@@ -217,19 +218,22 @@ class ModelRunner:
             self._graphs[key] = self._capture(b, kv)
         graph, io = self._graphs[key]
         pad = b - num_slots
-        io["ids"].copy_(torch.tensor(tokens + [0] * pad, dtype=torch.long), non_blocking=True)
-        io["pos"].copy_(
-            torch.tensor(positions + [self.context_length] * pad, dtype=torch.long), non_blocking=True
-        )
-        graph.replay()
+        io["ids"].copy_(torch.tensor(tokens + [0] * pad, dtype=torch.long)[:, None])  # [b, 1]
+        io["pos"].copy_(torch.tensor(positions + [self.context_length] * pad, dtype=torch.long)[:, None])
+        if graph is None:  # CPU: same static shapes, no capture (exercises this path in CPU tests)
+            io["logits"] = self.logits(self._forward(io["ids"], io["pos"], io["slots"], kv, True)[:, 0])
+        else:
+            graph.replay()
         return io["logits"][:num_slots]
 
-    def _capture(self, b: int, kv: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+    def _capture(self, b: int, kv: int) -> tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]:
         io = {
-            "ids": torch.zeros((b, 1), dtype=torch.long, device=self.device),
-            "pos": torch.full((b, 1), self.context_length, dtype=torch.long, device=self.device),
-            "slots": torch.arange(b, device=self.device),
+            "ids": torch.zeros((b, 1), dtype=torch.long, device=self.device),  # [b, 1]
+            "pos": torch.full((b, 1), self.context_length, dtype=torch.long, device=self.device),  # [b, 1]
+            "slots": torch.arange(b, device=self.device),  # [b]
         }
+        if self.device.type != "cuda":
+            return None, io
         with torch.inference_mode():
             stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream(self.device))

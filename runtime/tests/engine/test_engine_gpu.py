@@ -17,7 +17,11 @@ from transformers import Qwen3ForCausalLM
 async def _generate(engine: ReferenceEngine, prompts: list[list[int]], sp: SamplingParams) -> list[Any]:
     await engine.start()
     try:
-        return list(await asyncio.gather(*(engine.submit(engine.new_sequence(p, sp)) for p in prompts)))
+        return list(
+            await asyncio.wait_for(
+                asyncio.gather(*(engine.submit(engine.new_sequence(p, sp)) for p in prompts)), 120
+            )
+        )
     finally:
         await engine.close()
 
