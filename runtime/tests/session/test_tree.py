@@ -32,10 +32,11 @@ def turn(
 ) -> tuple[list[int], Message]:
     """Plan, 'sample' ids, commit; returns the prompt sent and the stored reply."""
     plan = t.plan(msgs)
+    prompt = list(plan.input_ids)  # commit extends plan.input_ids into C_k in place
     parsed = t.family.parse_reply(t.family.codec.decode(ids))
     reply = Message("assistant", parsed.content, parsed.reasoning, parsed.tool_calls)
     t.commit(plan, reply, out(ids, finish))
-    return plan.input_ids, reply
+    return prompt, reply
 
 
 CALL = '<call>{"name":"calc","arguments":{"a": 2, "b": 3}}</call>'
@@ -187,6 +188,21 @@ def test_role_content_only_merges_different_tool_calls() -> None:
     turn(strict_tree, [USER], TINY.codec.encode(CALL + "<|eos|>"))
     with pytest.raises(SessionError):
         strict_tree.plan([USER, other, Message("tool", "5")])
+
+
+def test_an_abandoned_plan_leaves_the_checkpoint_unchanged() -> None:
+    for family in (TINY, GLM):
+        t = tree(family=family)
+        stop = "<|eos|>" if family is TINY else "<|user|>"  # GLM: a real 1-token trim (next is a tool)
+        _, r1 = turn(t, [USER], family.codec.encode("ab" + stop))
+        head = t.head
+        assert head is not None
+        before = t.row(head)
+        plan = t.plan([USER, r1, Message("tool", "5")])
+        assert len(plan.input_ids) > len(before)
+        t.abandon(plan)  # e.g. the engine failed
+        assert t.row(head) == before
+        assert t.plan([USER, r1, Message("tool", "5")]).input_ids[: len(before) - 1] == before[:-1]
 
 
 def test_no_turn_means_no_sample_and_bad_requests_name_the_fix() -> None:

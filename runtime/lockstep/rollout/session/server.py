@@ -40,7 +40,7 @@ from lockstep.rollout.session.matcher import get_matcher
 from lockstep.rollout.session.mismatch import MISMATCH_TYPES, classify, closed_row
 from lockstep.rollout.session.protocol import ChatRequest, CreateSession, describe, forbidden_fields
 from lockstep.rollout.session.tree import Node, SessionError, SessionMode, TokenTree, TurnOutput
-from lockstep.serving import SamplingParams
+from lockstep.serving import GenerateResult, SamplingParams
 from lockstep.serving.client import EngineError, EngineUnreachable
 
 
@@ -286,13 +286,26 @@ class SessionServer:
         """Run one turn; returns the completion body and the seconds of server work (engine excluded)."""
         t0 = self._perf()
         plan = s.tree.plan([m.to_message() for m in req.messages])
-        sampling = self._sampling(req)
-        t1 = self._perf()
+        prompt_len = len(plan.input_ids)
         try:
-            res = await self.engine.generate(s.id, plan.input_ids, sampling, self.config.capture_routing)
+            sampling = self._sampling(req)
+            t1 = self._perf()
+            res = await self._generate(s.id, plan.input_ids, sampling)
+            t2 = self._perf()
+            reply, out = self._reply(s, res)
+            node = s.tree.commit(plan, reply, out)
+        except BaseException:
+            s.tree.abandon(plan)  # the parent checkpoint stays exactly as it was
+            raise
+        self._count(s, plan.reused, len(plan.added), prompt_len, res.cached_tokens)
+        body = _completion(s.id, node, reply, prompt_len, res.cached_tokens, int(self._clock()))
+        return body, (t1 - t0) + (self._perf() - t2)
+
+    async def _generate(self, sid: str, input_ids: list[int], sampling: SamplingParams) -> GenerateResult:
+        try:
+            res = await self.engine.generate(sid, input_ids, sampling, self.config.capture_routing)
         except (EngineError, EngineUnreachable, httpx.HTTPError, ValueError) as exc:
             raise SessionError(f"engine failed: {exc}", 502) from exc
-        t2 = self._perf()
         if len(res.output_logprobs) != len(res.output_ids):
             raise SessionError(
                 f"engine returned {len(res.output_ids)} completion tokens but {len(res.output_logprobs)} logprobs",
@@ -300,6 +313,10 @@ class SessionServer:
             )
         if self.config.capture_routing and res.routed_experts is None:
             raise SessionError("R3 is enabled but the engine returned no routed_experts", 502)
+        return res
+
+    def _reply(self, s: Session, res: GenerateResult) -> tuple[Message, TurnOutput]:
+        """The reply as the agent sees it (parsed from the sampled IDs) and the turn's token record."""
         parsed = self.family.parse_reply(self.family.codec.decode(res.output_ids))
         calls = tuple(
             ToolCall(c.name, c.arguments, f"call_{s.id[:8]}_{s.tree.node_count}_{i}")
@@ -314,11 +331,7 @@ class SessionServer:
             routed_experts=res.routed_experts,
             cached_tokens=res.cached_tokens,
         )
-        prompt_len = len(plan.input_ids)
-        node = s.tree.commit(plan, reply, out)
-        self._count(s, plan.reused, len(plan.added), prompt_len, res.cached_tokens)
-        body = _completion(s.id, node, reply, prompt_len, res.cached_tokens, int(self._clock()))
-        return body, (t1 - t0) + (self._perf() - t2)
+        return reply, out
 
     def _count(self, s: Session, reused: int, tokenized: int, prompt: int, cached: int) -> None:
         s.reused_tokens += reused

@@ -126,6 +126,8 @@ class Plan:
     """Linear rollback: the newest turn, dropped when this turn commits."""
     reused: int = 0
     """Prompt tokens taken from the stored checkpoint instead of being tokenized."""
+    removed: list[int] = field(default_factory=list)
+    """Tokens the merge trimmed from the parent row (restored by abandon)."""
 
 
 class TokenTree:
@@ -240,12 +242,29 @@ class TokenTree:
             # logprob and mask: the policy learned to stop) instead of a re-tokenized copy.
             trim, added = 0, list(merge.suffix[1:])
         kept = len(row) - trim
-        return Plan(parent, appended, row[:kept] + added, trim, added, discard, kept)
+        # Build the prompt in the checkpoint's own list (no 64K-token copy per turn): the row is
+        # lent to the plan until commit() turns it into C_k or abandon() restores it.
+        removed = row[kept:]
+        del row[kept:]
+        row.extend(added)
+        self._cached = None
+        return Plan(parent, appended, row, trim, added, discard, kept, removed)
 
     # -- committing ------------------------------------------------------------------------------
 
+    def abandon(self, plan: Plan) -> None:
+        """Give back a plan whose turn failed (engine error): the parent's row is restored."""
+        row = plan.input_ids
+        del row[plan.reused :]
+        row.extend(plan.removed)
+        if plan.parent is not None:
+            self._cached = (plan.parent, row)
+
     def commit(self, plan: Plan, reply: Message, out: TurnOutput) -> Node:
-        """Store the turn C_k = P_k || O_k after the engine answered."""
+        """Store the turn C_k = P_k || O_k after the engine answered.
+
+        plan.input_ids is extended in place into C_k (read its length before committing).
+        """
         n_out = len(out.ids)
         if not (len(out.logprobs) == len(out.versions) == n_out):
             raise SessionError(
@@ -276,7 +295,9 @@ class TokenTree:
         self._next_id += 1
         self._count += 1
         self.head = node
-        self._cached = (node, [*plan.input_ids, *out.ids])
+        row = plan.input_ids
+        row.extend(out.ids)
+        self._cached = (node, row)
         return node
 
     def _remove(self, node: Node) -> None:
