@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from lockstep.weights import st_bytes as sb
@@ -140,8 +141,11 @@ class P2PCommitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int
     """The weight version the engine reports after loading."""
-    checksums: dict[str, str]
-    """xxh3-128 of every written tensor's local bytes; the target refuses to load on any mismatch."""
+    names: list[str]
+    """Every tensor written in this update; the target loads exactly these."""
+    checksums: dict[str, str] = {}
+    """xxh3-128 of written tensors' local bytes (all of them when the source verifies, else empty);
+    the target refuses to load on any mismatch."""
 
 
 def new_transfer_engine(hostname: str = "127.0.0.1", protocol: str = "tcp") -> Any:
@@ -208,13 +212,13 @@ class P2PReceiver:
 
     def verified(self, request: P2PCommitRequest) -> list[tuple[str, torch.Tensor]]:
         """The written tensors, after checking every checksum; raises naming the tensors that differ."""
-        unknown = sorted(set(request.checksums) - set(self.slots))
+        unknown = sorted((set(request.names) | set(request.checksums)) - set(self.slots))
         if unknown:
             raise ValueError(f"commit names tensors this target does not hold: {unknown[:5]}")
         bad = [n for n, c in request.checksums.items() if sb.checksum(sb.tensor_bytes(self.view(n))) != c]
         if bad:
             raise P2PWriteError(f"{len(bad)} tensors arrived damaged or not at all: {sorted(bad)[:10]}")
-        return [(n, self.view(n)) for n in request.checksums]
+        return [(n, self.view(n)) for n in request.names]
 
     def close(self) -> None:
         self.engine.unregister_memory(self.buffer.data_ptr())
@@ -273,6 +277,7 @@ class _Pipe:
     def __init__(self, staging: _Staging, pool: ThreadPoolExecutor) -> None:
         self.staging, self.pool = staging, pool
         self.half = staging.buffer.numel() // 2
+        self.staging_np = staging.buffer.numpy()  # [staging bytes] uint8 view, no copy
         if self.half < 1:
             raise ValueError("staging_bytes must be at least 2 (two halves)")
         self.pending: list[Future[None] | None] = [None, None]
@@ -292,12 +297,16 @@ class _Pipe:
             self.flush()
             self.session = session
         done, total = 0, data.numel()
+        data_np = data.numpy() if data.device.type == "cpu" else None  # [n] uint8 view, no copy
         while done < total:
             if self.used == self.half:
                 self.flush()
             n = min(self.half - self.used, total - done)
             off = self.cur * self.half + self.used
-            self.staging.buffer[off : off + n].copy_(data[done : done + n])
+            if data_np is not None:
+                np.copyto(self.staging_np[off : off + n], data_np[done : done + n])  # a plain memcpy
+            else:  # device -> pinned staging (DMA)
+                self.staging.buffer[off : off + n].copy_(data[done : done + n])
             self.pieces.append((off, remote + done, n))
             self.used += n
             done += n
@@ -344,8 +353,12 @@ class P2PTransport:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         hostname: str = "127.0.0.1",
         protocol: str = "tcp",
+        verify: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.verify = verify
+        """Send xxh3-128 checksums with the commit so each target checks every tensor before loading
+        (two extra passes over the bytes; off trades that check for speed, failed writes still raise)."""
         self.all_targets = targets
         self.targets = [targets[i] for i in plan_transfers(num_sources, len(targets))[source_rank]]
         self.config = config or PipelineConfig()
@@ -394,6 +407,7 @@ class P2PTransport:
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         t0 = self.clock()
         checksums: list[dict[str, str]] = [{} for _ in self.targets]
+        names: list[list[str]] = [[] for _ in self.targets]
         payload = 0
         pipe = _Pipe(self.staging, self._pool)
         try:
@@ -401,21 +415,23 @@ class P2PTransport:
                 for i, (target, tensors) in enumerate(zip(self.targets, per_target, strict=True)):
                     self._send(pipe, target, tensors)
                     for name, t in tensors:  # overlaps the write just submitted
-                        checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
+                        names[i].append(name)
+                        if self.verify:
+                            checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
                         payload += t.numel() * t.element_size()
         finally:
             pipe.drain()  # never leave a write reading staging; re-raises the first failed write
-        for target, sums in zip(self.targets, checksums, strict=True):
-            missing = sorted(set(target.info.slots) - set(sums))
+        for target, written, sums in zip(self.targets, names, checksums, strict=True):
+            missing = sorted(set(target.info.slots) - set(written))
             if missing:
                 raise P2PWriteError(
                     f"the update lacks {len(missing)} tensors {target.info.session_id} expects: {missing[:5]}"
                 )
-            target.commit(P2PCommitRequest(version=version, checksums=sums))
+            target.commit(P2PCommitRequest(version=version, names=written, checksums=sums))
         return TransferReport(
             version=version,
             transport=self.name,
-            tensors=sum(map(len, checksums)),
+            tensors=sum(map(len, names)),
             payload_bytes=payload,
             wire_bytes=payload,
             seconds=self.clock() - t0,

@@ -41,7 +41,8 @@ def model() -> dict[str, torch.Tensor]:
     }
 
 
-def test_loopback_update_into_tp_targets() -> None:
+@pytest.mark.parametrize("verify", [True, False])
+def test_loopback_update_into_tp_targets(verify: bool) -> None:
     sd = model()
     expected = {n: (t.dtype, tuple(t.shape)) for n, t in sd.items()}
     receivers = [p2p.P2PReceiver(expected, tp_rank=r, tp_size=2) for r in range(2)]
@@ -56,7 +57,9 @@ def test_loopback_update_into_tp_targets() -> None:
 
     targets = [p2p.P2PTarget(r.info(), committer(i)) for i, r in enumerate(receivers)]
     # A 512-byte staging buffer and 300-byte buckets force chunked writes (down_proj: 1 KiB) and several buckets.
-    transport = p2p.P2PTransport(targets, staging_bytes=512, config=PipelineConfig(bucket_bytes=300))
+    transport = p2p.P2PTransport(
+        targets, staging_bytes=512, config=PipelineConfig(bucket_bytes=300), verify=verify
+    )
     try:
         report = transport.push(sd.items(), version=1)
     finally:
@@ -96,5 +99,9 @@ def test_commit_rejects_damaged_arrival() -> None:
     sd = model()
     receiver = p2p.P2PReceiver({n: (t.dtype, tuple(t.shape)) for n, t in sd.items()})
     with pytest.raises(p2p.P2PWriteError, match=r"model\.norm\.weight"):
-        receiver.verified(p2p.P2PCommitRequest(version=1, checksums={"model.norm.weight": "0" * 32}))
+        receiver.verified(
+            p2p.P2PCommitRequest(
+                version=1, names=["model.norm.weight"], checksums={"model.norm.weight": "0" * 32}
+            )
+        )
     receiver.close()

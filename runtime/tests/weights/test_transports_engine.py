@@ -195,7 +195,7 @@ def test_p2p_commit_refuses_damaged_buffer(engine_server: EngineServer, tiny_dir
     named = export(trainer_model(tiny_dir))
     target = p2p.http_target(engine_server.url)
     with pytest.raises(p2p.P2PWriteError, match="refused"):
-        target.commit(p2p.P2PCommitRequest(version=9, checksums={named[0][0]: "0" * 32}))
+        target.commit(p2p.P2PCommitRequest(version=9, names=[named[0][0]], checksums={named[0][0]: "0" * 32}))
     assert engine_server.engine.weight_version == 0
 
 
