@@ -16,9 +16,9 @@ Figures (each printed as a ratio to a baseline measured in the same run):
    checkpoint C_k: TITO sends C_k || suffix (prefill = suffix), a re-tokenizing server sends
    tokenize(render(history)), whose longest common prefix with C_k ends where the re-tokenized text
    first differs. Reported as totals and a ratio, same turns as figure 1.
-3. hit rate: the real reference engine (builtin:tiny, two replicas on 127.0.0.1) serving short
+3. hit rate: the real reference engine (builtin:tiny, four replicas on 127.0.0.1) serving short
    multi-turn sessions through the session server; prefix-cache hit rate (engine-reported
-   cached_tokens / prompt_tokens) with session affinity vs round-robin replicas.
+   cached_tokens / prompt_tokens) and prefill tokens with session affinity vs round-robin replicas.
 
 Run: .venv/bin/python bench/tito_overhead.py [--history 65536] [--turns 100] [--json PATH]
 """
@@ -202,7 +202,7 @@ async def _hit_session(h: httpx.AsyncClient, base: str, i: int, turns: int) -> t
     p = c = 0
     for t in range(turns):
         # Single-character stops end the random tiny model's turns early (stop, not length).
-        body = {"messages": messages, "max_tokens": 24, "seed": i * 100 + t, "stop": list("aeiou ")}
+        body = {"messages": messages, "max_tokens": 24, "seed": i * 100 + t, "stop": list("aeiou tnsr")}
         r = await h.post(url, json=body)
         if r.status_code != 200:
             break  # a length-truncated turn cannot be extended: the session ends there
@@ -214,7 +214,7 @@ async def _hit_session(h: httpx.AsyncClient, base: str, i: int, turns: int) -> t
     return p, c
 
 
-async def hit_rate(sessions: int, turns: int) -> dict[str, Any]:
+async def hit_rate(sessions: int, turns: int, replicas: int = 4) -> dict[str, Any]:
     from aiohttp import web
     from lockstep.engine.core import ReferenceEngine
     from lockstep.engine.server import create_app
@@ -222,7 +222,7 @@ async def hit_rate(sessions: int, turns: int) -> dict[str, Any]:
 
     ckpt = materialize_builtin("builtin:tiny", Path("/tmp/lockstep-bench-tiny"), seed=0)
     runners, urls = [], []
-    for _ in range(2):
+    for _ in range(replicas):
         app = create_app(ReferenceEngine.load(ckpt, max_running_requests=8, context_length=1024))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -242,8 +242,10 @@ async def hit_rate(sessions: int, turns: int) -> dict[str, Any]:
             cached = sum(c for _, c in counts)
             out[f"{label}_prefix_cache_hit_rate"] = cached / max(prompt, 1)
             out[f"{label}_prompt_tokens"] = prompt
-        out["affinity_vs_round_robin"] = out["affinity_prefix_cache_hit_rate"] / max(
-            out["round_robin_prefix_cache_hit_rate"], 1e-9
+            out[f"{label}_prefill_tokens"] = prompt - cached
+        out["replicas"] = replicas
+        out["round_robin_vs_affinity_prefill"] = out["round_robin_prefill_tokens"] / max(
+            out["affinity_prefill_tokens"], 1
         )
     finally:
         for r in runners:
@@ -255,7 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--history", type=int, default=65536, help="minimum history length of measured turns")
     ap.add_argument("--turns", type=int, default=100, help="measured turns")
-    ap.add_argument("--sessions", type=int, default=6, help="sessions of the hit-rate figure")
+    ap.add_argument("--sessions", type=int, default=8, help="sessions of the hit-rate figure")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
     # Wall-clock figures suffer from other processes on a shared machine; CPU time of this process
@@ -269,7 +271,7 @@ def main() -> None:
         "overhead_vs_retokenize",
     ):
         res[f"cpu_{k}"] = cpu[k]
-    res.update(asyncio.run(hit_rate(args.sessions, 5)))
+    res.update(asyncio.run(hit_rate(args.sessions, 6)))
     res["device"] = f"cpu ({platform.processor() or platform.machine()}), python {platform.python_version()}"
     res["date"] = time.strftime("%Y-%m-%d")
     print(
@@ -286,7 +288,8 @@ def main() -> None:
     )
     print(
         f"reference-engine prefix-cache hit rate: affinity {res['affinity_prefix_cache_hit_rate']:.3f}, "
-        f"round robin {res['round_robin_prefix_cache_hit_rate']:.3f}; ratio {res['affinity_vs_round_robin']:.2f}"
+        f"round robin {res['round_robin_prefix_cache_hit_rate']:.3f} over {res['replicas']} replicas; "
+        f"prefill tokens round robin / affinity {res['round_robin_vs_affinity_prefill']:.2f}"
     )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
