@@ -228,3 +228,27 @@ def test_mismatch_classes_point_at_bugs() -> None:
     assert classify(good, user_text, TINY) == ["non_assistant_text"]
     reply_text = TINY.encode_messages([msgs[0], Message("assistant", "ya")], add_generation_prompt=False)
     assert classify(good, reply_text, TINY) == ["assistant_text"]
+
+
+def test_r3_routing_data_of_the_leaf_request_covers_the_trajectory() -> None:
+    t = tree()
+    plan = t.plan([USER])
+    ids = TINY.codec.encode("a<|eos|>")
+    first = TurnOutput(ids, [-0.1] * 2, [0] * 2, "stop", routed_experts=b"\x01" * 8)
+    parsed = TINY.parse_reply(TINY.codec.decode(ids))
+    node = t.commit(plan, Message("assistant", parsed.content), first)
+    plan2 = t.plan([USER, Message("assistant", "a"), Message("user", "b")])
+    second = TurnOutput(ids, [-0.1] * 2, [0] * 2, "stop", routed_experts=b"\x02" * 8)
+    t.commit(plan2, Message("assistant", "a"), second)
+    assert node.routed_experts is None  # the child's request covers the parent's tokens
+    (s,) = t.samples()
+    assert s.routed_experts == b"\x02" * 8
+
+
+def test_engine_reporting_fewer_logprobs_than_tokens_is_refused() -> None:
+    t = tree()
+    plan = t.plan([USER])
+    bad = TurnOutput([7, 8, 1], [-0.1, -0.2], [0, 0, 0], "stop")
+    with pytest.raises(SessionError) as e:
+        t.commit(plan, Message("assistant", "x"), bad)
+    assert e.value.status == 502
