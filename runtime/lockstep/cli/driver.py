@@ -1,0 +1,61 @@
+"""`lockstep driver --config job.yaml`: the driver pod's entry point.
+
+Why it exists: in a cluster the operator renders the RLJob into /etc/lockstep/job.yaml and starts a
+driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router. This command runs the
+same loop as `lockstep run` against that URL instead of starting engines, and resumes automatically
+from the run dir's latest checkpoint (the pod restarts OnFailure).
+
+Minimal today: the trainer runs inside the driver process as one FSDP2 rank (the distributed
+trainer-driver channel to the TrainerGroup's rank pods is not built yet).
+
+Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "driver", help="run the RL loop of a rendered job (driver pod)", description=__doc__
+    )
+    p.add_argument("--config", type=Path, required=True, help="rendered RLJob (job.yaml)")
+    p.add_argument(
+        "--run-dir", type=Path, default=Path(os.environ.get("LOCKSTEP_RUN_DIR", "/var/lib/lockstep/run"))
+    )
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="engine or router URL (default: $LOCKSTEP_ROUTER_URL)",
+    )
+    p.add_argument("--steps", type=int, default=None, help="override spec.schedule.steps")
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("LOCKSTEP_METRICS_PORT", "0")))
+    p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from lockstep.api import ManifestError, load_manifest
+    from lockstep.cli.run import configure_logging, execute
+    from lockstep.driver.state import latest_checkpoint
+
+    configure_logging()
+    try:
+        job = load_manifest(args.config)
+    except (ManifestError, FileNotFoundError) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    urls = list(args.engine_url) or (
+        [os.environ["LOCKSTEP_ROUTER_URL"]] if os.environ.get("LOCKSTEP_ROUTER_URL") else []
+    )
+    if not urls:
+        print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
+        return 2
+    args.resume = latest_checkpoint(args.run_dir) is not None
+    return execute(job, args.run_dir, args, urls, install_signal=True)

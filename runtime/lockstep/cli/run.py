@@ -1,0 +1,109 @@
+"""`lockstep run MANIFEST`: run a whole RL job on this machine (the README's main-job command).
+
+Why it exists: the manifest a user applies to a cluster also runs whole on one machine: reference
+engine(s) in-process on 127.0.0.1, the FSDP2 trainer as one rank, the sync (or fully-async) loop, a
+progress bar, metrics.jsonl + metrics.png in the run dir and an optional Prometheus endpoint.
+
+Exit codes: 0 done (or stopped by Ctrl-C with a checkpoint), 2 bad manifest or settings, 3 engine
+unreachable, 4 non-finite loss (last good checkpoint intact), 130 abandoned by a second Ctrl-C.
+
+Who calls it: users (`make run`), tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lockstep.run")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("run", help="run an RLJob manifest on this machine", description=__doc__)
+    p.add_argument("manifest", type=Path, help="RLJob YAML file")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<metadata.name>)")
+    p.add_argument("--steps", type=int, default=None, help="override spec.schedule.steps")
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port on 127.0.0.1 (0 = off)")
+    p.add_argument(
+        "--engine-url", action="append", default=[], help="use this running engine instead of starting one"
+    )
+    p.add_argument(
+        "--engine-timeout", type=float, default=60.0, help="seconds to wait for engines to be ready"
+    )
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="where builtin:<name> checkpoints are written"
+    )
+    p.set_defaults(func=main)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "aiohttp.access", "matplotlib", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def execute(
+    job: Any, run_dir: Path, args: argparse.Namespace, engine_urls: list[str], install_signal: bool
+) -> int:
+    """Run `job` and map the known failures to exit codes with one clear line each."""
+    from lockstep.driver import run
+    from lockstep.driver.loop import install_sigint
+    from lockstep.driver.steps import NonFiniteLoss
+    from lockstep.serving.client import EngineUnreachable
+
+    stop = threading.Event()
+    if install_signal:
+        install_sigint(stop)
+    try:
+        state = run(
+            job,
+            run_dir,
+            steps=args.steps,
+            resume=args.resume,
+            stop=stop,
+            engine_urls=engine_urls,
+            prometheus_port=args.metrics_port,
+            cache_dir=getattr(args, "cache_dir", None),
+            engine_ready_timeout_s=args.engine_timeout,
+        )
+    except EngineUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except NonFiniteLoss as e:
+        print(
+            f"error: {e}; stopped, the last good checkpoint in {run_dir / 'checkpoints'} is intact",
+            file=sys.stderr,
+        )
+        return 4
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"abandoned; resume from the last checkpoint with --resume (run dir {run_dir})", file=sys.stderr
+        )
+        return 130
+    how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
+    print(f"{how}: step {getattr(state, 'step', '?')}, run dir {run_dir} (metrics.jsonl, metrics.png)")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from lockstep.api import ManifestError, load_manifest
+
+    configure_logging()
+    try:
+        job = load_manifest(args.manifest)
+    except ManifestError as e:
+        print(f"error: {args.manifest} is not a valid RLJob:\n{e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path("runs") / job.metadata.name
+    return execute(job, run_dir, args, list(args.engine_url), install_signal=True)

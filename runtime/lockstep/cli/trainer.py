@@ -1,0 +1,100 @@
+"""`lockstep trainer --config job.yaml`: a trainer rank (run under torchrun on every rank pod).
+
+Why it exists: the operator starts `torchrun -m lockstep trainer --config /etc/lockstep/job.yaml` on
+each TrainerGroup rank pod. Each rank joins the process group from the torchrun env (gloo on CPU,
+NCCL on CUDA), loads the policy FSDP2-sharded, checks the world size against the manifest, runs the
+job's SFT warm start (annotation lockstep.dev/sft-warm-start-steps) if any, and writes an HF-layout
+checkpoint to --out (rank 0 writes the gathered weights). Run without torchrun it is one rank.
+
+Minimal today: the RL steps themselves run in the driver (see `lockstep driver`); this command is
+the rank-side half that proves the sharded load / train / gather / save path on the real pods.
+
+Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("trainer", help="run one trainer rank (torchrun env)", description=__doc__)
+    p.add_argument("--config", type=Path, required=True, help="rendered RLJob (job.yaml)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("LOCKSTEP_RUN_DIR", "/var/lib/lockstep/run")) / "trainer",
+    )
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="where builtin:<name> checkpoints are written"
+    )
+    p.add_argument("--sft-steps", type=int, default=None, help="override the SFT warm-start steps")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from lockstep.api import ManifestError, load_manifest
+
+    try:
+        job = load_manifest(args.config)
+    except (ManifestError, FileNotFoundError) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    return run_rank(job, args)
+
+
+def run_rank(job: Any, args: argparse.Namespace) -> int:
+    """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
+    from lockstep.driver.settings import settings_from_job
+    from lockstep.driver.steps import SFT_ITEM_BASE
+    from lockstep.models import TinyTokenizer, resolve_checkpoint
+    from lockstep.tasks import load_task
+    from lockstep.train.common.losses import sft_loss
+    from lockstep.train.common.packing import pack_sft
+    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+
+    s = settings_from_job(job)
+    model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
+    tok = TinyTokenizer.load(model_dir)
+    task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
+    backend = FSDPBackend(
+        FSDPConfig(model_path=model_dir, lr=s.sft_learning_rate or s.learning_rate, grad_clip=s.grad_clip,
+                   micro_batch_size=s.micro_batch_size, seed=s.seed, device=str(job.spec.trainer.device))
+    )  # fmt: skip
+    try:
+        want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
+        if backend.world_size != want and backend.rank == 0:
+            print(
+                f"warning: world size {backend.world_size} != trainer.nodes x gpusPerNode = {want}",
+                file=sys.stderr,
+            )
+        steps = args.sft_steps if args.sft_steps is not None else s.sft_steps
+        rows = s.batch_groups * s.samples_per_prompt
+        loss = float("nan")
+        for k in range(steps):
+            # Each rank trains on its own slice of the global batch (data parallel over FSDP shards).
+            idx = range(
+                SFT_ITEM_BASE + k * rows + backend.rank, SFT_ITEM_BASE + (k + 1) * rows, backend.world_size
+            )
+            pairs = []
+            for i in idx:
+                item = task.item(i, "train")
+                pairs.append(
+                    (
+                        tok.render(item.messages, add_generation_prompt=True),
+                        [*tok.encode(item.answer), tok.eos_token_id],
+                    )
+                )
+            loss = backend.train_step(pack_sft(pairs, tok.pad_token_id), sft_loss).loss
+        backend.save(args.out, extra={"sft_steps": steps})
+        if backend.rank == 0:
+            print(
+                f"trainer: world size {backend.world_size}, {steps} SFT steps, last loss {loss:.4f}, saved {args.out}"
+            )
+    finally:
+        backend.close()
+    return 0

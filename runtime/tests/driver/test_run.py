@@ -1,0 +1,177 @@
+"""`lockstep run` end to end on the tiny model: real engine on 127.0.0.1, FSDP2 trainer, from-disk weights.
+
+Covers the loop (initial push, steps, save, publish), resume (step, version, data position), Ctrl-C
+(a real SIGINT: the step finishes and a resumable checkpoint is left), a NaN loss (stops, last good
+checkpoint intact), an unreachable engine and manifest errors (clear message, exit code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from lockstep.cli import main
+from lockstep.observability.metrics import read_jsonl
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _manifest(
+    tmp_path: Path, edit: dict[str, object] | None = None, annotations: dict[str, str] | None = None
+) -> Path:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    for dotted, value in (edit or {}).items():
+        node = doc
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    doc["metadata"]["annotations"].update(annotations or {})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _state(run_dir: Path) -> dict[str, object]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    state: dict[str, object] = json.loads(
+        (run_dir / "checkpoints" / latest / "trainer_state.json").read_text()
+    )
+    return state
+
+
+def test_run_then_resume(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["run", str(FIXTURE), "--run-dir", str(run_dir), "--cache-dir", str(cache)]
+    assert main([*args, "--steps", "3"]) == 0
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["sft", "sft", "publish", "train", "train", "train"]
+    publish = rows[2]
+    assert publish["weight_version"] == 0  # the trainer's weights reached the engine before step 1
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert [r["weight_version"] for r in train] == [1, 2, 3]
+    for r in train:
+        # The engine scores with exactly the trainer's weights (pushed from disk each step): same logprobs.
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["mismatch_tokens"] > 0
+    assert (run_dir / "metrics.png").stat().st_size > 0
+    assert sorted(p.name for p in (run_dir / "weights").glob("weight_v*")) == [
+        "weight_v000002",
+        "weight_v000003",
+    ]
+    state = _state(run_dir)
+    assert state["step"] == 2 + 3  # optimizer steps: the SFT warm start's two, then three RL steps
+    assert state["extra"] == {
+        "step": 3,
+        "version": 3,
+        "prompts_consumed": 6,
+        "next_group_index": 6,
+        "sft_done": True,
+    }
+
+    assert main([*args, "--steps", "4", "--resume"]) == 0
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["kind"] for r in rows[6:]] == ["publish", "train"]  # no second SFT warm start
+    assert rows[6]["weight_version"] == 3 and rows[7]["step"] == 4 and rows[7]["weight_version"] == 4
+    assert _state(run_dir)["extra"] == {
+        "step": 4, "version": 4, "prompts_consumed": 8, "next_group_index": 8, "sft_done": True,
+    }  # fmt: skip
+
+
+def test_sigint_finishes_the_step_and_leaves_a_checkpoint(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+
+    def interrupt_after_first_step() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not read_jsonl(metrics, "train"):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=interrupt_after_first_step, daemon=True).start()
+    try:
+        code = main(
+            ["run", str(FIXTURE), "--run-dir", str(run_dir), "--cache-dir", str(cache), "--steps", "50"]
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 0
+    steps = [r["step"] for r in read_jsonl(metrics, "train")]
+    assert 1 <= len(steps) < 50
+    assert _state(run_dir)["extra"]["step"] == steps[-1]  # type: ignore[index]  # the finished step was saved
+
+
+REWARDS = """
+def nan_after_two_steps(sample, response):
+    # Batch = 2 groups: groups 4 and 5 are drawn by step 3.
+    return float("nan") if sample.group_index >= 4 else 0.5 + 0.1 * sample.index
+"""
+
+
+@pytest.fixture
+def reward_module(tmp_path: Path) -> Iterator[str]:
+    (tmp_path / "lockstep_test_rewards.py").write_text(textwrap.dedent(REWARDS))
+    sys.path.insert(0, str(tmp_path))
+    yield "lockstep_test_rewards"
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("lockstep_test_rewards", None)
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint(
+    tmp_path: Path, cache: Path, reward_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = _manifest(tmp_path, {"spec.agent.rewardFunction": f"{reward_module}:nan_after_two_steps"})
+    run_dir = tmp_path / "run"
+    code = main(["run", str(manifest), "--run-dir", str(run_dir), "--cache-dir", str(cache), "--steps", "5"])
+    assert code == 4
+    assert "non-finite loss" in capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert _state(run_dir)["extra"]["step"] == 2  # type: ignore[index]
+    assert not (run_dir / "checkpoints" / "step_000003").exists()
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl", "train")] == [1, 2]
+
+
+def test_unreachable_engine_fails_clearly(
+    tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    url = f"http://127.0.0.1:{port}"
+    args = ["run", str(FIXTURE), "--run-dir", str(tmp_path), "--cache-dir", str(cache)]
+    assert main([*args, "--engine-url", url, "--engine-timeout", "1"]) == 3
+    err = capsys.readouterr().err
+    assert f"rollout engine at {url}/health unreachable" in err and "check that the engine is running" in err
+
+
+def test_manifest_errors_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _manifest(tmp_path, {"spec.algorithm.samplesPerPrompt": 0, "spec.algorithm.learningrate": 1})
+    assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.algorithm.samplesPerPrompt" in err and "spec.algorithm.learningrate" in err
+
+
+def test_unsupported_settings_are_refused_before_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}})
+    assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
+    assert "spec.model.lora: LoRA is not built yet" in capsys.readouterr().err
