@@ -252,3 +252,18 @@ def test_engine_reporting_fewer_logprobs_than_tokens_is_refused() -> None:
     with pytest.raises(SessionError) as e:
         t.commit(plan, Message("assistant", "x"), bad)
     assert e.value.status == 502
+
+
+def test_mismatch_flags_a_broken_seam_merge_as_a_bug() -> None:
+    msgs = [
+        Message("user", "hi"),
+        Message("assistant", "yo"),
+        Message("user", "again"),
+        Message("assistant", "ok"),
+    ]
+    good = QWEN.encode_messages(msgs, add_generation_prompt=False)
+    nl, im_end = QWEN.codec.encode("\n")[0], QWEN.codec.encode("<|im_end|>")[0]
+    first_close = good.index(im_end, good.index(im_end) + 1)  # the first assistant turn's <|im_end|>
+    assert good[first_close + 1] == nl
+    no_newline = good[: first_close + 1] + good[first_close + 2 :]  # a merge that forgot the "\n"
+    assert classify(good, no_newline, QWEN) == ["non_assistant_text"]

@@ -44,6 +44,8 @@ def _runs(ids: Sequence[int], family: ModelFamily) -> tuple[list[int], list[tupl
             if opened is not None:
                 role = opened or role
                 pending_role_line = opened == ""
+            elif t in family.stop_ids:
+                role = "seam"  # text after a turn's closing token belongs to no message (Qwen's "\n")
             continue
         cur.append(t)
         if pending_role_line and len(cur) <= 8:

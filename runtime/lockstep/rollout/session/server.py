@@ -156,11 +156,8 @@ class SessionServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        server = site._server
-        assert server is not None and server.sockets  # type: ignore[attr-defined]
-        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        await web.TCPSite(self._runner, host, port).start()
+        bound = self._runner.addresses[0][1]
         self.url = f"http://{host}:{bound}"
         return self.url
 
