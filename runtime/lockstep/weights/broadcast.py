@@ -180,6 +180,7 @@ class BroadcastTransport:
             payload_bytes=payload,
             wire_bytes=wire,
             seconds=self.clock() - t0,
+            extra={"update_weights_wire_bytes": float(wire)},
         )
 
     def close(self) -> None:

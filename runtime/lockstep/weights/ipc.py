@@ -118,6 +118,7 @@ class CudaIpcTransport:
             payload_bytes=payload,
             wire_bytes=0,  # nothing crosses a wire: the engine maps the trainer's memory
             seconds=self.clock() - t0,
+            extra={"update_weights_wire_bytes": 0.0},
         )
 
     def close(self) -> None:

@@ -435,6 +435,7 @@ class P2PTransport:
             payload_bytes=payload,
             wire_bytes=payload,
             seconds=self.clock() - t0,
+            extra={"update_weights_wire_bytes": float(payload)},
         )
 
     def close(self) -> None:
