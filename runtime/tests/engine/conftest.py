@@ -10,10 +10,12 @@ from lockstep.models.tiny import materialize_builtin
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny0"), seed=0)
+    path: Path = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny0"), seed=0)
+    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Different weights (another seed): what a weight update switches to."""
-    return materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny1"), seed=1)
+    path: Path = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny1"), seed=1)
+    return path

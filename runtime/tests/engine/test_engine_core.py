@@ -4,12 +4,15 @@ and a step that raises aborts its requests with the error instead of leaving the
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from lockstep.engine import ReferenceEngine
-from lockstep.serving import SamplingParams
+from lockstep.serving import EngineClient, SamplingParams
 
 PROMPTS = [[2, *range(10, 10 + n), 3] for n in (5, 17, 40, 3, 9)]
 
@@ -50,3 +53,50 @@ async def test_failed_step_aborts_requests_and_engine_recovers(tiny_dir: Path) -
     assert [len(s.output_ids) for s in ok] == [4, 4]
     assert torch.equal(engine.runner.k_cache, cache)
     await engine.close()
+
+
+async def test_paused_context_holds_steps_and_retracts(tiny_dir: Path) -> None:
+    """The in-process API the weights helper uses: nothing steps inside paused(); retracted work resumes."""
+    engine = ReferenceEngine.load(tiny_dir, max_running_requests=4, context_length=256)
+    await engine.start()
+    seq = engine.new_sequence(PROMPTS[0], SamplingParams(max_new_tokens=150, ignore_eos=True))
+    task = asyncio.create_task(engine.submit(seq))
+    while len(seq.output_ids) < 3:
+        await asyncio.sleep(0.001)
+    async with engine.paused(mode="retract"):
+        held = len(seq.output_ids)
+        steps = engine.stats.steps
+        await asyncio.sleep(0.05)  # give a (wrongly) running scheduler the chance to step
+        assert engine.stats.steps == steps and len(seq.output_ids) == held and engine.is_paused
+        engine.load_weights([(n, t * 0.5) for n, t in engine.named_weights().items()])
+        engine.set_weight_version(1)
+    done = await asyncio.wait_for(task, 60)
+    assert (
+        len(done.output_ids) == 150
+        and done.versions[:held] == [0] * held
+        and set(done.versions[held:]) == {1}
+    )
+    await engine.close()
+
+
+def test_cli_serves_the_engine(tiny_dir: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "lockstep", "engine", "--model", str(tiny_dir), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    async def talk() -> list[int]:
+        async with EngineClient(f"http://127.0.0.1:{port}") as client:
+            await client.wait_ready(timeout_s=120)
+            res = await client.generate(
+                [2, 16, 3], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+            )
+            out: list[int] = res.output_ids
+            return out
+
+    try:
+        assert len(asyncio.run(talk())) == 5
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -61,7 +61,8 @@ async def served_tensor(tiny_dir: Path) -> AsyncIterator[Served]:
 
 
 def _prompt(text: str) -> list[int]:
-    return TOK.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids: list[int] = TOK.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    return ids
 
 
 def _reference_logprobs(path: Path, prompt: list[int], out: list[int], temperature: float) -> list[float]:
