@@ -53,3 +53,23 @@ async def test_every_turn_carries_the_session_id_as_routing_key(engine_url: str)
         await runner.cleanup()
         await http.aclose()
     assert seen == [sid, sid]
+
+
+async def test_idle_sessions_are_swept_on_create() -> None:
+    now = [1000.0]
+    unused_engine = ReplicaPool(["http://127.0.0.1:9"])  # no turn is generated in this test
+    srv = SessionServer(
+        SessionServerConfig(family="tiny", idle_ttl_s=60), unused_engine, clock=lambda: now[0]
+    )
+    await srv.start()
+    try:
+        async with httpx.AsyncClient() as h:
+            old = (await h.post(f"{srv.url}/sessions", json={})).json()["session_id"]
+            now[0] += 30
+            kept = (await h.post(f"{srv.url}/sessions", json={})).json()["session_id"]
+            now[0] += 45  # old is idle 75 s, kept 45 s
+            await h.post(f"{srv.url}/sessions", json={})
+            assert (await h.get(f"{srv.url}/sessions/{old}")).status_code == 404
+            assert (await h.get(f"{srv.url}/sessions/{kept}")).status_code == 200
+    finally:
+        await srv.stop()

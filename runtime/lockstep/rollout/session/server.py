@@ -58,6 +58,8 @@ class SessionServerConfig:
     """R3: ask the engine for routed experts on every turn and return them with samples."""
     max_sessions: int = 100_000
     """Open sessions beyond this are refused (503) until some are deleted."""
+    idle_ttl_s: float = 3600.0
+    """A session untouched this long is dropped (agents that crash never DELETE); swept on create."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -74,6 +76,8 @@ class Session:
     """Checkpoints and turns."""
     created: float
     """Creation time (injected clock, seconds)."""
+    last_used: float = 0.0
+    """Last request that touched the session (injected clock); drives the idle sweep."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serializes the turns and reads of this session."""
     prompt_tokens: int = 0
@@ -175,18 +179,26 @@ class SessionServer:
             opts = CreateSession.model_validate_json(raw or b"{}")
         except ValidationError as exc:
             return _error(400, describe(exc))
+        self._sweep()
         if len(self.sessions) >= self.config.max_sessions:
             return _error(503, f"{len(self.sessions)} sessions open (max_sessions); delete finished sessions")
         sid = uuid.uuid4().hex
         tree = TokenTree(self.family, SessionMode(opts.mode), get_matcher(opts.matcher), opts.max_nodes)
-        self.sessions[sid] = Session(id=sid, tree=tree, created=self._clock())
+        now = self._clock()
+        self.sessions[sid] = Session(id=sid, tree=tree, created=now, last_used=now)
         return web.json_response({"session_id": sid})
+
+    def _sweep(self) -> None:
+        cutoff = self._clock() - self.config.idle_ttl_s
+        for sid in [k for k, v in self.sessions.items() if v.last_used < cutoff and not v.lock.locked()]:
+            del self.sessions[sid]
 
     def _session(self, request: web.Request) -> Session:
         sid = request.match_info["sid"]
         s = self.sessions.get(sid)
         if s is None:
             raise SessionError(f"session {sid!r} not found (create one with POST /sessions)", 404)
+        s.last_used = self._clock()
         return s
 
     async def _get(self, request: web.Request) -> web.Response:
