@@ -1,4 +1,4 @@
-"""Samples/s of fully-async vs sync training on a long-tail workload, same machine, same run.
+"""Samples/s of fully-async vs sync training on long-tail workloads, same machine, same run.
 
 Why it exists: the issue's figure (seed §5): with most trajectories short and a few about 10x longer, a
 sync loop waits for the slowest trajectory of every batch and the engine idles while the trainer trains;
@@ -6,21 +6,30 @@ fully-async keeps `maxInFlight` trajectories generating and trains on complete g
 Goal: trained samples/s ratio >= 2x at comparable reward. Also printed: the staleness distribution of
 the fully-async run (S_old, S_post, delta_gen, token-weighted), coverage and mixed-version ratio.
 
-Workload: the built-in `reverse` task on the built-in tiny model (reference engine + FSDP trainer, CPU),
-after a short SFT warm start (done once, shared by both runs) so rewards are not all zero. A generate
-plugin (`longtail_generate`, below) makes one trajectory in LONG_EVERY about 10x longer: it samples
-past the end-of-turn token up to LONG tokens instead of stopping (budget SHORT); its reward is the exact
-match of the text before the first end-of-turn token, like the short ones. Both runs use the same
-manifest except schedule.mode, the same seed and the same number of steps; the timed region is the loop
-(`run_sync` / `run_fully_async`), after the components are built, in each case.
+Setup: the built-in `reverse` task on the built-in tiny model, the reference engine in its own process
+and the FSDP trainer in this one (CPU), after an SFT warm start done once and shared by every run, so
+rewards are not all zero. Two long tails, each run sync and fully-async with the same manifest except
+schedule.mode, the same seed and the same number of steps:
+- `tokens`: decode length. A generate plugin (`longtail_generate`) lets one trajectory in LONG_EVERY
+  sample past the end-of-turn token up to LONG tokens (the others stop, budget SHORT: ~10x). Its reward
+  is the exact match of the text before the first end-of-turn token, like the short ones. This tail costs
+  engine compute: on a machine where the engine and the trainer share the same few cores there is no
+  idle resource for fully-async to fill, only the decode batch width it keeps up.
+- `env`: environment time, the agentic case of seed §5 (a sandbox that runs the tests). The reward
+  plugin (`envtail_reward`) waits ENV_SHORT_S per trajectory, ENV_LONG_S (10x) for one in LONG_EVERY,
+  before scoring exactly like the task; the wait is asyncio.sleep, i.e. a sandbox that uses none of
+  this machine's cores.
+The timed window of each run is the loop, from the initial weight push to the last step's record
+(component start, final checkpoint and plot excluded); "steady" starts after step 1.
 
 Run:   .venv/bin/python bench/async_longtail.py --out bench/results
-Quick: .venv/bin/python bench/async_longtail.py --steps 4 --sft-steps 5
+Quick: .venv/bin/python bench/async_longtail.py --steps 4 --sft-steps 5 --tails env
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import json
@@ -75,6 +84,24 @@ def longtail_reward(sample: Sample, response: str) -> float:
     return 1.0 if sample.metadata["answer_text"].strip() == str(sample.metadata["answer"]).strip() else 0.0
 
 
+ENV_SHORT_S = 0.1
+"""Environment (sandbox) seconds of a normal trajectory in the `env` tail."""
+ENV_LONG_S = 1.0
+"""Environment seconds of a long trajectory in the `env` tail (10x)."""
+
+
+async def envtail_reward(sample: Sample, response: str) -> float:
+    """The task's exact-match reward after a sandbox wait; one trajectory in LONG_EVERY waits 10x longer."""
+    await asyncio.sleep(ENV_LONG_S if is_long(sample) else ENV_SHORT_S)
+    return 1.0 if response.strip() == str(sample.metadata["answer"]).strip() else 0.0
+
+
+TAILS = {
+    "tokens": "  agent: {generateFunction: async_longtail:longtail_generate, rewardFunction: async_longtail:longtail_reward}",
+    "env": "  agent: {rewardFunction: async_longtail:envtail_reward}",
+}
+"""The agent section of each workload (both plugins live in this file)."""
+
 MANIFEST = """
 apiVersion: rl.lockstep.dev/v1alpha1
 kind: RLJob
@@ -94,17 +121,16 @@ spec:
   trainer: {{backend: fsdp, device: cpu, gpusPerNode: 1}}
   schedule: {{mode: {mode}, steps: {steps}}}
   data: {{prompts: "builtin:reverse", seed: 0}}
-  agent:
-    generateFunction: async_longtail:longtail_generate
-    rewardFunction: async_longtail:longtail_reward
+{agent}
 """
 
 
-def manifest(mode: str, checkpoint: str, args: argparse.Namespace, sft_steps: int = 0) -> Any:
+def manifest(mode: str, tail: str, checkpoint: str, args: argparse.Namespace, sft_steps: int = 0) -> Any:
     from lockstep.api import load_manifest
 
     return load_manifest(
         MANIFEST.format(
+            agent=TAILS[tail],
             mode=mode,
             checkpoint=checkpoint,
             sft_steps=sft_steps,
@@ -121,7 +147,7 @@ def warm_start(args: argparse.Namespace, work: Path) -> Path:
     """SFT warm start once; returns the HF checkpoint both timed runs start from (engines == trainer)."""
     from lockstep.driver import run
 
-    job = manifest("sync", "builtin:tiny", args, sft_steps=args.sft_steps)
+    job = manifest("sync", "env", "builtin:tiny", args, sft_steps=args.sft_steps)
     run(job, work / "warm", steps=1, cache_dir=work / "cache")
     # The first publish after the warm start (version 0) is a complete HF checkpoint with the tokenizer.
     return work / "warm" / "weights" / "weight_v000000"
@@ -147,10 +173,10 @@ def engine_process(checkpoint: Path, threads: int) -> Iterator[str]:
         proc.wait(30)
 
 
-def timed_run(mode: str, checkpoint: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def timed_run(mode: str, tail: str, checkpoint: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Start the engine, build the components, time the loop, evaluate the final weights, read the metrics."""
-    job = manifest(mode, str(checkpoint), args)
-    run_dir = work / mode
+    job = manifest(mode, tail, str(checkpoint), args)
+    run_dir = work / f"{tail}-{mode}"
     with contextlib.ExitStack() as stack:
         urls = (
             [stack.enter_context(engine_process(checkpoint, args.engine_threads))]
@@ -194,6 +220,7 @@ def _timed(
     samples = sum(args.batch * args.n for _ in train)
     return {
         "mode": mode,
+        "tail": run_dir.name.split("-")[0],
         "steps": state.step,
         "seconds": seconds,
         "trained_samples": samples,
@@ -235,6 +262,7 @@ def main() -> int:
     p.add_argument(
         "--trainer-threads", type=int, default=1, help="torch threads of the trainer (this process)"
     )
+    p.add_argument("--tails", type=lambda v: v.split(","), default=["tokens", "env"], help="tokens,env")
     p.add_argument("--verbose", action="store_true", help="also print per-step timings of both runs")
     p.add_argument("--out", type=Path, default=None, help="directory for async_longtail-<date>-cpu.json/.txt")
     args = p.parse_args()
@@ -245,29 +273,53 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="async-longtail-"))
     try:
         checkpoint = warm_start(args, work)
-        runs = {m: timed_run(m, checkpoint, args, work) for m in ("sync", "fully-async")}
+        runs = {
+            t: {m: timed_run(m, t, checkpoint, args, work) for m in ("sync", "fully-async")}
+            for t in args.tails
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(runs, args)
+    lines = header(args)
+    for tail, by_mode in runs.items():
+        lines += report(tail, by_mode, args)
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"async_longtail-{datetime.date.today()}-cpu"
+        stem.with_suffix(".txt").write_text(text + "\n")
+        slim = {
+            t: {m: {k: v for k, v in r.items() if k != "records"} for m, r in bm.items()}
+            for t, bm in runs.items()
+        }
+        summary = {"runs": slim, "args": {k: str(v) for k, v in vars(args).items()}}
+        stem.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
-def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    """Print the figure (and write it under --out): ratio, rewards, staleness distribution."""
+def header(args: argparse.Namespace) -> list[str]:
+    return [
+        f"async_longtail  {datetime.date.today()}  {platform.node()}, CPU ({os.cpu_count()} cores shared with other "
+        f"work, load average {os.getloadavg()[0]:.1f} at the end); {args.steps} steps x {args.batch} groups x "
+        f"{args.n} samples; maxInFlight {args.max_in_flight}; engine: "
+        f"{'its own process' if args.engine_process else 'a thread of the driver'} ({args.engine_threads} torch "
+        f"threads), trainer {args.trainer_threads} torch threads; SFT warm start {args.sft_steps} steps",
+    ]
+
+
+def report(tail: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """The figure of one tail: ratio, rewards, staleness distribution of the fully-async run."""
     s, a = runs["sync"], runs["fully-async"]
     ratio = a["samples_per_s"] / s["samples_per_s"]
     steady_ratio = a["steady_samples_per_s"] / s["steady_samples_per_s"]
-    recs = a["records"]
-    mean = {
-        k: sum(r.get(f"staleness_{k}_mean", 0.0) for r in recs) / len(recs)
-        for k in ("s_old", "s_post", "delta_gen", "token_weighted")
-    }
+    what = (
+        f"1 in {LONG_EVERY} trajectories decodes {LONG} tokens, the others stop (<= {SHORT})"
+        if tail == "tokens"
+        else f"1 in {LONG_EVERY} trajectories waits {ENV_LONG_S:g} s in its sandbox, the others {ENV_SHORT_S:g} s"
+    )
     lines = [
-        f"async_longtail  {datetime.date.today()}  {platform.node()}, CPU ({os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f} at the end); {args.steps} steps x {args.batch} groups x {args.n} samples; "
-        f"1 in {LONG_EVERY} trajectories {LONG} tokens, the others <= {SHORT}",
-        f"engine: {'its own process' if args.engine_process else 'a thread of the driver'}; torch threads: engine "
-        f"{args.engine_threads}, trainer {args.trainer_threads}; maxInFlight {args.max_in_flight}",
+        "",
+        f"tail {tail}: {what}",
         f"{'mode':<12}{'seconds':>9}{'samples/s':>11}{'steady':>9}{'train reward':>14}{'final eval':>12}",
     ]
     for r in (s, a):
@@ -275,6 +327,11 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
             f"{r['mode']:<12}{r['seconds']:>9.1f}{r['samples_per_s']:>11.2f}{r['steady_samples_per_s']:>9.2f}"
             f"{r['reward_mean']:>14.3f}{r['final_eval_reward']:>12.3f}"
         )
+    recs = a["records"]
+    mean = {
+        k: sum(r.get(f"staleness_{k}_mean", 0.0) for r in recs) / len(recs)
+        for k in ("s_old", "s_post", "delta_gen", "token_weighted")
+    }
     lines += [
         f"trained samples/s ratio fully-async / sync: {ratio:.2f}x over all steps, {steady_ratio:.2f}x steady "
         "state (steps 2..N); goal >= 2x",
@@ -283,25 +340,18 @@ def report(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
         f"  max S_old {max((r.get('staleness_s_old_max', 0.0) for r in recs), default=0.0):.0f}, "
         f"coverage {recs[-1].get('weight_version_sample_coverage', 0.0):.2f}, "
         f"mixed-version groups {sum(r.get('mixed_version_ratio', 0.0) for r in recs) / len(recs):.2f}, "
-        f"stale groups dropped {recs[-1].get('stale_groups_filtered', 0.0):.0f}",
+        f"stale groups dropped {recs[-1].get('stale_groups_filtered', 0.0):.0f}, "
+        f"mean queue size {sum(r.get('queue_size', 0.0) for r in recs) / len(recs):.1f} of {recs[-1].get('queue_capacity', 0):.0f}",
     ]
-    dist = staleness_distribution(recs)
-    for measure, hist in dist.items():
+    a["ratio"], a["steady_ratio"] = ratio, steady_ratio
+    a["staleness"] = staleness_distribution(recs)
+    for measure, hist in a["staleness"].items():
         lines.append(
             f"  {measure:<15} groups per value: " + ", ".join(f"{k}: {v:.0f}" for k, v in hist.items())
         )
     if args.verbose:
         lines += per_step_lines(runs)
-    text = "\n".join(lines)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"async_longtail-{datetime.date.today()}-cpu"
-        stem.with_suffix(".txt").write_text(text + "\n")
-        slim = {m: {k: v for k, v in r.items() if k != "records"} for m, r in runs.items()}
-        summary = {"ratio": ratio, "steady_ratio": steady_ratio, "runs": slim, "staleness": dist}
-        summary["args"] = {k: str(v) for k, v in vars(args).items()}
-        stem.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    return lines
 
 
 def per_step_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
