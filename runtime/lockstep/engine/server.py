@@ -168,6 +168,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    if engine.is_paused:  # paused on purpose (a weight update): alive, and a probe must not wait
+        return web.Response(status=200, text="paused")
     seq = engine.new_sequence([0], SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
     done = await engine.submit(seq)
     if done.finish is None or done.finish.get("type") == "abort":

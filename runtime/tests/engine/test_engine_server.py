@@ -233,6 +233,7 @@ async def test_pause_abort_mode_and_in_place(served: Served) -> None:
     task = asyncio.create_task(served.client.generate(_prompt("z"), sp))
     await _wait_tokens(served, 2)
     await served.client.pause_generation("in_place")
+    await asyncio.wait_for(served.client.health_generate(), 30)  # a probe never waits on a pause
     queued = asyncio.create_task(served.client.generate(_prompt("w"), SamplingParams(max_new_tokens=3)))
     await served.client.continue_generation()
     assert len((await task).output_ids) == 150 and (await queued).finish_reason in ("stop", "length")
