@@ -76,8 +76,10 @@ async def assert_trained_tokens_were_sampled(engine_url: str, sample: dict[str, 
             assert res.output_logprobs == pytest.approx(sample["rollout_logprobs"][a:b], abs=1e-4)
 
 
-def drifted(call: Any, drift: str) -> dict[str, Any]:
+def drifted(call: Any, drift: str, message: Any = None) -> dict[str, Any]:
     """The replayed assistant message as a harness with `drift` would send it."""
+    if drift == "full_model_dump":  # the openai response message replayed as is (null fields and all)
+        return dict(message.model_dump())
     args = call.function.arguments
     fn = {"name": call.function.name, "arguments": args}
     msg: dict[str, Any] = {
@@ -101,6 +103,7 @@ def drifted(call: Any, drift: str) -> dict[str, Any]:
         ("key_order_and_whitespace", "loose_tool_call"),
         ("ids_regenerated", "strict"),
         ("content_empty_string_and_newline", "strict"),
+        ("full_model_dump", "strict"),
     ],
 )
 async def test_tool_turns_train_on_exactly_the_sampled_tokens(
@@ -115,7 +118,11 @@ async def test_tool_turns_train_on_exactly_the_sampled_tokens(
     assert call.function.name == "calc"
     args = call.function.arguments
     assert eval_calc(args) == "5"
-    history = [USER, drifted(call, drift), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    history = [
+        USER,
+        drifted(call, drift, choice.message),
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
     second = await chat(client, history, logprobs=True)
     assert second.choices[0].message.content == "the sum is 5"
     assert second.usage is not None and second.usage.prompt_tokens_details is not None

@@ -112,6 +112,12 @@ class WireMessage(_Wire):
     """Optional author name (not rendered)."""
     refusal: str | None = None
     """Echoed by some clients; not rendered."""
+    annotations: list[Any] | None = None
+    """Echoed by OpenAI clients that replay response messages; not rendered."""
+    audio: Any = None
+    """Echoed by OpenAI clients; must be empty (audio is not supported on the session path)."""
+    function_call: Any = None
+    """Legacy OpenAI field, echoed as null by clients; not rendered."""
 
     def to_message(self) -> Message:
         content = self.content
