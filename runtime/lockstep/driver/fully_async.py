@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lockstep.driver.state import DriverState
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
-from lockstep.rollout.buffer import GroupBuffer, GroupFilter
+from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter
 from lockstep.rollout.staleness import StalenessStats
 from lockstep.types import Group
 
@@ -66,6 +66,10 @@ FULLY_ASYNC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval latency (s)", ("eval_eval_latency_s",)),
 )
 """Extra panels of the end-of-run plot (observability.plot's extra_panels)."""
+
+
+class RolloutFailed(RuntimeError):
+    """Rollout cannot continue (an engine became unreachable); the last checkpoint stays intact."""
 
 
 class ColocateRefused(ValueError):
@@ -260,7 +264,15 @@ class AsyncLoop:
             self._saved_at = self.state.step  # resumed from the checkpoint of this step
         try:
             while self.state.step < s.steps and not self.should_stop():
-                await self._one_step(buffer, worker, t_start)
+                try:
+                    await self._one_step(buffer, worker, t_start)
+                except BufferClosed:
+                    if worker.failure is not None:
+                        raise RolloutFailed(
+                            f"rollout stopped at step {self.state.step}: {worker.failure}"
+                        ) from (worker.failure)
+                    log.warning("prompt source exhausted after %d steps; ending the run", self.state.step)
+                    break
         finally:
             await worker.stop()
             await buffer.close()

@@ -113,6 +113,8 @@ class AsyncRolloutWorker:
         """What the worker did so far."""
         self.exhausted = False
         """True once the prompt source ran out (no more groups will be submitted)."""
+        self.failure: BaseException | None = None
+        """Why rollout stopped early (an unreachable engine); the buffer is closed then."""
         self._in_flight = 0
         self._cond = asyncio.Condition()
         self._partial: dict[int, list[Sample | None]] = {}
@@ -137,7 +139,7 @@ class AsyncRolloutWorker:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, BufferClosed):
-                await t
+                await t  # a task that already ended re-raises nothing else: failures were recorded
         self._partial.clear()
 
     async def wait_idle(self) -> None:
@@ -159,8 +161,23 @@ class AsyncRolloutWorker:
             prompt = next(self.prompts, None)
             if prompt is None:
                 self.exhausted = True
+                await self._drain_and_close()
                 return
             self._submit(prompt)
+
+    async def _drain_and_close(self) -> None:
+        """The prompt source ran out: let every trajectory finish and its group be put, then close the
+        buffer so the trainer's get ends with BufferClosed instead of waiting forever."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.buffer.close()
+
+    async def _fail(self, err: BaseException) -> None:
+        """An engine became unreachable: the run cannot go on. Record why and wake the trainer."""
+        if self.failure is None:
+            self.failure = err
+            log.error("rollout stopped: %r", err)
+        await self.buffer.close()
 
     def _submit(self, prompt: Prompt) -> None:
         gi = self.next_group_index
@@ -183,8 +200,8 @@ class AsyncRolloutWorker:
         except TimeoutError:
             self.counters.timed_out_samples += 1
             sample.status = SampleStatus.ABORTED
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # an unreachable engine is not a failed sample: the run stops (see _run_sample)
         except Exception as err:
             self.counters.failed_samples += 1
             log.warning("trajectory %d/%d failed: %r", sample.group_index, sample.index, err)
@@ -192,7 +209,11 @@ class AsyncRolloutWorker:
         return sample
 
     async def _run_sample(self, sample: Sample) -> None:
-        done = await self._generate_one(sample)
+        try:
+            done = await self._generate_one(sample)
+        except ConnectionError as err:
+            await self._fail(err)
+            return
         self.counters.finished_samples += 1
         self.counters.unusable_samples += done.status in (SampleStatus.ABORTED, SampleStatus.FAILED)
         self.counters.generated_tokens += len(done.response_ids)

@@ -18,6 +18,7 @@ from lockstep.driver.fully_async import (
     AsyncSettings,
     ColocateRefused,
     EvalOutcome,
+    RolloutFailed,
     check_schedule,
 )
 from lockstep.driver.state import DriverState
@@ -199,3 +200,26 @@ def test_settings_checked() -> None:
         settings(batch_groups=0)
     assert settings().capacity == 4
     assert settings(buffer_groups=7).capacity == 7
+
+
+async def test_run_ends_when_prompts_run_out() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    prompts = itertools.islice(long_tail_prompts(), 5)  # 2 full batches of 2 groups, then 1 group left over
+    loop = AsyncLoop(settings(), hooks, engine, prompts)
+    state = await loop.run()
+    assert state.step == 2
+    assert [s.step for s in hooks.saved] == [2]
+
+
+async def test_unreachable_engine_fails_the_run_without_saving() -> None:
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+
+    async def unreachable(sample: Sample) -> Sample:
+        raise ConnectionError("engine unreachable")
+
+    loop = AsyncLoop(settings(), hooks, unreachable, long_tail_prompts())
+    with pytest.raises(RolloutFailed, match="engine unreachable"):
+        await loop.run()
+    assert hooks.saved == []

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from lockstep.rollout.async_worker import AsyncRolloutWorker, Prompt
-from lockstep.rollout.buffer import GroupBuffer
+from lockstep.rollout.buffer import BufferClosed, GroupBuffer
 from lockstep.types import Sample, SampleStatus
 
 
@@ -155,4 +155,33 @@ async def test_truncated_samples_train() -> None:
     w.start()
     got = [await buf.get(), await buf.get()]
     assert [c.group.index for c in got] == [0, 1]
+    await w.stop()
+
+
+async def test_exhausted_source_drains_then_closes() -> None:
+    wl = GatedWorkload()
+    buf = GroupBuffer(capacity=4)
+    w = AsyncRolloutWorker(wl, prompts(2), buf, n_samples_per_prompt=2, max_in_flight=4)
+    w.start()
+    await settle()
+    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        wl.gate(*key).set()
+    assert [(await buf.get()).group.index, (await buf.get()).group.index] == [0, 1]
+    with pytest.raises(BufferClosed):  # no more data will come: the trainer is told, not left waiting
+        await buf.get()
+    assert w.exhausted and w.failure is None
+    await w.stop()
+
+
+async def test_unreachable_engine_stops_rollout() -> None:
+    async def unreachable(sample: Sample) -> Sample:
+        raise ConnectionError("engine at http://127.0.0.1:1 unreachable")
+
+    buf = GroupBuffer(capacity=4)
+    w = AsyncRolloutWorker(unreachable, prompts(), buf, n_samples_per_prompt=2, max_in_flight=4)
+    w.start()
+    with pytest.raises(BufferClosed):
+        await buf.get()
+    assert isinstance(w.failure, ConnectionError)
+    assert w.counters.failed_samples == 0  # not counted as failed samples: the run stops
     await w.stop()
