@@ -5,12 +5,12 @@ buffer, per-tensor checksums and the target's verified commit on top of the Tran
 the goal is at least 80% of the raw engine rate. Both measurements write --mib MiB of bf16 tensors
 into a P2PReceiver's registered buffer (a second TransferEngine in this process, over TCP):
 - pipeline: P2PTransport.push (staging --staging-mib MiB, 512 MiB buckets) including the commit
-  (checksum verification on the receiver);
+  (with --verify, xxh3-128 checksums computed by the source and checked by the receiver);
 - raw: batch_transfer_sync_write of one registered source buffer of the same size, in chunks of half
   the staging size (the pipeline's write size, so both make the same number of round trips).
 Prints the best of --runs (the least disturbed run on a shared machine) and the ratio pipeline rate / raw rate.
 
-Run from the repository root:  .venv/bin/python bench/weights_p2p.py [--mib 256] [--runs 3]
+Run from the repository root:  .venv/bin/python bench/weights_p2p.py [--mib 256] [--runs 7] [--verify]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> int:
     info = receiver.info()
 
     def commit(req: p2p.P2PCommitRequest) -> None:
-        receiver.verified(req)  # checks the checksums the source sent (none with --no-verify)
+        receiver.verified(req)  # checks the checksums the source sent (only with --verify)
 
     staging = args.staging_mib << 20
     transport = p2p.P2PTransport(
