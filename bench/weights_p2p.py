@@ -29,10 +29,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--staging-mib", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument(
-        "--no-verify", action="store_true", help="no checksums (sender and target skip two passes)"
-    )
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--verify", action="store_true", help="checksums in the commit (two extra passes)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     named = [
@@ -47,9 +45,7 @@ def main() -> int:
         receiver.verified(req)  # checks the checksums the source sent (only with --verify)
 
     staging = args.staging_mib << 20
-    transport = p2p.P2PTransport(
-        [p2p.P2PTarget(info, commit)], staging_bytes=staging, verify=not args.no_verify
-    )
+    transport = p2p.P2PTransport([p2p.P2PTarget(info, commit)], staging_bytes=staging, verify=args.verify)
     times = []
     for v in range(args.runs + 1):
         t0 = time.perf_counter()
