@@ -16,9 +16,12 @@ task (lockstep.tasks.toolcalc) and tests. Families register themselves in lockst
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+Tool = Mapping[str, Any]
+"""An OpenAI tool schema ({"type": "function", "function": {"name", "description", "parameters"}})."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +117,14 @@ class ModelFamily:
     role_openers: dict[int, str] = field(default_factory=dict)
     """Control token -> role it opens; "" means the role is the first line of the text after it."""
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        """The canonical text of a whole conversation (what a chat template would produce)."""
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> str:
+        """The canonical text of a whole conversation (what a chat template would produce).
+
+        `tools` are OpenAI tool schemas; families whose template declares tools render them at the
+        start of the conversation (the others ignore them, documented per family).
+        """
         raise NotImplementedError
 
     def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
@@ -135,9 +144,11 @@ class ModelFamily:
         """Split a decoded reply (control tokens kept) into content, reasoning and tool calls."""
         raise NotImplementedError
 
-    def encode_messages(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
+    def encode_messages(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> list[int]:
         """Token IDs of the canonical render (first turn of a session, and the mismatch check)."""
-        return self.codec.encode(self.render(messages, add_generation_prompt))
+        return self.codec.encode(self.render(messages, add_generation_prompt, tools))
 
 
 FamilyFactory = Callable[[], ModelFamily]

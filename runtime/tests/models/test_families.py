@@ -122,3 +122,15 @@ def test_malformed_tool_call_stays_visible_text() -> None:
     parsed = fam.parse_reply('<call>{"name": calc}</call>hi<|eos|>')
     assert parsed.tool_calls == ()
     assert parsed.content == '<call>{"name": calc}</call>hi'
+
+
+def test_qwen3_tools_block_keeps_the_template_append_only() -> None:
+    fam = get_family("qwen3")
+    tools = [{"type": "function", "function": {"name": "calc", "description": "add", "parameters": {}}}]
+    full = fam.encode_messages(CONVERSATION, add_generation_prompt=False, tools=tools)
+    for k in ASSISTANT_AT:
+        shorter = fam.encode_messages(CONVERSATION[: k + 1], add_generation_prompt=False, tools=tools)
+        assert full[: len(shorter)] == shorter
+    text = fam.render(CONVERSATION[:2], add_generation_prompt=True, tools=tools)
+    assert text.startswith("<|im_start|>system\nYou are a calculator agent.\n\n# Tools\n")
+    assert text.count("<|im_start|>system") == 1

@@ -267,3 +267,16 @@ def test_mismatch_flags_a_broken_seam_merge_as_a_bug() -> None:
     assert good[first_close + 1] == nl
     no_newline = good[: first_close + 1] + good[first_close + 2 :]  # a merge that forgot the "\n"
     assert classify(good, no_newline, QWEN) == ["non_assistant_text"]
+
+
+def test_tools_are_rendered_once_and_fixed_for_the_session() -> None:
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    t = tree(family=QWEN)
+    plan = t.plan([Message("system", "Be brief."), USER], tools)
+    text = QWEN.codec.decode(plan.input_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "calc"' in text
+    t.commit(plan, Message("assistant", "ok"), out(QWEN.codec.encode("ok<|im_end|>")))
+    history = [Message("system", "Be brief."), USER, Message("assistant", "ok"), Message("user", "more")]
+    assert t.plan(history, tools).reused > 0
+    with pytest.raises(SessionError, match="keep them fixed"):
+        t.plan(history, [])

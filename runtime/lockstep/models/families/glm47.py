@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 
 from lockstep.models.families._bpe import BpeCodec
-from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, ToolCall, register
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 SPECIALS = (
     "<|endoftext|>",
@@ -55,7 +55,10 @@ _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re
 class Glm47(ModelFamily):
     """The GLM-4.7 family (GLM-4.5/4.6 share the structure)."""
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> str:
+        # Tool schemas are not rendered by this family's template here: describe tools in the prompt.
         return "[gMASK]<sop>" + _render(messages, add_generation_prompt, previous_role="")
 
     def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:

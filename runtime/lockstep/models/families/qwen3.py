@@ -1,6 +1,7 @@
 """Qwen3: ChatML turns, <think> reasoning and <tool_call> JSON tool calls.
 
-Format (from Qwen3's documented chat template):
+Format (from Qwen3's documented chat template; with tools, the system turn carries a "# Tools"
+block listing each schema as JSON inside <tools></tools>):
   <|im_start|>{role}\\n{content}<|im_end|>\\n            for system and user
   <|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{content}\\n<tool_call>\\n{json}\\n</tool_call><|im_end|>\\n
   <|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response><|im_end|>\\n   for tool results; consecutive
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 from lockstep.models.families._bpe import BpeCodec
 from lockstep.models.families._parse import raw_json_field
-from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, ToolCall, register
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -50,8 +51,15 @@ _TOOL_CALL = re.compile(r"\n?<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 class Qwen3(ModelFamily):
     """The Qwen3 family (dense and MoE share the template)."""
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        return _render(messages, add_generation_prompt, previous_role="")
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> str:
+        if not tools:
+            return _render(messages, add_generation_prompt, previous_role="")
+        system = messages[0].content if messages and messages[0].role == "system" else ""
+        rest = messages[1:] if messages and messages[0].role == "system" else messages
+        head = f"{IM_START}system\n{system + chr(10) * 2 if system else ''}{_tools_block(tools)}{IM_END}\n"
+        return head + _render(rest, add_generation_prompt, previous_role="system")
 
     def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         # The assistant turn before these messages is closed by "<|im_end|>\n", which the merge
@@ -86,6 +94,19 @@ class Qwen3(ModelFamily):
         return ParsedReply(
             content="".join(kept).strip(), reasoning=reasoning.strip(), tool_calls=tuple(calls)
         )
+
+
+def _tools_block(tools: Sequence[Tool]) -> str:
+    """The tool declaration Qwen3's template puts in the system turn."""
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+        f"{lines}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def _parse_call(body: str) -> ToolCall | None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from lockstep.models import tiny
 from lockstep.models.families._parse import raw_json_field
-from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, ToolCall, register
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 _CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
 
@@ -42,7 +42,10 @@ class TinyCodec:
 class Tiny(ModelFamily):
     """The tiny family of `lockstep run` and the CPU tests."""
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
+    ) -> str:
+        # Tool schemas are not rendered by this family's template here: describe tools in the prompt.
         return _render(messages, add_generation_prompt)
 
     def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:

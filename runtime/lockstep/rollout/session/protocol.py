@@ -140,7 +140,8 @@ class ChatRequest(_Wire):
     model: str | None = None
     """Ignored: the session's engine decides."""
     tools: list[dict[str, Any]] | None = None
-    """Tool schemas (accepted; this server's templates do not render them, describe tools in text)."""
+    """Tool schemas; rendered into the first prompt by families that declare tools (qwen3), and
+    fixed for the life of the session."""
     tool_choice: Any = None
     """Accepted, not enforced (the model decides)."""
     parallel_tool_calls: bool | None = None

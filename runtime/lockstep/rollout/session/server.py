@@ -294,7 +294,7 @@ class SessionServer:
     async def _turn(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
         """Run one turn; returns the completion body and the seconds of server work (engine excluded)."""
         t0 = self._perf()
-        plan = s.tree.plan([m.to_message() for m in req.messages])
+        plan = s.tree.plan([m.to_message() for m in req.messages], req.tools or ())
         prompt_len = len(plan.input_ids)
         try:
             sampling = self._sampling(req)
@@ -390,7 +390,9 @@ class SessionServer:
     def _mismatch(self, tree: TokenTree, leaf: Node) -> list[str]:
         """tito_session_mismatch of one trajectory (metric only; never changes the row)."""
         try:
-            expected = self.family.encode_messages(tree.messages(leaf), add_generation_prompt=False)
+            expected = self.family.encode_messages(
+                tree.messages(leaf), add_generation_prompt=False, tools=tree.tools
+            )
         except ValueError as exc:
             raise SessionError(f"canonical render failed for leaf {leaf.id}: {exc}", 500) from exc
         types = classify(expected, closed_row(tree.row(leaf), self.family), self.family)

@@ -26,10 +26,11 @@ Who calls it: lockstep.rollout.session.server (under the session's lock). No I/O
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lockstep.models.registry import Message, ModelFamily
+from lockstep.models.registry import Message, ModelFamily, Tool
 from lockstep.rollout.session.matcher import Matcher, explain_mismatch
 from lockstep.types import Sample, SampleStatus
 
@@ -128,6 +129,8 @@ class Plan:
     """Prompt tokens taken from the stored checkpoint instead of being tokenized."""
     removed: list[int] = field(default_factory=list)
     """Tokens the merge trimmed from the parent row (restored by abandon)."""
+    tools: tuple[Tool, ...] = ()
+    """Tool schemas of the request (rendered into a fresh prompt by families that declare tools)."""
 
 
 class TokenTree:
@@ -153,6 +156,9 @@ class TokenTree:
         # The newest checkpoint's row, kept so that extending it (the common case) costs no
         # walk over the path; replaced on every commit.
         self._cached: tuple[Node, list[int]] | None = None
+        self.tools: tuple[Tool, ...] = ()
+        """Tool schemas the session started with; they are part of the rendered prompt, so fixed."""
+        self._tools_key: str | None = None
 
     # -- locating and planning -------------------------------------------------------------------
 
@@ -201,10 +207,16 @@ class TokenTree:
                     return f"messages[{i}] (assistant): {explain_mismatch(stored, msgs[i])}"
         return f"messages[{matched}:] contain an assistant turn this session never produced"
 
-    def plan(self, msgs: Sequence[Message]) -> Plan:
+    def plan(self, msgs: Sequence[Message], tools: Sequence[Tool] = ()) -> Plan:
         """The next prompt for a replayed history, or SessionError naming what to fix."""
         if not msgs:
             raise SessionError("messages is empty; send the conversation so far")
+        key = json.dumps(list(tools), sort_keys=True)
+        if self._tools_key is not None and key != self._tools_key:
+            raise SessionError(
+                "tools differ from the tools this session started with; they are rendered into the "
+                "stored prompt, so keep them fixed within a session (or create a new session)"
+            )
         matched, parent = self._locate(msgs)
         appended = tuple(msgs[matched:])
         if not appended:
@@ -225,13 +237,21 @@ class TokenTree:
             )
         discard = self._check_fork(parent)
         try:
-            return self._build(parent, appended, discard)
+            plan = self._build(parent, appended, discard, tuple(tools))
+            plan.tools = tuple(tools)
+            return plan
         except ValueError as exc:
             raise SessionError(f"messages cannot be tokenized for family {self.family.name}: {exc}") from exc
 
-    def _build(self, parent: Node | None, appended: tuple[Message, ...], discard: Node | None) -> Plan:
+    def _build(
+        self,
+        parent: Node | None,
+        appended: tuple[Message, ...],
+        discard: Node | None,
+        tools: tuple[Tool, ...],
+    ) -> Plan:
         if parent is None:
-            ids = self.family.encode_messages(appended, add_generation_prompt=True)
+            ids = self.family.encode_messages(appended, add_generation_prompt=True, tools=tools)
             return Plan(None, appended, ids, 0, list(ids), discard, 0)
         row = self._cached[1] if self._cached is not None and self._cached[0] is parent else self.row(parent)
         suffix = self.family.codec.encode(self.family.render_appended(appended, add_generation_prompt=True))
@@ -295,6 +315,9 @@ class TokenTree:
         self._next_id += 1
         self._count += 1
         self.head = node
+        if self._tools_key is None:
+            self.tools = plan.tools
+            self._tools_key = json.dumps(list(plan.tools), sort_keys=True)
         row = plan.input_ids
         row.extend(out.ids)
         self._cached = (node, row)
