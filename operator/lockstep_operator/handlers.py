@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 
 from lockstep_operator import metrics
-from lockstep_operator.k8s.client import KubeClient, load_credentials
+from lockstep_operator.k8s.client import ApiError, KubeClient, load_credentials
 from lockstep_operator.reconcile.rljob import reconcile_job
 from lockstep_operator.reconcile.rolloutpool import reconcile_pool
 from lockstep_operator.reconcile.trainergroup import reconcile_trainer
@@ -77,13 +77,18 @@ class Coalescer:
                     await self._run(key)
                     metrics.RECONCILES.labels(key[0], "ok").inc()
                     backoff = 0.5
-                except Exception as err:  # a failed pass is retried, never lost
-                    metrics.RECONCILES.labels(key[0], "error").inc()
-                    metrics.ERRORS.labels(key[0], type(err).__name__).inc()
-                    log.warning("reconcile of %s %s/%s failed (retry in %.1fs): %s", *key, backoff, err)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self._max_backoff)
-                    self._dirty.add(key)
+                except Exception as err:
+                    if isinstance(err, ApiError) and err.status == 404:
+                        # The object (or its owner) was deleted during the pass: nothing left to do;
+                        # a re-created object brings its own event.
+                        metrics.RECONCILES.labels(key[0], "gone").inc()
+                    else:  # a failed pass is retried, never lost
+                        metrics.RECONCILES.labels(key[0], "error").inc()
+                        metrics.ERRORS.labels(key[0], type(err).__name__).inc()
+                        log.warning("reconcile of %s %s/%s failed (retry in %.1fs): %s", *key, backoff, err)
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, self._max_backoff)
+                        self._dirty.add(key)
                 finally:
                     metrics.RECONCILE_SECONDS.labels(key[0]).observe(time.perf_counter() - started)
                 if key not in self._dirty:

@@ -18,6 +18,7 @@ Who calls it: lockstep_operator.handlers, for kopf events of the RLJob and of it
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from typing import Any
 
@@ -167,12 +168,12 @@ async def reconcile_job(
         "metadata": {"name": name, "namespace": namespace},
         "spec": spec.wire(),
     }
-    for manifest in [
+    manifests = [
         config.runtime_config_map(owner, job=name, rendered=rendered),
         config.progress_config_map(owner, job=name),
         *config.driver_rbac(owner, job=name),
-    ]:
-        await kube.apply(manifest)
+    ]
+    await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests))
     gang_problem = await _ensure_gang(kube, owner, spec)
     terminal = previous is not None and previous.phase in (Phase.SUCCEEDED, Phase.FAILED)
     if gang_problem is None:
@@ -225,7 +226,7 @@ async def _ensure_gang(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> str |
         queue=spec.placement.gang.queue_name,
     )
     if group is not None:
-        await kube.apply(group)
+        await kube.apply(group, cache=True)
     return None
 
 
@@ -256,15 +257,16 @@ async def _apply_children(
                 pool["metadata"]["name"],
                 {"spec": {"replicas": spec.rollout.replicas}},
             )
-        await kube.apply(pool)
-    await kube.apply(trainer)
-    await kube.apply(channel)
+        await kube.apply(pool, cache=True)
+    await asyncio.gather(kube.apply(trainer, cache=True), kube.apply(channel, cache=True))
 
 
 async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tuple[str, str]:
     """The NVLink placement decided once: read back from the children, else planned now."""
-    trainer = await kube.get(API_VERSION, "TrainerGroup", owner.namespace, trainer_name(owner.name))
-    pool = await kube.get(API_VERSION, "RolloutPool", owner.namespace, pool_name(owner.name))
+    trainer, pool = await asyncio.gather(
+        kube.get(API_VERSION, "TrainerGroup", owner.namespace, trainer_name(owner.name)),
+        kube.get(API_VERSION, "RolloutPool", owner.namespace, pool_name(owner.name)),
+    )
     if trainer is not None and ANN_CLIQUE in annotations_of(trainer):
         avoid = annotations_of(pool).get(ANN_AVOID_CLIQUE, "") if pool else ""
         return annotations_of(trainer)[ANN_CLIQUE], avoid
@@ -304,11 +306,14 @@ async def _ensure_driver(
 
 
 async def _observe(kube: KubeClient, namespace: str, job: str, gang_problem: str | None) -> JobObserved:
-    pool = await kube.get(API_VERSION, "RolloutPool", namespace, pool_name(job))
-    trainer = await kube.get(API_VERSION, "TrainerGroup", namespace, trainer_name(job))
-    channel = await kube.get(API_VERSION, "WeightChannel", namespace, channel_name(job))
-    progress, problem = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(job)))
-    driver = await kube.get("v1", "Pod", namespace, driver_name(job))
+    pool, trainer, channel, progress_cm, driver = await asyncio.gather(
+        kube.get(API_VERSION, "RolloutPool", namespace, pool_name(job)),
+        kube.get(API_VERSION, "TrainerGroup", namespace, trainer_name(job)),
+        kube.get(API_VERSION, "WeightChannel", namespace, channel_name(job)),
+        kube.get("v1", "ConfigMap", namespace, progress_name(job)),
+        kube.get("v1", "Pod", namespace, driver_name(job)),
+    )
+    progress, problem = read_progress(progress_cm)
     return JobObserved(
         pool=previous_status(pool, RolloutPoolStatus) if pool else None,
         trainer=previous_status(trainer, TrainerGroupStatus) if trainer else None,

@@ -122,7 +122,7 @@ async def reconcile_pool(
         return  # the apiserver validates the schema; an unreadable pool is left to its owner job
     owner, ann = Owner.of(body), annotations_of(body)
     labels = selector_labels(spec.job, pool=name)
-    await kube.apply(router_service(owner, job=spec.job, name=router_name(name), selector=labels))
+    await kube.apply(router_service(owner, job=spec.job, name=router_name(name), selector=labels), cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED))
     desired = 0 if stopped else spec.replicas

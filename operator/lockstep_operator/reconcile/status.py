@@ -183,6 +183,9 @@ def job_status(
     """The RLJob status for what was observed (pure)."""
     prev = previous or RLJobStatus()
     phase, reason, message = _phase(spec, obs, prev.phase)
+    if prev.phase in TERMINAL:  # keep why it ended, as first recorded
+        ended = condition(prev.conditions, "Failed" if prev.phase == Phase.FAILED else "Complete")
+        reason, message = (ended.reason, ended.message) if ended else (reason, message)
     conds = list(prev.conditions)
 
     def put(type_: str, status: bool | None, why: str, text: str) -> None:

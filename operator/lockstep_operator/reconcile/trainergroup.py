@@ -136,7 +136,7 @@ async def reconcile_trainer(
     previous = previous_status(body, TrainerGroupStatus)
     generation = body["metadata"].get("generation")
     labels = selector_labels(spec.job, trainer=name)
-    await kube.apply(headless_service(owner, job=spec.job, name=name, selector=labels))
+    await kube.apply(headless_service(owner, job=spec.job, name=name, selector=labels), cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     restarts = previous.restarts if previous else 0
     limit = int(ann.get(ANN_RESTART_LIMIT) or settings.gang_restart_limit_default)
