@@ -56,6 +56,7 @@ def _publish(args: argparse.Namespace) -> int:
         pub = dd.DeltaPublisher(
             args.root, args.base, encoding=args.encoding, level=args.level, base_version=base_version
         )
+        pub.check_base()
         if not (args.root / dd.BASELINE_NAME).exists():
             pub.start()
         named = {}

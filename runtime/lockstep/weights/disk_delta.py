@@ -237,6 +237,29 @@ class DeltaPublisher:
                 + ". Export from the same HF checkpoint the engines load."
             )
 
+    def check_base(self) -> None:
+        """Raise LineageError unless the snapshot is exactly the last version published under root.
+
+        Guards `lockstep delta publish --base DIR`: a delta diffed against the wrong base would be
+        rejected by every subscriber, so it is refused before anything is written.
+        """
+        if self.version == 0 or not published_versions(self.root):
+            path = self.root / BASELINE_NAME
+            if not path.is_file():
+                return  # nothing recorded yet: start() will record this snapshot as the baseline
+            expected = LocalState.model_validate_json(path.read_bytes()).state
+        else:
+            expected = load_index(self.root, self.version).state
+        got = {n: sb.checksum(b) for n, (_, _, b) in self._snapshot.items()}
+        bad = sorted(
+            n for n in expected.keys() | got.keys() if expected.get(n, _MISSING).checksum != got.get(n)
+        )
+        if bad:
+            raise LineageError(
+                f"the base snapshot is not version {self.version} as published under {self.root}: "
+                f"{len(bad)} tensors differ (e.g. {bad[:5]}); pass the checkpoint of the last published version"
+            )
+
     def start(self) -> PublishResult:
         """The first update: publish nothing, record the baseline's checksums for the engines to verify."""
         self.root.mkdir(parents=True, exist_ok=True)

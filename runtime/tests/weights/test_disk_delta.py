@@ -251,6 +251,11 @@ def test_cli_publish_apply_verify(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     assert "published version 1" in capsys.readouterr().out
     assert cli(["delta", "verify", "--root", str(root)]) == 0
+    # Version 2 diffed against the wrong base (v0 instead of v1) is refused before anything is written.
+    v2 = write_ckpt(tmp_path / "v2", step(v1, 2))
+    assert cli(["delta", "publish", "--base", str(base), "--new", str(v2), "--root", str(root)]) == 1
+    assert "base snapshot is not version 1" in capsys.readouterr().err
+    assert dd.published_versions(root) == [1]
     assert cli(["delta", "apply", "--root", str(root), "--local", str(local)]) == 0
     assert files_bytes(local) == files_bytes(new)
     # Failures: a second local copy that differs from the baseline, and a damaged shard.
