@@ -24,7 +24,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--seed", type=int, default=0, help="sampling seed, and init seed of builtin models")
     p.add_argument("--max-running-requests", type=int, default=32, help="KV slots: sequences run together")
     p.add_argument("--context-length", type=int, default=None, help="longest prompt+output in tokens")
-    p.add_argument("--cuda-graphs", action="store_true", help="capture decode steps into CUDA graphs")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="capture decode steps into CUDA graphs (default: on with --device cuda)",
+    )
     p.add_argument(
         "--allow-tensor-updates",
         action="store_true",

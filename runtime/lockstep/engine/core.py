@@ -157,8 +157,14 @@ class ReferenceEngine:
         context_length: int = 1024,
         max_prefill_tokens: int = 16384,
         seed: int = 0,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """model: an HF Qwen3ForCausalLM on `device`; max_running_requests: KV slots (sequences run
+        together); context_length: longest prompt + output; max_prefill_tokens: prompt tokens admitted per
+        step; seed: the engine generator's seed (requests without sampling_seed); cuda_graphs: decode on
+        static buffers, captured into CUDA graphs on CUDA (default: on for CUDA). With graphs, parameters
+        must never be rebound (`p.data = t`), only copied into, as load_weights does.
+        """
         self.device = torch.device(device)
         """Where the weights and the KV cache live."""
         self.model_path = model_path
@@ -180,7 +186,7 @@ class ReferenceEngine:
             device=self.device,
             dtype=dtype,
             seed=seed,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
         )
         self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
         self._eos = _eos_ids(model.config)

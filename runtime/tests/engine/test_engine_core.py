@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from lockstep.engine import ReferenceEngine
+from lockstep.engine.runner import SamplingBatch, _truncate, sample
 from lockstep.serving import EngineClient, SamplingParams
 
 PROMPTS = [[2, *range(10, 10 + n), 3] for n in (5, 17, 40, 3, 9)]
@@ -100,3 +102,29 @@ def test_cli_serves_the_engine(tiny_dir: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_sampling_policy_golden() -> None:
+    """Pure sampling policy: greedy takes the argmax; top-k 1 and a tiny top-p leave only the argmax;
+    the logprob is log_softmax(logits / T) of the untruncated distribution."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 2.5], [4.0, 1.0, 0.0, 0.0]])
+    params = SamplingBatch(
+        temperature=torch.tensor([0.0, 0.5, 2.0]),
+        top_p=torch.tensor([1.0, 1.0, 1e-6]),
+        top_k=torch.tensor([-1, 1, -1]),
+        generators=[None, None, torch.Generator().manual_seed(0)],
+    )
+    ids, lps = sample(logits, params, torch.Generator().manual_seed(0))
+    assert ids == [1, 3, 0]
+    expect = [
+        torch.log_softmax(logits[0], -1)[1],
+        torch.log_softmax(logits[1] / 0.5, -1)[3],
+        torch.log_softmax(logits[2] / 2.0, -1)[0],
+    ]
+    assert lps == [pytest.approx(float(e), abs=1e-6) for e in expect]
+    kept = _truncate(torch.softmax(logits, -1), torch.tensor([2, -1, -1]), torch.tensor([1.0, 0.8, 1.0]))
+    assert (kept > 0).tolist() == [
+        [False, True, True, False],  # top-2
+        [True, False, False, True],  # the top token holds 0.75 < 0.8, the next one completes the nucleus
+        [True, True, True, True],
+    ]
