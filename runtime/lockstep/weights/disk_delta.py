@@ -250,10 +250,9 @@ class DeltaPublisher:
             expected = LocalState.model_validate_json(path.read_bytes()).state
         else:
             expected = load_index(self.root, self.version).state
+        want = {n: st.checksum for n, st in expected.items()}
         got = {n: sb.checksum(b) for n, (_, _, b) in self._snapshot.items()}
-        bad = sorted(
-            n for n in expected.keys() | got.keys() if expected.get(n, _MISSING).checksum != got.get(n)
-        )
+        bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         if bad:
             raise LineageError(
                 f"the base snapshot is not version {self.version} as published under {self.root}: "
