@@ -20,7 +20,14 @@ import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.models.tiny import TinyTokenizer
-from lockstep.serving import EngineClient, EngineError, GenerateResult, SamplingParams, dumps_named_tensors
+from lockstep.serving import (
+    EngineClient,
+    EngineError,
+    GenerateReply,
+    GenerateResult,
+    SamplingParams,
+    dumps_named_tensors,
+)
 from lockstep.serving.weight_group import open_weight_update_group
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
@@ -293,3 +300,17 @@ def test_load_weights_api_rejects_bad_tensors(tiny_dir: Path) -> None:
         )
     assert engine.load_weights([("model.norm.weight", torch.full_like(w["model.norm.weight"], 2.0))]) == 1
     assert bool((engine.named_weights()["model.norm.weight"] == 2.0).all())
+
+
+async def test_batch_request_returns_one_reply_per_prompt(served: Served) -> None:
+    body = {
+        "input_ids": [_prompt("a"), _prompt("bb")],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "rid": "grp",
+    }
+    resp = await served.client._http.post(served.url + "/generate", json=body)
+    replies = [GenerateReply.model_validate(r) for r in resp.json()]
+    assert [r.meta_info.id for r in replies] == ["grp-0", "grp-1"]
+    assert [len(r.output_ids) for r in replies] == [3, 3]
+    assert all(len(r.meta_info.output_token_logprobs or []) == 3 for r in replies)
