@@ -614,9 +614,12 @@ class ReferenceEngine:
 
 
 def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
-    """logits [T, V] over tokens[kv_len:] -> logprobs of prompt tokens from input_logprob_start."""
-    t = max(seq.params.temperature, 0.0) or 1.0
-    logp = torch.log_softmax(logits / t, dim=-1)  # [T, V]
+    """logits [T, V] over tokens[kv_len:] -> logprobs of prompt tokens from input_logprob_start.
+
+    Like SGLang's input_token_logprobs (Req.temp_scaled_logprobs is False by default): log_softmax of
+    the raw logits, without the request's temperature.
+    """
+    logp = torch.log_softmax(logits, dim=-1)  # [T, V]
     start = seq.input_logprob_start
     out: list[float | None] = []
     for pos in range(start, seq.prompt_len):

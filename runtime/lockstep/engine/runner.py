@@ -19,6 +19,8 @@ Logprob definition (matches SGLang's default, SGLANG_RETURN_ORIGINAL_LOGPROB uns
 T > 0 the returned logprob of the sampled token is log_softmax(logits / T)[token], taken before top-k
 / top-p truncation; for greedy (T == 0) it is log_softmax(logits)[token]. logits are computed in
 fp32 from the final hidden state. The trainer must compute the same (logits / T, then log_softmax).
+Prompt logprobs (logprob_start_len >= 0) are log_softmax of the raw logits, as SGLang's
+input_token_logprobs are unless its temperature-scaled logprobs are switched on.
 
 Who calls it: lockstep.engine.core (the scheduler) only.
 """

@@ -264,7 +264,9 @@ async def test_prompt_logprobs_for_scoring(served: Served, tiny_dir: Path) -> No
     """OPD-style scoring: max_new_tokens 0 and logprob_start_len 0 give every prompt token's logprob."""
     prompt = _prompt("score me")
     await served.client.generate(prompt, SamplingParams(max_new_tokens=2))  # warm the prefix cache
-    res = await served.client.generate(prompt, SamplingParams(max_new_tokens=0), logprob_start_len=0)
+    # Prompt logprobs ignore the temperature (SGLang's default): scored from the raw logits.
+    sp = SamplingParams(max_new_tokens=0, temperature=0.5)
+    res = await served.client.generate(prompt, sp, logprob_start_len=0)
     assert res.output_ids == [] and res.input_logprobs is not None and res.input_logprobs[0] is None
     ref = _reference_logprobs(tiny_dir, prompt[:1], prompt[1:], 1.0)
     assert res.input_logprobs[1:] == pytest.approx(ref, abs=1e-5)
