@@ -68,10 +68,6 @@ FULLY_ASYNC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Extra panels of the end-of-run plot (observability.plot's extra_panels)."""
 
 
-class RolloutFailed(RuntimeError):
-    """Rollout cannot continue (an engine became unreachable); the last checkpoint stays intact."""
-
-
 class ColocateRefused(ValueError):
     """Fully-async was asked for with colocate: the two phases cannot overlap on shared GPUs."""
 
@@ -268,9 +264,11 @@ class AsyncLoop:
                     await self._one_step(buffer, worker, t_start)
                 except BufferClosed:
                     if worker.failure is not None:
-                        raise RolloutFailed(
-                            f"rollout stopped at step {self.state.step}: {worker.failure}"
-                        ) from (worker.failure)
+                        # The original error (e.g. EngineUnreachable) keeps its type: `lockstep run` maps it.
+                        log.error(
+                            "rollout stopped at step %d; the last checkpoint is intact", self.state.step
+                        )
+                        raise worker.failure from None
                     log.warning("prompt source exhausted after %d steps; ending the run", self.state.step)
                     break
         finally:

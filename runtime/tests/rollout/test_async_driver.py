@@ -3,13 +3,16 @@ trainer on CPU, the from-disk transport, metrics file, plot and checkpoints; the
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
 from lockstep.api import load_manifest
 from lockstep.api.manifest import ManifestError
+from lockstep.cli.run import execute
 from lockstep.driver import run
-from lockstep.driver.state import latest_checkpoint
+from lockstep.driver.state import DriverState, latest_checkpoint
 from lockstep.observability.metrics import read_jsonl
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-async.yaml"
@@ -21,10 +24,18 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.getbasetemp() / "lockstep-cache"
 
 
-def test_fully_async_run_and_resume(tmp_path: Path, cache_dir: Path) -> None:
+def test_fully_async_run_and_resume(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     job = load_manifest(FIXTURE)
     assert str(job.spec.schedule.mode) == "fully-async"
-    state = run(job, tmp_path, steps=2, cache_dir=cache_dir)
+    # What `lockstep run FIXTURE --steps 2` does (without installing its Ctrl-C handler into pytest).
+    cli = argparse.Namespace(steps=2, resume=False, metrics_port=0, cache_dir=cache_dir, engine_timeout=60.0)
+    assert execute(job, tmp_path, cli, [], install_signal=False) == 0
+    assert "done: step 2" in capsys.readouterr().out
+    checkpoint = latest_checkpoint(tmp_path)
+    assert checkpoint is not None
+    state = DriverState.from_dict(json.loads((checkpoint / "trainer_state.json").read_text())["extra"])
     assert (state.step, state.version) == (2, 2)
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")
     assert [r["step"] for r in train] == [1, 2]
@@ -47,7 +58,6 @@ def test_fully_async_run_and_resume(tmp_path: Path, cache_dir: Path) -> None:
     assert evals[-1]["weight_version"] == 2.0 and evals[-1]["eval_latency_s"] > 0
     assert evals[-1]["mixed_versions"] == 0.0
     assert (tmp_path / "metrics.png").is_file()
-    assert latest_checkpoint(tmp_path) is not None
 
     no_eval = load_manifest(FIXTURE.read_text().replace("    evalInterval: 2\n", ""))  # keeps the test short
     resumed = run(no_eval, tmp_path, steps=3, resume=True, cache_dir=cache_dir)
