@@ -5,7 +5,7 @@ engine(s) in-process on 127.0.0.1, the FSDP2 trainer as one rank, the sync (or f
 progress bar, metrics.jsonl + metrics.png in the run dir and an optional Prometheus endpoint.
 
 Exit codes: 0 done (or stopped by Ctrl-C with a checkpoint), 2 bad manifest or settings, 3 engine
-unreachable, 4 non-finite loss (last good checkpoint intact), 130 abandoned by a second Ctrl-C.
+unreachable, 4 non-finite loss (last good checkpoint intact), 5 pre-flight weight check failed, 130 abandoned by a second Ctrl-C.
 
 Who calls it: users (`make run`), tests.
 """
@@ -53,7 +53,7 @@ def execute(
     """Run `job` and map the known failures to exit codes with one clear line each."""
     from lockstep.driver import run
     from lockstep.driver.loop import install_sigint
-    from lockstep.driver.steps import NonFiniteLoss
+    from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
     from lockstep.serving.client import EngineUnreachable
 
     stop = threading.Event()
@@ -80,6 +80,9 @@ def execute(
             file=sys.stderr,
         )
         return 4
+    except PreflightFailed as e:
+        print(f"error: pre-flight failed, no step was trained: {e}", file=sys.stderr)
+        return 5
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -139,7 +139,6 @@ def build_components(
     from lockstep.serving.client import EngineClient
     from lockstep.serving.payloads import SamplingParams
     from lockstep.train.fsdp import FSDPBackend, FSDPConfig
-    from lockstep.weights.from_disk import FromDiskTransport
 
     _check_supported(job)
     settings = settings_from_job(job, steps)
@@ -182,18 +181,8 @@ def build_components(
         )
         closers.append(backend.close)
 
-        def make_reload(client: EngineClient) -> Callable[[str, int], None]:
-            def reload(path: str, version: int) -> None:
-                runner.run(client.update_weights_from_disk(path, weight_version=version))
-
-            return reload
-
-        transport = FromDiskTransport(
-            run_dir / "weights",
-            [make_reload(c) for c in clients],
-            config_dir=model_dir,
-            extra_files=("config.json", "tiny_tokenizer.json", "chat_template.jinja"),
-        )
+        transport = _build_transport(job, run_dir, model_dir, runner, clients, backend.device_type)
+        closers.append(transport.close)
         sampling = SamplingParams(
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
@@ -263,6 +252,47 @@ def build_components(
         pad_id=tokenizer.pad_token_id,
         closers=closers,
         resume=resume,
+    )
+
+
+def _build_transport(
+    job: RLJob, run_dir: Path, model_dir: Path, runner: AsyncRunner, clients: list[EngineClient], device: str
+) -> WeightTransport:
+    """The transport named by spec.weightSync.transport, for engines reachable from this process.
+
+    auto and from-disk-capable setups use the from-disk transport (full HF checkpoint per version,
+    POST /update_weights_from_disk); broadcast uses the weights helper's BroadcastTransport (gloo on
+    CPU, NCCL on CUDA). Others are refused with the field path until they are wired here.
+    """
+    from lockstep.weights.from_disk import FromDiskTransport
+
+    name = str(job.spec.weight_sync.transport)
+    if name == "broadcast":
+        from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
+
+        return BroadcastTransport(
+            [EngineTarget(c.base_url) for c in clients],
+            backend="nccl" if device == "cuda" else "gloo",
+            device=device,
+            pause_mode=str(job.spec.weight_sync.pause_mode),
+        )
+    if name != "auto":
+        raise ValueError(
+            f"spec.weightSync.transport: {name!r} is not wired into `lockstep run` yet; use auto (from-disk) "
+            "or broadcast"
+        )
+
+    def make_reload(client: EngineClient) -> Callable[[str, int], None]:
+        def reload(path: str, version: int) -> None:
+            runner.run(client.update_weights_from_disk(path, weight_version=version))
+
+        return reload
+
+    return FromDiskTransport(
+        run_dir / "weights",
+        [make_reload(c) for c in clients],
+        config_dir=model_dir,
+        extra_files=("config.json", "tiny_tokenizer.json", "chat_template.jinja"),
     )
 
 

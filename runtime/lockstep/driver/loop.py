@@ -19,7 +19,14 @@ from typing import Any
 
 from lockstep.driver.components import Components
 from lockstep.driver.state import DriverState, load_checkpoint, save_checkpoint
-from lockstep.driver.steps import collect_batch, evaluate, push_weights, sft_warm_start, train_on_groups
+from lockstep.driver.steps import (
+    collect_batch,
+    evaluate,
+    preflight_push,
+    push_weights,
+    sft_warm_start,
+    train_on_groups,
+)
 from lockstep.observability.plot import plot_metrics
 
 log = logging.getLogger(__name__)
@@ -39,7 +46,9 @@ def run_sync(c: Components) -> DriverState:
         for k, m in enumerate(sft_warm_start(c)):
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
-    c.metrics.log("publish", state.step, push_weights(c, state.version))  # engines == trainer before step 1
+    # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
+    first = preflight_push if c.job.spec.weight_sync.check_weight_update_equal else push_weights
+    c.metrics.log("publish", state.step, first(c, state.version))
     if s.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     saved_at = state.step

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from lockstep.rollout.generate import Rollout
 from lockstep.train.common.losses import make_policy_loss, sft_loss
 from lockstep.train.common.mismatch import mismatch_weights
-from lockstep.train.common.packing import pack_groups, pack_sft
+from lockstep.train.common.packing import pack_groups, pack_sft, response_view
 from lockstep.types import Group, Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -108,6 +108,45 @@ def push_weights(c: Components, version: int) -> dict[str, float]:
     """Publish the trainer's current weights to every engine as `version`."""
     report = c.transport.push(c.backend.export_weights(), version)
     return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
+
+
+class PreflightFailed(RuntimeError):
+    """check-weight-update-equal found engines that do not hold the trainer's weights."""
+
+
+def preflight_push(c: Components, version: int) -> dict[str, float]:
+    """The first push through the pre-flight check (seed §7.2.5): randomize engines, push, compare.
+
+    Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
+    """
+    from lockstep.weights.preflight import LogprobProbe, check_weight_update_equal
+
+    def trainer_logprobs(prompt: list[int], response: list[int]) -> list[float]:
+        batch = pack_sft([(prompt, response)], c.pad_id)  # greedy probe: temperature 1 definition
+        return response_view(batch, c.backend.compute_logprobs(batch), 0)
+
+    probe_prompt = c.rollout.render(c.task.item(0, "train").messages)
+    t0 = c.clock()
+    result = check_weight_update_equal(
+        [client.base_url for client in c.clients],
+        c.transport,
+        c.backend.export_weights,
+        version=version,
+        probe=LogprobProbe(
+            probe_prompt,
+            trainer_logprobs,
+            tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
+        ),
+        seed=c.settings.seed,
+    )
+    if not result.passed:
+        raise PreflightFailed(f"spec.weightSync.checkWeightUpdateEqual: {result.message}")
+    return {
+        "weight_version": float(version),
+        "update_weights_s": c.clock() - t0,
+        "preflight_tensors": float(result.checked_tensors),
+        "preflight_logprob_max_abs_diff": result.logprob_max_abs_diff or 0.0,
+    }
 
 
 def evaluate(c: Components, first_group: int = EVAL_GROUP_BASE) -> dict[str, float]:

@@ -175,3 +175,23 @@ def test_unsupported_settings_are_refused_before_start(
     bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}})
     assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
     assert "spec.model.lora: LoRA is not built yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("transport", ["auto", "broadcast"])
+def test_preflight_then_steps_through_each_wired_transport(
+    tmp_path: Path, cache: Path, transport: str
+) -> None:
+    manifest = _manifest(
+        tmp_path, {"spec.weightSync.transport": transport, "spec.weightSync.checkWeightUpdateEqual": True}
+    )
+    run_dir = tmp_path / "run"
+    assert (
+        main(["run", str(manifest), "--run-dir", str(run_dir), "--cache-dir", str(cache), "--steps", "2"])
+        == 0
+    )
+    publish = read_jsonl(run_dir / "metrics.jsonl", "publish")[0]
+    assert publish["preflight_tensors"] > 0  # every tensor compared after the engines were randomized
+    assert publish["preflight_logprob_max_abs_diff"] < 1e-3
+    train = read_jsonl(run_dir / "metrics.jsonl", "train")
+    assert [r["weight_version"] for r in train] == [1, 2]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in train)  # updates really landed
