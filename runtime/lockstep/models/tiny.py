@@ -284,7 +284,13 @@ def resolve_checkpoint(model: str, cache_dir: str | os.PathLike[str] | None = No
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     materialize_builtin(model, tmp, seed)
+    if (target / "model.safetensors").is_file() and TinyTokenizer.exists_in(target):
+        shutil.rmtree(tmp)  # another process finished first; its (identical) dir wins
+        return target
     if target.exists():  # an incomplete dir left by an interrupted run
         shutil.rmtree(target)
-    os.replace(tmp, target)  # atomic: concurrent readers see a complete dir or none
+    try:
+        os.replace(tmp, target)  # atomic: concurrent readers see a complete dir or none
+    except OSError:  # lost a race to a concurrent writer that just finished
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
