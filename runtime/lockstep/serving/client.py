@@ -9,7 +9,9 @@ Per-token weight versions (GenerateResult.token_versions): our engine returns th
 meta_info.output_token_weight_versions (a documented Lockstep extension). With stock SGLang the
 client derives them honestly: versions only grow, so if the last version this client saw before
 submitting equals the version reported with the reply, every token was sampled by that version;
-otherwise the versions are unknown (None per token).
+otherwise the versions are unknown (None per token). So against stock SGLang, call
+`await client.get_weight_version()` once after connecting (and the weight-update methods keep
+`last_version` current); our engine needs none of this.
 
 Who calls it: lockstep.rollout (generate), lockstep.weights (update endpoints), lockstep.driver
 (pause/continue, health).
