@@ -43,6 +43,7 @@ from lockstep.types import Group
 if TYPE_CHECKING:
     from lockstep.api import RLJob
     from lockstep.driver.components import Components
+    from lockstep.driver.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -355,9 +356,9 @@ BUFFER_GROUPS_ANNOTATION = "lockstep.dev/async-buffer-groups"
 """Annotation overriding the buffer capacity in groups (default 2 x spec.algorithm.batchSize)."""
 
 
-def settings_for_job(job: RLJob, c: Components) -> AsyncSettings:
-    """The loop's knobs from the manifest and the sync driver's RunSettings (pure)."""
-    spec, s = job.spec, c.settings
+def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
+    """The loop's knobs from the manifest and the sync driver's RunSettings (pure, golden-tested)."""
+    spec = job.spec
     raw = job.metadata.annotations.get(BUFFER_GROUPS_ANNOTATION)
     try:
         buffer_groups = int(raw) if raw is not None else None
@@ -468,7 +469,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     spec = job.spec
     pause_mode = str(spec.weight_sync.pause_mode)
     check_schedule(str(spec.schedule.mode), spec.schedule.colocate, pause_mode)
-    settings = settings_for_job(job, c)
+    settings = settings_for_job(job, c.settings)
     state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
     if not state.sft_done and c.settings.sft_steps > 0:
         if settings.eval_interval:

@@ -222,3 +222,51 @@ async def test_unreachable_engine_fails_the_run_without_saving() -> None:
     with pytest.raises(ConnectionError, match="engine unreachable"):  # its own type: the CLI maps it
         await loop.run()
     assert hooks.saved == []
+
+
+def test_settings_for_job_golden() -> None:
+    from pathlib import Path
+
+    from lockstep.api import load_manifest
+    from lockstep.driver.fully_async import BUFFER_GROUPS_ANNOTATION, settings_for_job
+    from lockstep.driver.settings import settings_from_job
+
+    text = (Path(__file__).parent / "fixtures" / "tiny-async.yaml").read_text()
+    job = load_manifest(text)
+    got = settings_for_job(job, settings_from_job(job, steps=5))
+    assert got == AsyncSettings(
+        steps=5,
+        batch_groups=4,
+        n_samples_per_prompt=4,
+        max_in_flight=24,
+        max_staleness=2,
+        buffer_groups=None,
+        update_interval=1,
+        eval_interval=2,
+        save_interval=None,
+        sample_timeout_s=None,
+    )
+    assert got.capacity == 8
+    annotated = text.replace(
+        "  name: tiny-async\n", f"  name: tiny-async\n  annotations: {{{BUFFER_GROUPS_ANNOTATION}: '3'}}\n"
+    )
+    job = load_manifest(annotated)
+    assert settings_for_job(job, settings_from_job(job)).capacity == 3
+    job = load_manifest(annotated.replace("'3'", "'many'"))
+    with pytest.raises(ValueError, match="async-buffer-groups"):
+        settings_for_job(job, settings_from_job(job))
+
+
+def test_staleness_metrics_flatten_histograms() -> None:
+    from lockstep.driver.fully_async import staleness_metrics
+    from lockstep.rollout.staleness import StalenessStats, measure_staleness
+
+    stats = StalenessStats()
+    stats.add(measure_staleness([*([12] * 300), *([13] * 100)], 14))
+    m = staleness_metrics(stats)
+    assert m["staleness_s_old_hist_2"] == 1.0
+    assert m["staleness_s_post_hist_1"] == 1.0
+    assert m["staleness_delta_gen_hist_1"] == 1.0
+    assert m["staleness_token_weighted_hist_1.75"] == 1.0
+    assert m["staleness_s_old_mean"] == 2.0 and m["mixed_version_ratio"] == 1.0
+    assert all("/" not in k for k in m)  # flat names, like every other metric of the run
