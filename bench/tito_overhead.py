@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -273,6 +274,9 @@ def main() -> None:
         res[f"cpu_{k}"] = cpu[k]
     res.update(asyncio.run(hit_rate(args.sessions, 6)))
     res["device"] = f"cpu ({platform.processor() or platform.machine()}), python {platform.python_version()}"
+    # Wall-clock p50 on a shared machine moves with its load; record it next to the figures.
+    res["load_average_1m_at_end"] = os.getloadavg()[0]
+    res["cpu_count"] = os.cpu_count()
     res["date"] = time.strftime("%Y-%m-%d")
     print(
         f"overhead p50 {res['overhead_p50_ms']:.3f} ms (p90 {res['overhead_p90_ms']:.3f}) at >= {args.history} tokens; "

@@ -132,11 +132,9 @@ class WireMessage(_Wire):
         )
 
 
-class ChatRequest(_Wire):
-    """POST /sessions/{id}/v1/chat/completions body (the OpenAI fields the server honours)."""
+class ChatOptions(_Wire):
+    """POST /sessions/{id}/v1/chat/completions body without its messages (the OpenAI fields honoured)."""
 
-    messages: list[WireMessage]
-    """The whole conversation so far (the server matches it against its checkpoints)."""
     model: str | None = None
     """Ignored: the session's engine decides."""
     tools: list[dict[str, Any]] | None = None
@@ -178,6 +176,70 @@ class ChatRequest(_Wire):
     """Ignored: routing capture follows the server's R3 setting."""
     no_stop_trim: bool | None = None
     """Ignored."""
+
+
+class ChatRequest(ChatOptions):
+    """POST /sessions/{id}/v1/chat/completions body: the schema every request is held to."""
+
+    messages: list[WireMessage]
+    """The whole conversation so far (the server matches it against its checkpoints)."""
+
+
+_MESSAGE_KEYS = frozenset(WireMessage.model_fields)
+_CALL_KEYS = frozenset(WireToolCall.model_fields)
+_FUNCTION_KEYS = frozenset(WireFunction.model_fields)
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _fast_call(c: object) -> ToolCall | None:
+    if type(c) is not dict or not _CALL_KEYS.issuperset(c) or c.get("type", "function") != "function":
+        return None
+    cid, idx, fn = c.get("id", ""), c.get("index"), c.get("function")
+    if type(cid) is not str or (idx is not None and type(idx) is not int):
+        return None
+    if type(fn) is not dict or not _FUNCTION_KEYS.issuperset(fn):
+        return None
+    name, args = fn.get("name"), fn.get("arguments", "{}")
+    if type(name) is not str or type(args) is not str:
+        return None
+    return ToolCall(name, args, cid)
+
+
+def _fast_message(m: object) -> Message | None:
+    if type(m) is not dict or not _MESSAGE_KEYS.issuperset(m) or m.get("role") not in _ROLES:
+        return None
+    content, reasoning = m.get("content") or "", m.get("reasoning_content") or ""
+    if type(content) is not str or type(reasoning) is not str:
+        return None  # text parts, or anything unusual: the pydantic path decides
+    if any(m.get(k) is not None and type(m.get(k)) is not str for k in ("tool_call_id", "name", "refusal")):
+        return None
+    if m.get("audio") is not None or m.get("function_call") is not None:
+        return None
+    if m.get("annotations") is not None and type(m.get("annotations")) is not list:
+        return None
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and type(raw_calls) is not list:
+        return None
+    calls = tuple(_fast_call(c) for c in raw_calls or ())
+    if any(c is None for c in calls):
+        return None
+    return Message(m["role"], content, reasoning, calls, m.get("tool_call_id") or "")  # type: ignore[arg-type]
+
+
+def fast_messages(items: list[Any]) -> list[Message] | None:
+    """Messages of a well-formed request without building pydantic models (the 64K-token hot path).
+
+    Accepts a strict subset of what ChatRequest accepts and converts exactly as
+    WireMessage.to_message does; anything else returns None and the pydantic path validates (and
+    names the bad field).
+    """
+    out: list[Message] = []
+    for m in items:
+        msg = _fast_message(m)
+        if msg is None:
+            return None
+        out.append(msg)
+    return out
 
 
 def forbidden_fields(body: object) -> list[str]:

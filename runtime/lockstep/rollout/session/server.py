@@ -38,7 +38,14 @@ from lockstep.models.registry import Message, ModelFamily, ToolCall, get_family
 from lockstep.rollout.session.engine import TurnEngine
 from lockstep.rollout.session.matcher import get_matcher
 from lockstep.rollout.session.mismatch import MISMATCH_TYPES, classify, closed_row
-from lockstep.rollout.session.protocol import ChatRequest, CreateSession, describe, forbidden_fields
+from lockstep.rollout.session.protocol import (
+    ChatOptions,
+    ChatRequest,
+    CreateSession,
+    describe,
+    fast_messages,
+    forbidden_fields,
+)
 from lockstep.rollout.session.tree import Node, SessionError, SessionMode, TokenTree, TurnOutput
 from lockstep.serving import GenerateResult, SamplingParams
 from lockstep.serving.client import EngineError, EngineUnreachable
@@ -240,10 +247,10 @@ class SessionServer:
             s = self._session(request)
             raw = await request.read()
             t0 = self._perf()
-            req = self._parse_chat(raw)
+            msgs, req = self._parse_chat(raw)
             parse_s = self._perf() - t0
             async with s.lock:
-                body, work_s = await self._turn(s, req)
+                body, work_s = await self._turn(s, msgs, req)
         except SessionError as exc:
             return _error(exc.status, str(exc))
         t1 = self._perf()
@@ -251,24 +258,30 @@ class SessionServer:
         self._observe(parse_s + work_s + self._perf() - t1)
         return web.Response(text=text, content_type="application/json")
 
-    def _parse_chat(self, raw: bytes) -> ChatRequest:
+    def _parse_chat(self, raw: bytes) -> tuple[list[Message], ChatOptions]:
+        """The replayed messages and the request options, or a 400 naming the bad field."""
         try:
-            # One pass in pydantic-core (the replayed history can be megabytes at 64K tokens).
-            return ChatRequest.model_validate_json(raw or b"{}")
+            body = json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise SessionError(f"request body is not JSON: {exc}") from exc
+        try:
+            if isinstance(body, dict) and isinstance(body.get("messages"), list):
+                msgs = fast_messages(body["messages"])  # None unless every message is plain
+                if msgs is not None:
+                    opts = ChatOptions.model_validate({k: v for k, v in body.items() if k != "messages"})
+                    return msgs, opts
+            req = ChatRequest.model_validate(body)
         except ValidationError as exc:
-            try:
-                body = json.loads(raw or b"{}")
-            except ValueError:
-                raise SessionError(f"request body is not JSON: {describe(exc)}") from exc
-            bad = forbidden_fields(body)
+            bad = forbidden_fields(body)  # token IDs or offsets: say why, not just "extra field"
             if bad:
                 raise SessionError(
-                    f"{', '.join(bad)}: agents cannot supply token IDs or offsets; the session server owns "
-                    "the token row. Send messages only (remove these fields)."
+                    f"{', '.join(bad)}: agents cannot supply token IDs or offsets; the session server "
+                    "owns the token row. Send messages only (remove these fields)."
                 ) from exc
             raise SessionError(describe(exc)) from exc
+        return [m.to_message() for m in req.messages], req
 
-    def _sampling(self, req: ChatRequest) -> SamplingParams:
+    def _sampling(self, req: ChatOptions) -> SamplingParams:
         cfg = self.config
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = set(self.family.stop_ids)
@@ -291,10 +304,10 @@ class SessionServer:
             skip_special_tokens=False,
         )
 
-    async def _turn(self, s: Session, req: ChatRequest) -> tuple[dict[str, Any], float]:
+    async def _turn(self, s: Session, msgs: list[Message], req: ChatOptions) -> tuple[dict[str, Any], float]:
         """Run one turn; returns the completion body and the seconds of server work (engine excluded)."""
         t0 = self._perf()
-        plan = s.tree.plan([m.to_message() for m in req.messages], req.tools or ())
+        plan = s.tree.plan(msgs, req.tools or ())
         prompt_len = len(plan.input_ids)
         try:
             sampling = self._sampling(req)
