@@ -207,7 +207,7 @@ def _timed(
 
     # The timed window: from the initial publish (logged just before the loop starts) to the last step's
     # record; component start, the final checkpoint and the plot are outside it in both modes.
-    c.metrics.log = stamped_log
+    c.metrics.log = stamped_log  # type: ignore[method-assign,unused-ignore]
     try:
         state = run_fully_async(job, c) if mode == "fully-async" else run_sync(c)
         final_eval = evaluate(c)["reward_mean"]
