@@ -19,8 +19,8 @@ import argparse
 import sys
 import time
 
+import lockstep.weights.p2p as p2p
 import torch
-from lockstep.weights import p2p
 
 GOAL = 0.80
 

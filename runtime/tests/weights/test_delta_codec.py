@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import lockstep.weights.delta_codec as codec
 import numpy as np
 import pytest
-from lockstep.weights import delta_codec as codec
 
 
 def arrays() -> tuple[np.ndarray, np.ndarray]:

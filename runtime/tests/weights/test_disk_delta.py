@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lockstep.weights.disk_delta as dd
+import lockstep.weights.st_bytes as sb
 import pytest
 import torch
 from lockstep.cli import main as cli
-from lockstep.weights import disk_delta as dd
-from lockstep.weights import st_bytes as sb
 from lockstep.weights.delta_codec import Encoding
 from safetensors.torch import load_file, save_file
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lockstep.weights.preflight as preflight
 import pytest
 import torch
-from lockstep.weights import preflight
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.ipc import CudaIpcTransport
 from lockstep.weights.pipeline import PipelineConfig

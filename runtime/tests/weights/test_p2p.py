@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import lockstep.weights.p2p as p2p
 import pytest
 import torch
-from lockstep.weights import p2p
 from lockstep.weights.pipeline import PipelineConfig
 
 

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import lockstep.weights.p2p as p2p
+import lockstep.weights.preflight as preflight
 import pytest
 import torch
-from lockstep.weights import p2p, preflight
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.ipc import CudaIpcTransport
 from lockstep.weights.pipeline import PipelineConfig
@@ -202,7 +203,7 @@ def test_p2p_commit_refuses_damaged_buffer(engine_server: EngineServer, tiny_dir
 def test_disk_delta_into_engine(engine_server: EngineServer, tiny_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from lockstep.weights import disk_delta as dd
+    import lockstep.weights.disk_delta as dd
 
     local = tmp_path / "local"
     shutil.copytree(tiny_dir, local)
