@@ -189,7 +189,7 @@ class LoopHooks(Protocol):
 
 def staleness_metrics(stats: StalenessStats) -> dict[str, float]:
     """A window's staleness as flat metrics: summary plus histograms `staleness_<m>_hist_<value>` -> groups."""
-    out = {k.replace("/", "_"): v for k, v in stats.summary().items()}
+    out = stats.summary()
     for name, hist in (("s_old", stats.s_old), ("s_post", stats.s_post), ("delta_gen", stats.delta_gen)):
         for k, n in hist.items():
             out[f"staleness_{name}_hist_{k}"] = float(n)
@@ -480,7 +480,21 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     c.metrics.log("publish", state.step, push_weights(c, state.version))  # engines == trainer before step 1
     if settings.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer") as trainer:
+    from tqdm import tqdm
+
+    bar = tqdm(
+        initial=state.step, total=settings.steps, desc="lockstep fully-async", unit="step", dynamic_ncols=True
+    )
+
+    async def progress(step: int, m: dict[str, float]) -> None:
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{m.get('reward_mean', 0.0):.2f}",
+            queue=f"{m['queue_size']:.0f}/{m['queue_capacity']:.0f}",
+            s_old=f"{m['staleness_s_old_mean']:.1f}",
+        )
+
+    with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer") as trainer:
         loop = AsyncLoop(
             settings,
             ComponentHooks(c, pause_mode, trainer),
@@ -489,6 +503,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
             state=state,
             clock=c.clock,
             should_stop=c.stop.is_set,
+            on_step=progress,
             trainer_executor=trainer,
         )
         state = c.runner.run(loop.run())

@@ -203,9 +203,9 @@ class StalenessStats:
         }
         for name, hist in (("s_old", self.s_old), ("s_post", self.s_post), ("delta_gen", self.delta_gen)):
             n = sum(hist.values())
-            out[f"staleness/{name}_mean"] = sum(k * c for k, c in hist.items()) / n if n else 0.0
-            out[f"staleness/{name}_max"] = float(max(hist)) if hist else 0.0
-        out["staleness/token_weighted_mean"] = (
+            out[f"staleness_{name}_mean"] = sum(k * c for k, c in hist.items()) / n if n else 0.0
+            out[f"staleness_{name}_max"] = float(max(hist)) if hist else 0.0
+        out["staleness_token_weighted_mean"] = (
             self.token_weighted_sum / self.versioned_groups if self.versioned_groups else 0.0
         )
         return out

@@ -94,11 +94,11 @@ def test_stats_histograms_and_summary() -> None:
     assert stats.delta_gen == {1: 1, 0: 1}
     assert stats.token_weighted == {1.75: 1, 0.0: 1}
     s = stats.summary()
-    assert s["staleness/s_old_mean"] == pytest.approx(1.0)
-    assert s["staleness/s_old_max"] == 2.0
+    assert s["staleness_s_old_mean"] == pytest.approx(1.0)
+    assert s["staleness_s_old_max"] == 2.0
     assert s["mixed_version_ratio"] == pytest.approx(0.5)
     assert s["weight_version_sample_coverage"] == pytest.approx(402 / 403)
-    assert s["staleness/token_weighted_mean"] == pytest.approx(0.875)
+    assert s["staleness_token_weighted_mean"] == pytest.approx(0.875)
     total = StalenessStats()
     total.merge(stats)
     total.merge(stats)
