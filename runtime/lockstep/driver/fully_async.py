@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lockstep.driver.state import DriverState
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
-from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter
+from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter, load_group_filter
 from lockstep.rollout.staleness import StalenessStats
 from lockstep.types import Group
 
@@ -385,6 +385,22 @@ def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
     )
 
 
+GROUP_FILTER_ANNOTATION = "lockstep.dev/group-filter"
+"""Annotation naming a user group filter, `package.module:function` (Group -> bool, True keeps), applied
+at put; the RLJob schema has no field for it yet."""
+
+
+def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
+    """The user group filters the manifest names (imported now, so a bad path fails at start)."""
+    raw = job.metadata.annotations.get(GROUP_FILTER_ANNOTATION)
+    if not raw:
+        return ()
+    try:
+        return (load_group_filter(raw),)
+    except ValueError as e:
+        raise ValueError(f"metadata.annotations[{GROUP_FILTER_ANNOTATION}]: {e}") from e
+
+
 class ComponentHooks:
     """LoopHooks over the sync driver's Components: the same train step, push, checkpoint and metrics."""
 
@@ -470,6 +486,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     pause_mode = str(spec.weight_sync.pause_mode)
     check_schedule(str(spec.schedule.mode), spec.schedule.colocate, pause_mode)
     settings = settings_for_job(job, c.settings)
+    filters = filters_for_job(job)
     state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
     if not state.sft_done and c.settings.sft_steps > 0:
         if settings.eval_interval:
@@ -501,6 +518,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
             c.rollout.run_sample,
             task_prompts(c, state.prompts_consumed),
             state=state,
+            filters=filters,
             clock=c.clock,
             should_stop=c.stop.is_set,
             on_step=progress,

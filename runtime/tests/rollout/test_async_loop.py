@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from lockstep.driver.fully_async import (
@@ -225,8 +226,6 @@ async def test_unreachable_engine_fails_the_run_without_saving() -> None:
 
 
 def test_settings_for_job_golden() -> None:
-    from pathlib import Path
-
     from lockstep.api import load_manifest
     from lockstep.driver.fully_async import BUFFER_GROUPS_ANNOTATION, settings_for_job
     from lockstep.driver.settings import settings_from_job
@@ -270,3 +269,24 @@ def test_staleness_metrics_flatten_histograms() -> None:
     assert m["staleness_token_weighted_hist_1.75"] == 1.0
     assert m["staleness_s_old_mean"] == 2.0 and m["mixed_version_ratio"] == 1.0
     assert all("/" not in k for k in m)  # flat names, like every other metric of the run
+
+
+def test_group_filter_from_annotation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockstep.api import load_manifest
+    from lockstep.driver.fully_async import GROUP_FILTER_ANNOTATION, filters_for_job
+
+    (tmp_path / "my_async_filters.py").write_text("def keep_all(group):\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = (Path(__file__).parent / "fixtures" / "tiny-async.yaml").read_text()
+    assert filters_for_job(load_manifest(text)) == ()
+
+    def with_filter(path: str) -> str:
+        return text.replace(
+            "  name: tiny-async\n",
+            f"  name: tiny-async\n  annotations: {{{GROUP_FILTER_ANNOTATION}: '{path}'}}\n",
+        )
+
+    (keep,) = filters_for_job(load_manifest(with_filter("my_async_filters:keep_all")))
+    assert keep(Group(0, [])) is True
+    with pytest.raises(ValueError, match="group-filter"):
+        filters_for_job(load_manifest(with_filter("my_async_filters:missing")))
