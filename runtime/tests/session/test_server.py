@@ -240,6 +240,9 @@ async def test_engine_failure_is_a_502_and_metrics_are_exported(server: SessionS
     await chat(agent(server, sid), [USER])
     assert (await samples(server, sid)).status_code == 200
     async with httpx.AsyncClient() as h:
+        quick = await h.post(f"{server.url}/sessions/{sid}/samples", json={"check_mismatch": False})
+        assert quick.json()["samples"][0]["mismatch"] is None  # diagnostic skipped, not counted
+        assert (await h.post(f"{server.url}/sessions/{sid}/samples", json={"bogus": 1})).status_code == 400
         text = (await h.get(f"{server.url}/metrics")).text
     assert 'tito_session_mismatch_total{type="special_token_count"} 0.0' in text
     assert "tito_session_checks_total 1.0" in text

@@ -64,6 +64,13 @@ class CreateSession(_Wire):
     """Cap on stored turns of a branching session."""
 
 
+class SamplesRequest(_Wire):
+    """POST /sessions/{id}/samples body (optional)."""
+
+    check_mismatch: bool = True
+    """Run the tito_session_mismatch diagnostic on each trajectory (re-tokenizes the conversation)."""
+
+
 class WireFunction(_Wire):
     """The function of a tool call."""
 
