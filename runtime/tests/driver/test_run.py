@@ -195,3 +195,21 @@ def test_preflight_then_steps_through_each_wired_transport(
     train = read_jsonl(run_dir / "metrics.jsonl", "train")
     assert [r["weight_version"] for r in train] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in train)  # updates really landed
+
+
+def test_driver_pod_command_uses_the_given_engine_and_resumes(tmp_path: Path, cache: Path) -> None:
+    """`lockstep driver --config job.yaml --engine-url URL`: no engine started; a restart resumes."""
+    from lockstep.driver.engines import start_reference_engine
+    from lockstep.models import resolve_checkpoint
+
+    server = start_reference_engine(resolve_checkpoint("builtin:tiny", cache_dir=cache))
+    try:
+        args = ["driver", "--config", str(FIXTURE), "--engine-url", server.url, "--run-dir", str(tmp_path)]
+        assert main([*args, "--steps", "1"]) == 0
+        assert main([*args, "--steps", "2"]) == 0  # the pod restarted: picks up checkpoints/latest
+    finally:
+        server.stop()
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    assert [r["weight_version"] for r in train] == [1, 2]
+    assert len(read_jsonl(tmp_path / "metrics.jsonl", "sft")) == 2  # the warm start ran once
