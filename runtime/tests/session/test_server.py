@@ -125,6 +125,8 @@ async def test_tool_turns_train_on_exactly_the_sampled_tokens(
     ]
     second = await chat(client, history, logprobs=True)
     assert second.choices[0].message.content == "the sum is 5"
+    returned = second.choices[0].logprobs.content  # asked for with logprobs=True
+    assert "".join(t.token for t in returned) == "the sum is 5<|eos|>"
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # affinity: the replica had C_1 cached
 

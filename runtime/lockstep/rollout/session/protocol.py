@@ -172,7 +172,7 @@ class ChatOptions(_Wire):
     metadata: dict[str, Any] | None = None
     """Ignored (the server records its own meta info)."""
     logprobs: bool | None = None
-    """Ignored: the server always captures logprobs."""
+    """The server always captures logprobs for training; true also returns them to the agent."""
     top_logprobs: int | None = None
     """Ignored."""
     return_logprob: bool | None = None

@@ -322,6 +322,8 @@ class SessionServer:
             raise
         self._count(s, plan.reused, len(plan.added), prompt_len, res.cached_tokens)
         body = _completion(s.id, node, reply, prompt_len, res.cached_tokens, int(self._clock()))
+        if req.logprobs:
+            body["choices"][0]["logprobs"] = self._logprobs(node)
         return body, (t1 - t0) + (self._perf() - t2)
 
     async def _generate(self, sid: str, input_ids: list[int], sampling: SamplingParams) -> GenerateResult:
@@ -355,6 +357,15 @@ class SessionServer:
             cached_tokens=res.cached_tokens,
         )
         return reply, out
+
+    def _logprobs(self, node: Node) -> dict[str, Any]:
+        """OpenAI-shaped logprobs of the sampled tokens (for agents that ask; never read back)."""
+        out_ids = node.ids[node.prompt_len :]
+        content = []
+        for tid, lp in zip(out_ids, node.logprobs, strict=True):
+            text = self.family.codec.decode([tid])
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": content, "refusal": None}
 
     def _count(self, s: Session, reused: int, tokenized: int, prompt: int, cached: int) -> None:
         s.reused_tokens += reused
