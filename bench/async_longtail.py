@@ -286,7 +286,8 @@ def main() -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"async_longtail-{datetime.date.today()}-cpu"
+        which = "" if sorted(args.tails) == sorted(TAILS) else "-" + "-".join(args.tails)
+        stem = args.out / f"async_longtail-{datetime.date.today()}-cpu{which}"
         stem.with_suffix(".txt").write_text(text + "\n")
         slim = {
             t: {m: {k: v for k, v in r.items() if k != "records"} for m, r in bm.items()}
