@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lockstep.models.families._bpe import BpeCodec
 from lockstep.models.registry import Message, ToolCall, get_family
 from lockstep.rollout.session.engine import ReplicaPool
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
@@ -82,7 +83,9 @@ class RecordedReplies:
         self.rng = random.Random(seed)
         self.reply_tokens = reply_tokens
         specials = QWEN.special_ids
-        self.text_ids = [i for i in range(QWEN.codec.vocab_size) if i not in specials]
+        codec = QWEN.codec
+        assert isinstance(codec, BpeCodec)  # qwen3's offline stand-in tokenizer
+        self.text_ids = [i for i in range(codec.vocab_size) if i not in specials]
         self.im_end = QWEN.codec.encode("<|im_end|>")[0]
         self.last: dict[str, list[int]] = {}
 
