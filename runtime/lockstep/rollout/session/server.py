@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
 
 from lockstep.models.registry import Message, ModelFamily, ToolCall, get_family
@@ -99,6 +99,8 @@ class Session:
 
 
 class _Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several servers per process in tests)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.mismatch = Counter(
@@ -237,7 +239,9 @@ class SessionServer:
         return web.json_response({"session_id": sid, "deleted": True})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     # -- one turn --------------------------------------------------------------------------------
 
