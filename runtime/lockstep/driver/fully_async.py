@@ -187,14 +187,25 @@ class LoopHooks(Protocol):
         ...
 
 
+HIST_CAP = 16
+"""Histogram values at or above this many versions share one bucket `ge16`, so a long run does not grow
+an unbounded set of metric names (and Prometheus gauges)."""
+
+
 def staleness_metrics(stats: StalenessStats) -> dict[str, float]:
     """A window's staleness as flat metrics: summary plus histograms `staleness_<m>_hist_<value>` -> groups."""
     out = stats.summary()
+
+    def add(name: str, value: float, n: int) -> None:
+        label = f"{value:g}" if value < HIST_CAP else f"ge{HIST_CAP}"
+        key = f"staleness_{name}_hist_{label}"
+        out[key] = out.get(key, 0.0) + n
+
     for name, hist in (("s_old", stats.s_old), ("s_post", stats.s_post), ("delta_gen", stats.delta_gen)):
         for k, n in hist.items():
-            out[f"staleness_{name}_hist_{k}"] = float(n)
+            add(name, k, n)
     for fk, n in stats.token_weighted.items():
-        out[f"staleness_token_weighted_hist_{fk:g}"] = float(n)
+        add("token_weighted", fk, n)
     return out
 
 

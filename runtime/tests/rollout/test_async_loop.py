@@ -269,6 +269,11 @@ def test_staleness_metrics_flatten_histograms() -> None:
     assert m["staleness_token_weighted_hist_1.75"] == 1.0
     assert m["staleness_s_old_mean"] == 2.0 and m["mixed_version_ratio"] == 1.0
     assert all("/" not in k for k in m)  # flat names, like every other metric of the run
+    stats.add(measure_staleness([0], 30))
+    stats.add(measure_staleness([2], 40))
+    m = staleness_metrics(stats)
+    assert m["staleness_s_old_hist_ge16"] == 2.0  # one bucket for everything >= 16 versions
+    assert m["staleness_token_weighted_hist_ge16"] == 2.0
 
 
 def test_group_filter_from_annotation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
