@@ -242,7 +242,9 @@ def staleness_distribution(records: list[dict[str, Any]]) -> dict[str, dict[str,
                 measure, _, value = k.removeprefix("staleness_").partition("_hist_")
                 out.setdefault(measure, {})
                 out[measure][value] = out[measure].get(value, 0.0) + v
-    return {m: dict(sorted(h.items(), key=lambda kv: float(kv[0].removeprefix("ge")))) for m, h in out.items()}
+    return {
+        m: dict(sorted(h.items(), key=lambda kv: float(kv[0].removeprefix("ge")))) for m, h in out.items()
+    }
 
 
 def main() -> int:
