@@ -28,6 +28,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="engine replica or router base URL (repeat for several replicas), e.g. http://127.0.0.1:30000",
     )
     parser.add_argument("--family", required=True, help="model family: tiny, qwen3 or glm47")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the served model's checkpoint dir (tokenizer.json); required for real qwen3/glm47 models",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8300, help="port (default 8300; 0 picks a free one)")
     parser.add_argument(
@@ -50,8 +55,15 @@ def run(args: argparse.Namespace) -> int:
     if args.family.removeprefix("builtin:") not in names():
         print(f"--family {args.family!r} is unknown; choose one of {', '.join(names())}")
         return 2
+    if args.family in ("qwen3", "glm47") and not args.tokenizer:
+        print(
+            f"warning: --family {args.family} without --tokenizer uses the offline stand-in vocabulary; "
+            "its token IDs do not match a real model (pass the model's checkpoint dir)",
+            flush=True,
+        )
     config = SessionServerConfig(
         family=args.family,
+        tokenizer_dir=args.tokenizer,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         capture_routing=args.r3,

@@ -151,9 +151,10 @@ class ModelFamily:
         return self.codec.encode(self.render(messages, add_generation_prompt, tools))
 
 
-FamilyFactory = Callable[[], ModelFamily]
+FamilyFactory = Callable[[str | None], ModelFamily]
+"""Builds a family; the argument is the model's checkpoint dir holding its tokenizer, or None."""
 _FACTORIES: dict[str, FamilyFactory] = {}
-_CACHE: dict[str, ModelFamily] = {}
+_CACHE: dict[tuple[str, str | None], ModelFamily] = {}
 
 
 def register(name: str, factory: FamilyFactory) -> None:
@@ -167,15 +168,20 @@ def names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def get_family(name: str) -> ModelFamily:
-    """The family registered as `name` (built once and cached); a clear error names the choices."""
+def get_family(name: str, tokenizer_dir: str | None = None) -> ModelFamily:
+    """The family registered as `name` (built once per tokenizer and cached).
+
+    `tokenizer_dir`: the served model's checkpoint dir; its tokenizer is used so that the session
+    server's IDs are the engine's. None uses the family's offline stand-in (tests, benchmarks).
+    """
     _load_builtin()
     key = name.removeprefix("builtin:")
     if key not in _FACTORIES:
         raise KeyError(f"unknown model family {name!r}; registered families: {', '.join(sorted(_FACTORIES))}")
-    if key not in _CACHE:
-        _CACHE[key] = _FACTORIES[key]()
-    return _CACHE[key]
+    cache_key = (key, tokenizer_dir)
+    if cache_key not in _CACHE:
+        _CACHE[cache_key] = _FACTORIES[key](tokenizer_dir)
+    return _CACHE[cache_key]
 
 
 def _load_builtin() -> None:

@@ -8,9 +8,11 @@ the appended messages, equals the canonical render of the longer history.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from lockstep.models.registry import Message, ToolCall, get_family, names
+from lockstep.models.tiny import TinyTokenizer
 
 CONVERSATION = [
     Message("system", "You are a calculator agent."),
@@ -134,3 +136,24 @@ def test_qwen3_tools_block_keeps_the_template_append_only() -> None:
     text = fam.render(CONVERSATION[:2], add_generation_prompt=True, tools=tools)
     assert text.startswith("<|im_start|>system\nYou are a calculator agent.\n\n# Tools\n")
     assert text.count("<|im_start|>system") == 1
+
+
+def test_a_real_tokenizer_json_is_loaded_and_checked(tmp_path: Path) -> None:
+    stand_in = get_family("qwen3")
+    qwen_dir, glm_dir = tmp_path / "qwen", tmp_path / "glm"
+    qwen_dir.mkdir()
+    glm_dir.mkdir()
+    stand_in.codec.tokenizer.save(str(qwen_dir / "tokenizer.json"))  # type: ignore[attr-defined]
+    get_family("glm47").codec.tokenizer.save(str(glm_dir / "tokenizer.json"))  # type: ignore[attr-defined]
+    loaded = get_family("qwen3", str(qwen_dir))
+    text = stand_in.render(CONVERSATION, add_generation_prompt=True)
+    assert loaded.codec.encode(text) == stand_in.codec.encode(text)
+    with pytest.raises(ValueError, match="<\\|im_start\\|>"):
+        get_family("qwen3", str(glm_dir))  # a GLM vocabulary has no ChatML tokens
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        get_family("glm47", str(tmp_path / "missing"))
+
+
+def test_tiny_verifies_a_checkpoint_vocabulary(tmp_path: Path) -> None:
+    TinyTokenizer().save(tmp_path)
+    assert get_family("tiny", str(tmp_path)).codec.encode("<|user|>hi") == [2, *TinyTokenizer().encode("hi")]

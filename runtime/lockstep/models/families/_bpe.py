@@ -6,12 +6,16 @@ sampled IDs (the failure TITO exists to prevent). We train a small byte-level BP
 `tokenizers` library on a fixed in-code corpus: deterministic, built in milliseconds, no download.
 It is a stand-in with the real family's control tokens and seams, not the real vocabulary.
 
+A deployment serving the real model passes its checkpoint dir instead (`from_dir`), and the same
+family module then speaks the real vocabulary.
+
 Who calls it: lockstep.models.families.qwen3 and glm47.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -25,17 +29,35 @@ _CORPUS = (
 )
 
 
-def _id(tok: Tokenizer, token: str) -> int:
+def _id(tok: Tokenizer, token: str, source: str) -> int:
     tid = tok.token_to_id(token)
     if tid is None:
-        raise KeyError(f"control token {token!r} is missing from the trained vocabulary")
+        raise ValueError(
+            f"{source}: control token {token!r} is not in this vocabulary; is it the right family?"
+        )
     return int(tid)
 
 
 class BpeCodec:
-    """A byte-level BPE `tokenizers.Tokenizer` plus the family's control tokens as single IDs."""
+    """A `tokenizers.Tokenizer` plus the family's control tokens as single IDs.
 
-    def __init__(self, specials: Sequence[str], vocab_size: int = 512) -> None:
+    `BpeCodec.stand_in(specials)` trains the offline stand-in; `BpeCodec.from_dir(path, specials)`
+    loads a real model's tokenizer.json (what a deployment serving the real Qwen3 or GLM-4.7 uses,
+    so the session server's IDs are the engine's IDs).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, specials: Sequence[str], source: str) -> None:
+        self.tokenizer = tokenizer
+        """The tokenizer (control tokens are single added tokens)."""
+        self.source = source
+        """Where it came from: "stand-in" or the tokenizer.json path (for error messages)."""
+        self.special_to_id: dict[str, int] = {s: _id(tokenizer, s, source) for s in specials}
+        """Control-token string -> ID."""
+        self._special_ids = frozenset(self.special_to_id.values())
+
+    @classmethod
+    def stand_in(cls, specials: Sequence[str], vocab_size: int = 512) -> BpeCodec:
+        """Train the deterministic offline stand-in on the in-code corpus."""
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -46,11 +68,17 @@ class BpeCodec:
             show_progress=False,
         )
         tok.train_from_iterator([_CORPUS] * 4, trainer)
-        self.tokenizer = tok
-        """The trained tokenizer (control tokens are its added special tokens, IDs 0..n-1)."""
-        self.special_to_id: dict[str, int] = {s: _id(tok, s) for s in specials}
-        """Control-token string -> ID."""
-        self._special_ids = frozenset(self.special_to_id.values())
+        return cls(tok, specials, "stand-in")
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, specials: Sequence[str]) -> BpeCodec:
+        """Load `directory`/tokenizer.json; every control token of the family must be in it."""
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} not found: pass the model's checkpoint dir (it holds tokenizer.json)"
+            )
+        return cls(Tokenizer.from_file(str(path)), specials, str(path))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

@@ -135,9 +135,9 @@ def _render(messages: Sequence[Message], add_generation_prompt: bool, previous_r
     return "".join(parts)
 
 
-def build() -> Glm47:
-    """Build the GLM-4.7 family with its offline stand-in tokenizer."""
-    codec = BpeCodec(SPECIALS)
+def build(tokenizer_dir: str | None = None) -> Glm47:
+    """Build the GLM-4.7 family with the model's tokenizer.json from `tokenizer_dir`, or the offline stand-in."""
+    codec = BpeCodec.from_dir(tokenizer_dir, SPECIALS) if tokenizer_dir else BpeCodec.stand_in(SPECIALS)
     ids = {s: codec.id(s) for s in SPECIALS}
     return Glm47(
         name="glm47",

@@ -154,9 +154,9 @@ def _render(messages: Sequence[Message], add_generation_prompt: bool, previous_r
     return "".join(parts)
 
 
-def build() -> Qwen3:
-    """Build the Qwen3 family with its offline stand-in tokenizer."""
-    codec = BpeCodec(SPECIALS)
+def build(tokenizer_dir: str | None = None) -> Qwen3:
+    """Build the Qwen3 family with the model's tokenizer.json from `tokenizer_dir`, or the offline stand-in."""
+    codec = BpeCodec.from_dir(tokenizer_dir, SPECIALS) if tokenizer_dir else BpeCodec.stand_in(SPECIALS)
     ids = {s: codec.id(s) for s in SPECIALS}
     return Qwen3(
         name="qwen3",

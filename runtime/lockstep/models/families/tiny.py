@@ -104,8 +104,10 @@ def _render(messages: Sequence[Message], add_generation_prompt: bool) -> str:
     return "".join(parts)
 
 
-def build() -> Tiny:
-    """Build the tiny family around lockstep.models.tiny's tokenizer."""
+def build(tokenizer_dir: str | None = None) -> Tiny:
+    """Build the tiny family around lockstep.models.tiny's tokenizer (a checkpoint dir is verified)."""
+    if tokenizer_dir:
+        tiny.TinyTokenizer.load(tokenizer_dir)  # raises when that checkpoint's vocabulary differs
     codec = TinyCodec()
     return Tiny(
         name="tiny",

@@ -58,6 +58,8 @@ class SessionServerConfig:
 
     family: str
     """Model family of the served model (lockstep.models.registry name, e.g. "tiny", "qwen3")."""
+    tokenizer_dir: str | None = None
+    """The served model's checkpoint dir (its tokenizer.json); None: the family's offline stand-in."""
     max_new_tokens: int = 256
     """Reply budget when the request names none."""
     temperature: float = 1.0
@@ -144,7 +146,7 @@ class SessionServer:
         """Server settings."""
         self.engine = engine
         """Where turns are sampled."""
-        self.family: ModelFamily = get_family(config.family)
+        self.family: ModelFamily = get_family(config.family, config.tokenizer_dir)
         """Model family of the served model."""
         self.sessions: dict[str, Session] = {}
         """Open sessions by id."""
