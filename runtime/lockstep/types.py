@@ -85,7 +85,9 @@ class Sample:
         for name in ("loss_mask", "rollout_logprobs", "token_versions"):
             n = len(getattr(self, name))
             if n != r:
-                raise ValueError(f"sample {self.group_index}/{self.index}: {name} has {n} entries, response_ids {r}")
+                raise ValueError(
+                    f"sample {self.group_index}/{self.index}: {name} has {n} entries, response_ids {r}"
+                )
 
 
 @dataclass(slots=True)
