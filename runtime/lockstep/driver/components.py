@@ -34,8 +34,10 @@ from lockstep.train.common.mismatch import MismatchConfig
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
+    from lockstep.models import TinyTokenizer
     from lockstep.serving.client import EngineClient
     from lockstep.train.backend import TrainBackend
+    from lockstep.train.fsdp import FSDPBackend
     from lockstep.types import Sample
     from lockstep.weights.transport import WeightTransport
 
@@ -137,8 +139,6 @@ def build_components(
     """Build every part of a run; on any failure, what was already started is stopped again."""
     from lockstep.models import TinyTokenizer, resolve_checkpoint
     from lockstep.serving.client import EngineClient
-    from lockstep.serving.payloads import SamplingParams
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 
     _check_supported(job)
     settings = settings_from_job(job, steps)
@@ -151,81 +151,18 @@ def build_components(
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
         runner = AsyncRunner()
         closers.append(runner.close)
-        engines: list[EngineServer] = []
-        urls = list(engine_urls)
-        if not urls:
-            device = "cuda" if job.spec.rollout.gpus_per_engine > 0 and _cuda() else "cpu"
-            for _ in range(max(job.spec.rollout.replicas, 1)):
-                server = start_reference_engine(model_dir, device=device)
-                closers.append(server.stop)
-                engines.append(server)
-                urls.append(server.url)
-        clients = [EngineClient(u, retries=connect_retries) for u in urls]
+        engines = [] if engine_urls else _start_engines(job, model_dir, closers)
+        clients = [
+            EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
+        ]
         closers.append(lambda: _close_clients(runner, clients))
-        for c in clients:
-            runner.run(c.wait_ready(timeout_s=engine_ready_timeout_s))
-        trainer = job.spec.trainer
-        backend = FSDPBackend(
-            FSDPConfig(
-                model_path=model_dir,
-                lr=settings.learning_rate,
-                grad_clip=settings.grad_clip,
-                micro_batch_size=settings.micro_batch_size,
-                seed=settings.seed,
-                device=str(trainer.device),
-                dtype="bfloat16"
-                if str(trainer.precision) == "bf16" and str(trainer.device) == "cuda"
-                else "float32",
-                with_ref=job.spec.algorithm.kl.coef > 0,
-            )
-        )
+        for client in clients:
+            runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
+        backend = _build_backend(job, settings, model_dir)
         closers.append(backend.close)
-
         transport = _build_transport(job, run_dir, model_dir, runner, clients, backend.device_type)
         closers.append(transport.close)
-        sampling = SamplingParams(
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            stop_token_ids=[tokenizer.eos_token_id],
-        )
-        ctx = RolloutContext(
-            client=ReplicaSet(clients),
-            sampling=sampling,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            encode=tokenizer.encode,
-            seed=settings.seed,
-        )
-
-        def task_reward(sample: Sample, response: str) -> float:
-            return task.reward(response, sample.metadata["item"])
-
-        agent = job.spec.agent
-        plugins = load_plugins(
-            single_turn,
-            task_reward,
-            generate_path=agent.generate_function,
-            reward_path=agent.reward_function,
-            agent_path=agent.agent_function,
-        )
-        agent_ctx = None
-        if plugins.agent is not None:
-            agent_ctx = AgentContext(
-                client=ctx.client,
-                sampling=sampling,
-                decode=ctx.decode,
-                encode=ctx.encode,
-                seed=settings.seed,
-                max_turns=agent.max_turns,
-                timeout_s=float(agent.timeout_seconds) if agent.timeout_seconds else None,
-            )
-            agent_ctx.generate = lambda s: plugins.generate(ctx, s)
-        rollout = Rollout(
-            ctx=ctx,
-            plugins=plugins,
-            render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
-            agent_ctx=agent_ctx,
-        )
+        rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
         closers.append(metrics.close)
     except BaseException:
@@ -253,6 +190,85 @@ def build_components(
         closers=closers,
         resume=resume,
     )
+
+
+def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]]) -> list[EngineServer]:
+    """spec.rollout.replicas reference engines in this process (CUDA when gpusPerEngine > 0 and present)."""
+    device = "cuda" if job.spec.rollout.gpus_per_engine > 0 and _cuda() else "cpu"
+    engines = []
+    for _ in range(max(job.spec.rollout.replicas, 1)):
+        server = start_reference_engine(model_dir, device=device)
+        closers.append(server.stop)
+        engines.append(server)
+    return engines
+
+
+def _build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> FSDPBackend:
+    """The FSDP2 trainer (one rank here; torchrun env makes it one of many)."""
+    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+
+    trainer = job.spec.trainer
+    cuda = str(trainer.device) == "cuda"
+    return FSDPBackend(
+        FSDPConfig(
+            model_path=model_dir,
+            lr=settings.learning_rate,
+            grad_clip=settings.grad_clip,
+            micro_batch_size=settings.micro_batch_size,
+            seed=settings.seed,
+            device=str(trainer.device),
+            dtype="bfloat16" if cuda and str(trainer.precision) == "bf16" else "float32",
+            with_ref=job.spec.algorithm.kl.coef > 0,
+        )
+    )
+
+
+def _build_rollout(
+    job: RLJob, settings: RunSettings, tokenizer: TinyTokenizer, task: Task, clients: list[EngineClient]
+) -> Rollout:
+    """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
+    from lockstep.serving.payloads import SamplingParams
+
+    sampling = SamplingParams(
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
+    ctx = RolloutContext(
+        client=ReplicaSet(clients),
+        sampling=sampling,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        encode=tokenizer.encode,
+        seed=settings.seed,
+    )
+
+    def task_reward(sample: Sample, response: str) -> float:
+        return task.reward(response, sample.metadata["item"])
+
+    agent = job.spec.agent
+    plugins = load_plugins(
+        single_turn,
+        task_reward,
+        generate_path=agent.generate_function,
+        reward_path=agent.reward_function,
+        agent_path=agent.agent_function,
+    )
+    agent_ctx = None
+    if plugins.agent is not None:
+        timeout = float(agent.timeout_seconds) if agent.timeout_seconds else None
+        agent_ctx = AgentContext(
+            ctx.client,
+            sampling,
+            ctx.decode,
+            ctx.encode,
+            settings.seed,
+            max_turns=agent.max_turns,
+            timeout_s=timeout,
+        )
+        agent_ctx.generate = lambda s: plugins.generate(ctx, s)
+    render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731
+    return Rollout(ctx=ctx, plugins=plugins, render=render, agent_ctx=agent_ctx)
 
 
 def _build_transport(
