@@ -39,6 +39,7 @@ from lockstep_operator.k8s.client import KubeClient, load_credentials  # noqa: E
 from e2e.controlplane.cluster import ControlPlane, find_binaries  # noqa: E402
 
 JOB_LABEL = "rl.lockstep.dev/job"
+METRICS_PORT = 19391
 
 
 def rljob(name: str, *, big: bool) -> dict[str, Any]:
@@ -52,6 +53,19 @@ def rljob(name: str, *, big: bool) -> dict[str, Any]:
         spec["trainer"].update({"device": "cuda", "nodes": 8, "gpusPerNode": 4})
         spec["rollout"].update({"replicas": 8, "gpusPerEngine": 4})
     return base
+
+
+def scrape() -> dict[str, float]:
+    """The operator's Prometheus series (name{labels} -> value)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -191,6 +205,20 @@ async def scenarios(cp: ControlPlane, op_pid: int, runs: int, jobs: int) -> None
         f"  baseline (same {len(created)} pods, direct server-side apply, {jobs} at a time): {baseline_many:.2f} s"
     )
     print(f"  ratio operator all / direct: {total / baseline_many:.1f}x")
+    series = scrape()
+    passes = sum(v for k, v in series.items() if k.startswith("lockstep_operator_reconciles_total{"))
+    calls = sum(v for k, v in series.items() if k.startswith("lockstep_operator_api_requests_total{"))
+    n = runs + jobs + 1
+    by_kind = {
+        k.split("{", 1)[1].rstrip("}"): int(v)
+        for k, v in series.items()
+        if k.startswith("lockstep_operator_reconciles_total{")
+    }
+    print("  passes by kind and result: " + ", ".join(f"{k}: {v}" for k, v in sorted(by_kind.items())))
+    print(
+        f"operator work over the run ({n} jobs): {passes:.0f} reconcile passes, {calls:.0f} API requests "
+        f"({passes / n:.0f} passes, {calls / n:.0f} requests per job)"
+    )
     print(
         f"operator idle RSS: {idle_before:.0f} MiB after start-up, {idle_after:.0f} MiB after the load "
         f"(ratio to the Deployment's 128 MiB request: {idle_after / 128:.2f})"
@@ -218,7 +246,7 @@ def main() -> int:
                 f"crd/{yaml.safe_load(crd.read_text())['metadata']['name']}",
             )
         env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "LOCKSTEP_OPERATOR_HA_MODE": "standalone",
-               "LOCKSTEP_OPERATOR_HEALTH_PORT": "0", "LOCKSTEP_OPERATOR_METRICS_PORT": "0",
+               "LOCKSTEP_OPERATOR_HEALTH_PORT": "0", "LOCKSTEP_OPERATOR_METRICS_PORT": str(METRICS_PORT),
                "LOCKSTEP_OPERATOR_LOG_FORMAT": "text", "LOCKSTEP_OPERATOR_LOG_LEVEL": "WARNING"}  # fmt: skip
         log = open(cp.log_dir / "operator.log", "wb")  # noqa: SIM115  (closed below)
         op = subprocess.Popen(

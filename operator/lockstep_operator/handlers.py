@@ -53,8 +53,11 @@ log = logging.getLogger("lockstep_operator")
 class Coalescer:
     """At most one reconcile per object at a time; kicks during a pass cause exactly one more pass."""
 
-    def __init__(self, run: Callable[[Key], Awaitable[None]], *, max_backoff_s: float = 30.0) -> None:
+    def __init__(
+        self, run: Callable[[Key], Awaitable[None]], *, max_backoff_s: float = 30.0, settle_s: float = 0.25
+    ) -> None:
         self._run = run
+        self._settle = settle_s
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._dirty: set[Key] = set()
         self._max_backoff = max_backoff_s
@@ -93,6 +96,9 @@ class Coalescer:
                     metrics.RECONCILE_SECONDS.labels(key[0]).observe(time.perf_counter() - started)
                 if key not in self._dirty:
                     return
+                # Kicked during the pass: let the burst of events (pods starting, our own status
+                # writes echoing back) settle, then one pass covers all of them.
+                await asyncio.sleep(self._settle)
         finally:
             self._tasks.pop(key, None)
             metrics.QUEUED.set(len(self._tasks))
@@ -163,6 +169,13 @@ async def probe_reconciles(memo: Any, **_: Any) -> int:
     return len(memo["coalescer"]._tasks) if "coalescer" in memo else 0
 
 
+def _echo(memo: Any, kind: str, body: kopf.Body) -> bool:
+    """Whether this event only shows our own last write of the object (nothing new to reconcile)."""
+    meta = body.get("metadata") or {}
+    key = (kind, str(meta.get("namespace", "")), str(meta.get("name", "")))
+    return bool(meta.get("resourceVersion")) and memo["kube"].written.get(key) == meta.get("resourceVersion")
+
+
 def _kick(memo: kopf.Memo, keys: list[Key]) -> None:
     coalescer: Coalescer = memo["coalescer"]
     for key in keys:
@@ -170,10 +183,22 @@ def _kick(memo: kopf.Memo, keys: list[Key]) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "rljobs")
-async def rljob_event(type: str, name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """An RLJob changed (spec or status): reconcile it."""
-    if type != "DELETED":
-        _kick(memo, [("RLJob", namespace or "", name)])
+async def rljob_event(
+    type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
+) -> None:
+    """An RLJob appeared or its spec changed: reconcile it.
+
+    A MODIFIED event whose generation the status already observed is the echo of our own status
+    write (or kopf's finalizer): skipped. Children's events and the periodic re-check cover the rest.
+    """
+    if type == "DELETED":
+        return
+    observed = (body.get("status") or {}).get("observedGeneration")
+    if type == "MODIFIED" and observed is not None and observed == body["metadata"].get("generation"):
+        return
+    if type == "MODIFIED" and _echo(memo, "RLJob", body):
+        return
+    _kick(memo, [("RLJob", namespace or "", name)])
 
 
 @kopf.timer(GROUP, VERSION, "rljobs", interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
@@ -188,7 +213,10 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
     ) -> None:
         if type == "DELETED":
             return
-        keys: list[Key] = [(kind, namespace or "", name)]
+        # The echo of our own status write needs no pass of the child itself; the job still folds it.
+        keys: list[Key] = (
+            [] if type == "MODIFIED" and _echo(memo, kind, body) else [(kind, namespace or "", name)]
+        )
         job = (body.get("spec") or {}).get("job")
         if job:
             keys.append(("RLJob", namespace or "", str(job)))  # the job folds its children's status
@@ -206,10 +234,13 @@ for _plural, _kind in (
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-async def pod_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    """A pod of a job changed: reconcile its owner and the weight channel (placement may change)."""
+async def pod_event(
+    type: str, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: Any, **_: Any
+) -> None:
+    """A pod of a job changed: reconcile its owner, and the weight channel once placement is known."""
     job, role, namespace = labels[LABEL_JOB], labels.get(LABEL_ROLE), namespace or ""
-    keys: list[Key] = [("WeightChannel", namespace, channel_name(job))]
+    placed = bool((body.get("spec") or {}).get("nodeName")) or type == "DELETED"
+    keys: list[Key] = [("WeightChannel", namespace, channel_name(job))] if placed and role != "driver" else []
     if role == "engine" and LABEL_POOL in labels:
         keys.append(("RolloutPool", namespace, labels[LABEL_POOL]))
     elif role == "trainer" and LABEL_TRAINER in labels:

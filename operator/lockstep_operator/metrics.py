@@ -25,3 +25,7 @@ ERRORS = Counter(
     ["kind", "error"],
 )
 QUEUED = Gauge("lockstep_operator_reconciles_in_flight", "Objects with a reconcile running or pending")
+API_REQUESTS = Counter(
+    "lockstep_operator_api_requests_total", "Requests to the Kubernetes API by the reconciles", ["verb"]
+)
+"""verb: the HTTP method (GET, PATCH, POST, DELETE)."""

@@ -32,7 +32,7 @@ class OperatorSettings(BaseModel):
     """Image of the driver and trainer pods when the RLJob spec names none (`pip install .[runtime]`)."""
     engine_image: str = "ghcr.io/lockstep/lockstep-engine:0.1.0"
     """Image of the rollout engine pods when the RLJob spec names none (based on SGLang's image)."""
-    resync_seconds: float = Field(default=10.0, gt=0)
+    resync_seconds: float = Field(default=60.0, gt=0)
     """Period of the level-triggered re-check of every object (kopf timer)."""
     namespaces: tuple[str, ...] = ()
     """Namespaces to watch; empty = cluster-wide. From a comma-separated list."""

@@ -28,6 +28,7 @@ from urllib.parse import quote
 import aiohttp
 import yaml
 
+from lockstep_operator import metrics
 from lockstep_operator.settings import FIELD_MANAGER
 
 Manifest = dict[str, Any]
@@ -153,6 +154,9 @@ class KubeClient:
         self._ttl = apply_cache_ttl_s
         self.requests = 0
         """API requests made (the bench reports requests per job)."""
+        self.written: dict[tuple[str, str, str], str] = {}
+        """(kind, namespace, name) -> resourceVersion of this client's last write of that object, so a
+        watch event that is only the echo of our own write can be recognised and skipped."""
 
     async def __aenter__(self) -> KubeClient:
         headers = {"Authorization": f"Bearer {self._creds.token}"} if self._creds.token else {}
@@ -181,6 +185,7 @@ class KubeClient:
         """One API call; returns the decoded JSON body; raises ApiError on a non-2xx answer."""
         assert self._session is not None, "use `async with KubeClient(...)`"
         self.requests += 1
+        metrics.API_REQUESTS.labels(method).inc()
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if data is not None else {}
         async with self._session.request(method, path, data=data, headers=headers, params=params) as resp:
@@ -191,7 +196,14 @@ class KubeClient:
                 except ValueError:
                     status = {"reason": resp.reason or "", "message": text[:500]}
                 raise ApiError(resp.status, str(status.get("reason", "")), str(status.get("message", "")))
-            return cast(Manifest, json.loads(text)) if text else {}
+            answer = cast(Manifest, json.loads(text)) if text else {}
+            if method in ("PATCH", "POST", "PUT") and isinstance(answer.get("metadata"), dict):
+                meta = answer["metadata"]
+                key = (str(answer.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", "")))
+                if len(self.written) > 16384:
+                    self.written.clear()
+                self.written[key] = str(meta.get("resourceVersion", ""))
+            return answer
 
     async def apply(
         self, manifest: Mapping[str, Any], *, subresource: str | None = None, cache: bool = False
