@@ -202,6 +202,9 @@ def test_h100_example_children_nodes_gpus_and_columns(
         owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
         assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == job
     st = phase_is(cluster, namespace, job, "Preflight")  # checkWeightUpdateEqual: true
+    meta = cluster.get("rljob", job, "-n", namespace)["metadata"]
+    assert not [k for k in meta.get("annotations", {}) if k.startswith("kopf")]  # no kopf bookkeeping
+    assert meta.get("finalizers", []) in ([], ["rl.lockstep.dev/finalizer"])
     assert st["transport"] == "broadcast"  # requested and feasible (one network)
     versions = {p["metadata"]["name"]: 4 for p in engines}
     report(

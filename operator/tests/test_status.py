@@ -233,3 +233,13 @@ def test_read_progress_contract() -> None:
     assert report is not None and report.weight_version == 1 and problem is None
     report, problem = read_progress({"data": {"progress.json": '{"stepp": 1}'}})
     assert report is None and problem is not None and "stepp" in problem
+
+
+def test_active_deadline_fails_a_running_job() -> None:
+    s = spec().model_copy(update={"active_deadline_seconds": 30})
+    prev = RLJobStatus(phase=Phase.RUNNING, start_time=T0)
+    st = job_status(
+        s, observed(channel=WeightChannelStatus(preflight_passed=True)), prev, generation=1, now=T1
+    )
+    failed = condition(st.conditions, "Failed")
+    assert st.phase == Phase.FAILED and failed is not None and failed.reason == "DeadlineExceeded"

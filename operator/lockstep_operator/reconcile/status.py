@@ -183,6 +183,15 @@ def job_status(
     """The RLJob status for what was observed (pure)."""
     prev = previous or RLJobStatus()
     phase, reason, message = _phase(spec, obs, prev.phase)
+    deadline = spec.active_deadline_seconds
+    if (
+        phase not in TERMINAL
+        and deadline
+        and prev.start_time
+        and (now - prev.start_time).total_seconds() > deadline
+    ):
+        phase, reason = Phase.FAILED, "DeadlineExceeded"
+        message = f"running longer than activeDeadlineSeconds={deadline}"
     if prev.phase in TERMINAL:  # keep why it ended, as first recorded
         ended = condition(prev.conditions, "Failed" if prev.phase == Phase.FAILED else "Complete")
         reason, message = (ended.reason, ended.message) if ended else (reason, message)
