@@ -3,7 +3,8 @@
 Why it exists: in a cluster the session server runs as its own process (or a sidecar of the driver)
 between agents and the rollout pool; agents point their OpenAI client at
 http://HOST:PORT/sessions/{id}/v1 after creating a session with POST /sessions. Sessions stick to one
-replica by consistent hashing of the session id (and the X-SMG-Routing-Key header for a router).
+replica by consistent hashing of the session id (and the X-SMG-Routing-Key header for a router);
+with --dp-size N they also stick to one of the replica's DP-attention ranks (routed_dp_rank).
 
 Who calls it: the pods the operator creates, users, tests. Imports nothing heavy at import time.
 """
@@ -41,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="temperature when a request names none"
     )
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="DP-attention ranks per replica (the engines' --dp-size); above 1 each session is pinned "
+        "to one rank with routed_dp_rank (default 1: the engine picks)",
+    )
     parser.add_argument("--r3", action="store_true", help="capture routed experts (R3) on every turn")
     parser.set_defaults(func=run)
 
@@ -61,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
             "its token IDs do not match a real model (pass the model's checkpoint dir)",
             flush=True,
         )
+    if args.dp_size < 1:
+        print(f"--dp-size {args.dp_size} is invalid; give the engines' --dp-size (1 or more)")
+        return 2
     config = SessionServerConfig(
         family=args.family,
         tokenizer_dir=args.tokenizer,
@@ -70,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     async def serve() -> None:
-        server = SessionServer(config, ReplicaPool(args.engine))
+        server = SessionServer(config, ReplicaPool(args.engine, dp_size=args.dp_size))
         url = await server.start(args.host, args.port)
         print(f"session server on {url} -> {', '.join(args.engine)}", flush=True)
         try:

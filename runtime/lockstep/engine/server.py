@@ -95,6 +95,11 @@ def _unsupported(req: GenerateRequest) -> str | None:
         return "lora_path is not supported by the reference engine"
     if req.return_routed_experts:
         return "return_routed_experts: this is a dense model, there are no routed experts"
+    if req.routed_dp_rank not in (None, 0):
+        return (
+            f"routed_dp_rank={req.routed_dp_rank}: the reference engine has a single DP rank; "
+            "send 0 or leave it out"
+        )
     return None
 
 

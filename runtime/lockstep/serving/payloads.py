@@ -110,6 +110,10 @@ class GenerateRequest(_Request):
     """Streaming replies (the runtime never streams)."""
     lora_path: str | None = None
     """LoRA adapter to sample with (SGLang field; our engine supports none)."""
+    routed_dp_rank: int | None = Field(default=None, ge=0)
+    """The data-parallel rank (DP attention worker) that must serve this request; None lets the
+    engine's scheduler choose. Set by the TITO session server so every turn of a session reaches the
+    rank whose prefix cache holds it (SGLang field; our engine has one rank, 0)."""
 
 
 class FinishReason(_Reply):

@@ -280,6 +280,8 @@ async def test_prompt_logprobs_for_scoring(served: Served, tiny_dir: Path) -> No
         ({"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}}, "temprature"),
         ({"input_ids": [], "sampling_params": {}}, "input_ids is empty"),
         ({"input_ids": [1] * 300, "sampling_params": {}}, "context length"),
+        ({"input_ids": [1, 2], "routed_dp_rank": 1}, "routed_dp_rank=1"),
+        ({"input_ids": [1, 2], "routed_dp_rank": -1}, "routed_dp_rank"),
     ],
 )
 async def test_bad_requests_name_the_field(served: Served, body: dict[str, object], needle: str) -> None:
@@ -316,3 +318,11 @@ async def test_batch_request_returns_one_reply_per_prompt(served: Served) -> Non
     assert [r.meta_info.id for r in replies] == ["grp-0", "grp-1"]
     assert [len(r.output_ids) for r in replies] == [3, 3]
     assert all(len(r.meta_info.output_token_logprobs or []) == 3 for r in replies)
+
+
+async def test_routed_dp_rank_zero_is_the_single_rank(served: Served) -> None:
+    body = {"input_ids": _prompt("a"), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    plain = await served.client._http.post(served.url + "/generate", json=body)
+    routed = await served.client._http.post(served.url + "/generate", json={**body, "routed_dp_rank": 0})
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == plain.json()["output_ids"]

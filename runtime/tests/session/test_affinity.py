@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from aiohttp import web
 from lockstep.rollout.session.affinity import ROUTING_HEADER, HashRing
 from lockstep.rollout.session.engine import ReplicaPool
@@ -22,14 +23,31 @@ def test_ring_is_sticky_balanced_and_moves_few_sessions() -> None:
     assert moved == 0  # removing a replica moves only the sessions it owned
 
 
-async def test_every_turn_carries_the_session_id_as_routing_key(engine_url: str) -> None:
-    """A forwarding stand-in for sgl-router records the header, then forwards to the real engine."""
-    seen: list[str | None] = []
+def test_dp_ring_spreads_sessions_over_every_rank_and_is_sticky() -> None:
+    replicas = [f"http://10.0.0.{i}:30000" for i in range(2)]
+    ring = HashRing(replicas, dp_size=4)
+    ids = [f"session-{i}" for i in range(2000)]
+    routes = {s: ring.route(s) for s in ids}
+    assert all(ring.route(s) == routes[s] for s in ids)
+    assert set(routes.values()) == {(r, k) for r in replicas for k in range(4)}
+    assert HashRing(replicas).route("session-0")[1] is None  # one rank: the engine chooses
+    with pytest.raises(ValueError, match="dp_size=0"):
+        HashRing(replicas, dp_size=0)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+async def test_every_turn_carries_the_session_id_as_routing_key(engine_url: str, dp_size: int) -> None:
+    """A forwarding stand-in for sgl-router (and, with dp_size 2, for SGLang's DP dispatcher in front
+    of the one-rank reference engine) records what each turn carries, then forwards to the real engine."""
+    seen: list[tuple[str | None, int | None]] = []
     http = httpx.AsyncClient()
 
     async def route(request: web.Request) -> web.Response:
-        seen.append(request.headers.get(ROUTING_HEADER))
-        r = await http.post(engine_url + "/generate", content=await request.read())
+        body = await request.json()
+        seen.append((request.headers.get(ROUTING_HEADER), body.get("routed_dp_rank")))
+        if "routed_dp_rank" in body:
+            body["routed_dp_rank"] = 0  # the rank's scheduler: the engine behind has one rank
+        r = await http.post(engine_url + "/generate", json=body)
         return web.Response(body=r.content, status=r.status_code, content_type="application/json")
 
     app = web.Application()
@@ -38,7 +56,8 @@ async def test_every_turn_carries_the_session_id_as_routing_key(engine_url: str)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     router_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    srv = SessionServer(SessionServerConfig(family="tiny", temperature=0.0), ReplicaPool([router_url]))
+    pool = ReplicaPool([router_url], dp_size=dp_size)
+    srv = SessionServer(SessionServerConfig(family="tiny", temperature=0.0), pool)
     await srv.start()
     try:
         async with httpx.AsyncClient() as h:
@@ -47,12 +66,15 @@ async def test_every_turn_carries_the_session_id_as_routing_key(engine_url: str)
             hi = {"role": "user", "content": "hi"}
             r1 = (await h.post(url, json={"messages": [hi]})).json()
             reply = r1["choices"][0]["message"]
-            await h.post(url, json={"messages": [hi, reply, {"role": "user", "content": "bye"}]})
+            r2 = await h.post(url, json={"messages": [hi, reply, {"role": "user", "content": "bye"}]})
+            assert r2.status_code == 200, r2.text
     finally:
         await srv.stop()
         await runner.cleanup()
         await http.aclose()
-    assert seen == [sid, sid]
+    rank = pool.ring.route(sid)[1]
+    assert (rank is None) == (dp_size == 1)
+    assert seen == [(sid, rank), (sid, rank)]
 
 
 async def test_idle_sessions_are_swept_on_create() -> None:

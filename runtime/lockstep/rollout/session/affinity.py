@@ -5,6 +5,9 @@ cache, so turn k+1 only prefills the appended suffix. We pick the replica by con
 the session id over the replica URLs (adding or removing a replica moves only ~1/n of the sessions),
 and also send the session id as the `X-SMG-Routing-Key` header, which SGLang's router (sgl-router,
 policies `consistent_hashing` and `manual`) uses for the same stickiness when a router sits in front.
+A replica that runs DP attention (`--dp-size N`) has N schedulers with N separate prefix caches, so
+with `dp_size > 1` the ring's nodes are (replica, DP rank) pairs and the session server sends the
+rank as SGLang's `routed_dp_rank`; with one rank nothing is sent and the engine chooses.
 
 Who calls it: lockstep.rollout.session.server. Pure.
 """
@@ -20,22 +23,39 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 """sgl-router's session-affinity header (read by its consistent_hashing and manual policies)."""
 
 
-class HashRing:
-    """Consistent-hash ring of replica URLs with virtual nodes."""
+def _node_key(replica: str, rank: int, vnode: int) -> bytes:
+    # Rank 0 keeps the one-rank key, so turning DP routing on moves no session off its replica's rank 0.
+    return (f"{replica}#{vnode}" if rank == 0 else f"{replica}@{rank}#{vnode}").encode()
 
-    def __init__(self, replicas: Sequence[str], vnodes: int = 64) -> None:
+
+class HashRing:
+    """Consistent-hash ring of (replica URL, DP rank) nodes with virtual nodes."""
+
+    def __init__(self, replicas: Sequence[str], vnodes: int = 64, dp_size: int = 1) -> None:
         if not replicas:
             raise ValueError("replicas is empty; give at least one engine URL")
+        if dp_size < 1:
+            raise ValueError(f"dp_size={dp_size}: a replica has at least one DP rank (pass its --dp-size)")
         self.replicas = list(replicas)
         """Replica base URLs, e.g. http://127.0.0.1:30000."""
+        self.dp_size = dp_size
+        """DP-attention ranks per replica (SGLang's --dp-size); 1 means the engine picks the rank."""
         points = sorted(
-            (xxhash.xxh64_intdigest(f"{r}#{v}".encode()), r) for r in self.replicas for v in range(vnodes)
+            (xxhash.xxh64_intdigest(_node_key(r, rank, v)), r, rank)
+            for r in self.replicas
+            for rank in range(dp_size)
+            for v in range(vnodes)
         )
-        self._keys = [p for p, _ in points]
-        self._owners = [r for _, r in points]
+        self._keys = [p for p, _, _ in points]
+        self._owners = [(r, rank) for _, r, rank in points]
+
+    def route(self, session_id: str) -> tuple[str, int | None]:
+        """(replica, DP rank) that serve every turn of `session_id`; the rank is None when dp_size is 1."""
+        h = xxhash.xxh64_intdigest(session_id.encode())
+        i = bisect.bisect_right(self._keys, h) % len(self._keys)
+        replica, rank = self._owners[i]
+        return replica, (rank if self.dp_size > 1 else None)
 
     def pick(self, session_id: str) -> str:
         """The replica that serves every turn of `session_id`."""
-        h = xxhash.xxh64_intdigest(session_id.encode())
-        i = bisect.bisect_right(self._keys, h) % len(self._keys)
-        return self._owners[i]
+        return self.route(session_id)[0]

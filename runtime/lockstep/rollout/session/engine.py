@@ -2,8 +2,9 @@
 
 Why it exists: every turn of a session must reach the same replica so its prefix cache already holds
 the previous checkpoint (seed §3). `ReplicaPool` picks the replica by consistent hashing of the
-session id and sends the SGLang /generate payload (lockstep.serving's models) with the
-X-SMG-Routing-Key header, so a router in front of several replicas keeps the same stickiness.
+session id (and, for DP-attention replicas, the DP rank, sent as `routed_dp_rank`) and sends the
+SGLang /generate payload (lockstep.serving's models) with the X-SMG-Routing-Key header, so a router
+in front of several replicas keeps the same stickiness.
 `BackendEngine` adapts any lockstep.serving.GenerateBackend (e.g. an EngineClient of one replica)
 for in-process use.
 
@@ -40,16 +41,16 @@ class TurnEngine(Protocol):
 class ReplicaPool:
     """Replicas behind consistent hashing of the session id, reached over HTTP."""
 
-    def __init__(self, replicas: Sequence[str], timeout_s: float = 600.0) -> None:
-        self.ring = HashRing([r.rstrip("/") for r in replicas])
-        """Session id -> replica URL."""
+    def __init__(self, replicas: Sequence[str], timeout_s: float = 600.0, dp_size: int = 1) -> None:
+        self.ring = HashRing([r.rstrip("/") for r in replicas], dp_size=dp_size)
+        """Session id -> (replica URL, DP rank); dp_size is each replica's SGLang --dp-size."""
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self._last_version: dict[str, int | None] = {}
 
     async def generate(
         self, session_id: str, input_ids: Sequence[int], sampling: SamplingParams, routed_experts: bool
     ) -> GenerateResult:
-        replica = self.ring.pick(session_id)
+        replica, dp_rank = self.ring.route(session_id)
         url = replica + "/generate"
         req = GenerateRequest(
             input_ids=list(input_ids),
@@ -57,6 +58,7 @@ class ReplicaPool:
             return_logprob=True,
             return_routed_experts=routed_experts,
             rid=uuid.uuid4().hex,
+            routed_dp_rank=dp_rank,
         )
         resp = await self._http.post(
             url, json=req.model_dump(mode="json", exclude_none=True), headers={ROUTING_HEADER: session_id}
