@@ -119,11 +119,34 @@ def test_qwen3_keeps_the_models_own_argument_bytes() -> None:
     assert call.arguments == '{"b":1,  "a": 2}'
 
 
-def test_malformed_tool_call_stays_visible_text() -> None:
-    fam = get_family("tiny")
-    parsed = fam.parse_reply('<call>{"name": calc}</call>hi<|eos|>')
-    assert parsed.tool_calls == ()
-    assert parsed.content == '<call>{"name": calc}</call>hi'
+@pytest.mark.parametrize(
+    ("name", "bad", "good", "end"),
+    [
+        (
+            "tiny",
+            '<call>{"name": calc}</call>',
+            '<call>{"name":"calc","arguments":{"a":1}}</call>',
+            "<|eos|>",
+        ),
+        (
+            "qwen3",
+            '<tool_call>\n{"name": calc}\n</tool_call>',
+            '\n<tool_call>\n{"name": "calc", "arguments": {"a":1}}\n</tool_call>',
+            "<|im_end|>",
+        ),
+        (
+            "glm47",
+            "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<tool_call>calc<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<|user|>",
+        ),
+    ],
+)
+def test_malformed_tool_call_stays_visible_text(name: str, bad: str, good: str, end: str) -> None:
+    fam = get_family(name)
+    parsed = fam.parse_reply(f"{bad}hi{good}{end}")
+    assert [(c.name, c.arguments_obj()) for c in parsed.tool_calls] == [("calc", {"a": 1})]
+    assert parsed.content == f"{bad}hi"
 
 
 def test_qwen3_tools_block_keeps_the_template_append_only() -> None:

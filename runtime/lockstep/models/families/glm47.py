@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 
 from lockstep.models.families._bpe import BpeCodec
+from lockstep.models.families._parse import split_calls
 from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 SPECIALS = (
@@ -77,22 +78,17 @@ class Glm47(ModelFamily):
         m = _THINK.match(text)
         if m:
             reasoning, text = m.group(1), text[m.end() :]
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        pos = 0
-        for tc in _TOOL_CALL.finditer(text):
-            body = tc.group(1)
-            name = re.split(r"<arg_key>", body, maxsplit=1)[0].strip()
-            if not name:
-                continue
-            args = {k.strip(): _arg_value(v) for k, v in _ARG.findall(body)}
-            kept.append(text[pos : tc.start()])
-            pos = tc.end()
-            calls.append(ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False)))
-        kept.append(text[pos:])
-        return ParsedReply(
-            content="".join(kept).strip(), reasoning=reasoning.strip(), tool_calls=tuple(calls)
-        )
+        content, calls = split_calls(text, _TOOL_CALL, _parse_call)
+        return ParsedReply(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls)
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    """`name<arg_key>k</arg_key><arg_value>v</arg_value>...`; None (left as text) without a name."""
+    name = re.split(r"<arg_key>", body, maxsplit=1)[0].strip()
+    if not name:
+        return None
+    args = {k.strip(): _arg_value(v) for k, v in _ARG.findall(body)}
+    return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
 def _arg_value(raw: str) -> object:

@@ -26,8 +26,8 @@ import re
 from collections.abc import Sequence
 
 from lockstep.models.families._bpe import BpeCodec
-from lockstep.models.families._parse import raw_json_field
-from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
+from lockstep.models.families._parse import parse_json_call, split_calls
+from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, register
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -80,20 +80,8 @@ class Qwen3(ModelFamily):
         m = _THINK.match(text)
         if m:
             reasoning, text = m.group(1), text[m.end() :]
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        pos = 0
-        for tc in _TOOL_CALL.finditer(text):
-            call = _parse_call(tc.group(1))
-            if call is None:
-                continue  # malformed call: it stays visible text, the agent sees what the model wrote
-            kept.append(text[pos : tc.start()])
-            pos = tc.end()
-            calls.append(call)
-        kept.append(text[pos:])
-        return ParsedReply(
-            content="".join(kept).strip(), reasoning=reasoning.strip(), tool_calls=tuple(calls)
-        )
+        content, calls = split_calls(text, _TOOL_CALL, parse_json_call)
+        return ParsedReply(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls)
 
 
 def _tools_block(tools: Sequence[Tool]) -> str:
@@ -107,17 +95,6 @@ def _tools_block(tools: Sequence[Tool]) -> str:
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    raw = raw_json_field(body, "arguments")
-    return ToolCall(name=obj["name"], arguments=raw if raw is not None else "{}")
 
 
 def _assistant_body(m: Message) -> str:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 
 from lockstep.models import tiny
-from lockstep.models.families._parse import raw_json_field
+from lockstep.models.families._parse import parse_json_call, split_calls
 from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 _CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
@@ -58,29 +58,8 @@ class Tiny(ModelFamily):
 
     def parse_reply(self, text: str) -> ParsedReply:
         text = text.removesuffix("<|eos|>")
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        pos = 0
-        for m in _CALL.finditer(text):
-            call = _parse_call(m.group(1))
-            if call is None:
-                continue
-            kept.append(text[pos : m.start()])
-            pos = m.end()
-            calls.append(call)
-        kept.append(text[pos:])
-        return ParsedReply(content="".join(kept), reasoning="", tool_calls=tuple(calls))
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    raw = raw_json_field(body, "arguments")
-    return ToolCall(name=obj["name"], arguments=raw if raw is not None else "{}")
+        content, calls = split_calls(text, _CALL, parse_json_call)
+        return ParsedReply(content=content, reasoning="", tool_calls=calls)
 
 
 def render_call(call: ToolCall) -> str:
