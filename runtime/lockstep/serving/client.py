@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -222,7 +222,12 @@ class EngineClient:
     # -- transport -----------------------------------------------------------------------------
 
     async def _request(
-        self, endpoint: str, body: BaseModel | None = None, *, ok_404: bool = False
+        self,
+        endpoint: str,
+        body: BaseModel | None = None,
+        *,
+        ok_404: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         method, path = ROUTES[endpoint]
         url = self.base_url + path
@@ -231,7 +236,7 @@ class EngineClient:
         last: BaseException | None = None
         for attempt in range(1, self.retries + 1):
             try:
-                resp = await self._http.request(method, url, json=payload)
+                resp = await self._http.request(method, url, json=payload, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 last = e
                 if attempt < self.retries:
@@ -264,8 +269,14 @@ class EngineClient:
         logprob_start_len: int = -1,
         return_routed_experts: bool = False,
         rid: str | None = None,
+        routed_dp_rank: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> GenerateResult:
-        """Sample one continuation of `input_ids` (token in, token out)."""
+        """Sample one continuation of `input_ids` (token in, token out).
+
+        routed_dp_rank pins the request to one DP-attention rank; headers go with the request (e.g.
+        sgl-router's routing key).
+        """
         req = GenerateRequest(
             input_ids=list(input_ids),
             sampling_params=sampling_params or SamplingParams(),
@@ -273,9 +284,10 @@ class EngineClient:
             logprob_start_len=logprob_start_len,
             return_routed_experts=return_routed_experts,
             rid=rid or uuid.uuid4().hex,
+            routed_dp_rank=routed_dp_rank,
         )
         submit_version = self.last_version
-        resp = await self._request("generate", req)
+        resp = await self._request("generate", req, headers=headers)
         reply = GenerateReply.model_validate(resp.json())
         self._saw_version(reply.meta_info.weight_version)
         return result_from_reply(reply, submit_version)

@@ -13,15 +13,11 @@ Who calls it: lockstep.rollout.session.server.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-import httpx
-
 from lockstep.rollout.session.affinity import ROUTING_HEADER, HashRing
-from lockstep.serving import GenerateBackend, GenerateReply, GenerateRequest, GenerateResult, SamplingParams
-from lockstep.serving.client import EngineError, result_from_reply
+from lockstep.serving import EngineClient, GenerateBackend, GenerateResult, SamplingParams
 
 
 class TurnEngine(Protocol):
@@ -39,40 +35,32 @@ class TurnEngine(Protocol):
 
 
 class ReplicaPool:
-    """Replicas behind consistent hashing of the session id, reached over HTTP."""
+    """Replicas behind consistent hashing of the session id, one EngineClient each."""
 
     def __init__(self, replicas: Sequence[str], timeout_s: float = 600.0, dp_size: int = 1) -> None:
         self.ring = HashRing([r.rstrip("/") for r in replicas], dp_size=dp_size)
         """Session id -> (replica URL, DP rank); dp_size is each replica's SGLang --dp-size."""
-        self._http = httpx.AsyncClient(timeout=timeout_s)
-        self._last_version: dict[str, int | None] = {}
+        # One client per replica: each tracks its replica's last weight version, which is what lets
+        # result_from_reply trust stock SGLang's single per-reply version for every token. No retry:
+        # a dead replica fails the turn at once (the agent sees a 502).
+        self._clients = {r: EngineClient(r, timeout_s=timeout_s, retries=1) for r in self.ring.replicas}
 
     async def generate(
         self, session_id: str, input_ids: Sequence[int], sampling: SamplingParams, routed_experts: bool
     ) -> GenerateResult:
         replica, dp_rank = self.ring.route(session_id)
-        url = replica + "/generate"
-        req = GenerateRequest(
-            input_ids=list(input_ids),
-            sampling_params=sampling,
+        return await self._clients[replica].generate(
+            input_ids,
+            sampling,
             return_logprob=True,
             return_routed_experts=routed_experts,
-            rid=uuid.uuid4().hex,
             routed_dp_rank=dp_rank,
+            headers={ROUTING_HEADER: session_id},
         )
-        resp = await self._http.post(
-            url, json=req.model_dump(mode="json", exclude_none=True), headers={ROUTING_HEADER: session_id}
-        )
-        if resp.status_code >= 400:
-            raise EngineError(url, resp.status_code, resp.text[:500])
-        # Stock SGLang reports one weight_version per reply; result_from_reply only trusts it for
-        # every token when this replica reported the same version before the request was sent.
-        result = result_from_reply(GenerateReply.model_validate(resp.json()), self._last_version.get(replica))
-        self._last_version[replica] = result.weight_version
-        return result
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients.values():
+            await client.aclose()
 
 
 class BackendEngine:
