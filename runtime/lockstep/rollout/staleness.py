@@ -117,10 +117,10 @@ def is_too_stale(result: Staleness, max_staleness: int | None) -> bool:
     An unset bound (None, the default) never rejects; a group without any versioned token is never
     rejected (there is nothing to measure, watch the coverage instead).
     """
+    if max_staleness is not None and max_staleness < 0:  # a bad bound is an error even for this group
+        raise ValueError(f"max_staleness must be >= 0 versions or unset, got {max_staleness}")
     if max_staleness is None or result.s_old is None:
         return False
-    if max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0 versions or unset, got {max_staleness}")
     return result.s_old > max_staleness
 
 

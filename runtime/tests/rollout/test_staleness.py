@@ -73,6 +73,8 @@ def test_future_version_is_a_clear_error() -> None:
 def test_negative_bound_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="max_staleness"):
         is_too_stale(measure_staleness([1], 2), -1)
+    with pytest.raises(ValueError, match="max_staleness"):  # also when the group carries no version
+        is_too_stale(measure_staleness([None], 2), -1)
 
 
 def test_group_token_versions_feed_measure() -> None:
