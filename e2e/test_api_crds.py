@@ -50,14 +50,19 @@ def _load_table_module() -> Any:
 TABLE = _load_table_module().load_table()
 
 
-@pytest.fixture(scope="module")
-def crds(cluster: ControlPlane) -> Iterator[ControlPlane]:
-    """The CRDs exactly as generated now, installed and Established."""
+def install_crds(cluster: ControlPlane) -> None:
+    """Apply the CRDs exactly as generated now and wait until each is Established."""
     cluster.apply("\n---\n".join(render().values()))
     for kind in KINDS:
         cluster.kubectl(
             "wait", "--for=condition=Established", "--timeout=60s", f"crd/{kind.plural}.rl.lockstep.dev"
         )
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: ControlPlane) -> Iterator[ControlPlane]:
+    """The CRDs exactly as generated now, installed and Established."""
+    install_crds(cluster)
     yield cluster
 
 
@@ -94,17 +99,7 @@ def test_example_applies_and_apiserver_defaults_equal_pydantic(
 @pytest.mark.parametrize("row", TABLE, ids=[r.name for r in TABLE])
 def test_bad_manifest_is_refused_at_apply(crds: ControlPlane, refusals_namespace: str, row: Any) -> None:
     namespace = refusals_namespace
-    proc = crds.kubectl(
-        "apply",
-        "--server-side",
-        "--field-manager=e2e",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(row.manifest),
-        check=False,
-    )
+    proc = crds.apply(row.manifest, namespace=namespace, check=False)
     assert proc.returncode != 0, f"{row.name} was accepted"
     assert row.apiserver in proc.stderr, proc.stderr
     assert row.path in proc.stderr, proc.stderr
@@ -116,33 +111,11 @@ def test_model_and_backend_cannot_change(crds: ControlPlane, namespace: str) -> 
     crds.apply(doc, namespace=namespace)
     changed = json.loads(json.dumps(doc))
     changed["spec"]["model"]["checkpoint"] = "/models/other"
-    proc = crds.kubectl(
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "--field-manager=e2e",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(changed),
-        check=False,
-    )
+    proc = crds.apply(changed, namespace=namespace, check=False)
     assert proc.returncode != 0 and "the model cannot change after creation" in proc.stderr, proc.stderr
     changed = json.loads(json.dumps(doc))
     changed["spec"]["trainer"]["backend"] = "fsdp"
-    proc = crds.kubectl(
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "--field-manager=e2e",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(changed),
-        check=False,
-    )
+    proc = crds.apply(changed, namespace=namespace, check=False)
     assert proc.returncode != 0 and "the trainer backend cannot change after creation" in proc.stderr, (
         proc.stderr
     )

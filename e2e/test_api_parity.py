@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import yaml
 from lockstep.api import RULES, ManifestError, parse_object
-from lockstep.api.crdgen import KINDS, render
 
 from e2e.controlplane.cluster import ControlPlane
-from e2e.test_api_crds import _load_table_module
+from e2e.test_api_crds import _load_table_module, install_crds
 
 N = 40
 SEED = 20261202
@@ -26,11 +25,7 @@ SEED = 20261202
 
 @pytest.fixture(scope="module")
 def crds_namespace(cluster: ControlPlane) -> Iterator[str]:
-    cluster.apply("\n---\n".join(render().values()))
-    for kind in KINDS:
-        cluster.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", f"crd/{kind.plural}.rl.lockstep.dev"
-        )
+    install_crds(cluster)
     name = f"e2e-parity-{random.Random().getrandbits(32):08x}"
     cluster.kubectl("create", "namespace", name)
     yield name

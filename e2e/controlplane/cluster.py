@@ -498,9 +498,13 @@ class ControlPlane:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def apply(
-        self, manifest: str | dict[str, Any] | Sequence[dict[str, Any]], namespace: str | None = None
+        self,
+        manifest: str | dict[str, Any] | Sequence[dict[str, Any]],
+        namespace: str | None = None,
+        check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
-        """Server-side apply a YAML text, one object or a list of objects (no size limit on CRDs)."""
+        """Server-side apply a YAML text, one object or a list of objects (no size limit on CRDs);
+        check=False returns a refused apply's process (its stderr carries the apiserver's reason)."""
         if isinstance(manifest, str):
             text = manifest
         elif isinstance(manifest, dict):
@@ -509,7 +513,15 @@ class ControlPlane:
             text = yaml.safe_dump_all(list(manifest))
         ns = [f"--namespace={namespace}"] if namespace else []
         return self.kubectl(
-            "apply", "--server-side", "--force-conflicts", "--field-manager=e2e", *ns, "-f", "-", input=text
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=e2e",
+            *ns,
+            "-f",
+            "-",
+            input=text,
+            check=check,
         )
 
     def add_nodes(self, pools: list[NodePool], timeout: float = 60.0) -> list[str]:
