@@ -64,6 +64,14 @@ def operator(cluster: ControlPlane) -> Iterator[Operator]:
     """CRDs installed, the operator running for the whole module."""
     os.environ.setdefault("LOCKSTEP_OPERATOR_RESYNC_SECONDS", "3")
     os.environ.setdefault("LOCKSTEP_OPERATOR_HA_MODE", "standalone")
+    import lockstep_operator.handlers as handlers
+    from lockstep_operator.settings import OperatorSettings
+
+    # Settings of this run (the module may have been imported earlier with the defaults): a short
+    # autoscaling window and cooldown so the autoscaler acts within a test.
+    handlers.SETTINGS = OperatorSettings(
+        ha_mode="standalone", autoscale_window_seconds=2, autoscale_cooldown_seconds=3
+    )
     for crd in sorted((ROOT / "crds").glob("*.yaml")):
         cluster.apply(crd.read_text())
     for crd in sorted((ROOT / "crds").glob("*.yaml")):
@@ -595,3 +603,36 @@ def test_missing_gang_scheduler_is_a_condition_and_installed_one_gets_a_pod_grou
     assert len(members) == 3  # 2 ranks + 1 minimum replica
     assert {p["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] for p in members} == {"3"}
     assert all(p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rl" for p in [*ranks, *engines])
+
+
+def test_pool_autoscales_from_the_queue_within_bounds(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "autoscale"
+    cluster.apply(tiny(job, rollout={"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}},
+                       weightSync={"checkWeightUpdateEqual": False}), namespace=namespace)  # fmt: skip
+    running(cluster, namespace, job, "engine", 1)
+
+    def starving() -> bool:  # the driver reports an empty queue, one step per poll
+        starving.step += 1  # type: ignore[attr-defined]
+        report(
+            cluster,
+            namespace,
+            job,
+            step=starving.step,
+            weightVersion=starving.step,
+            queueSize=0,
+            queueCapacity=8,
+        )  # type: ignore[attr-defined]
+        return bool(cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)["spec"]["replicas"] == 2)
+
+    starving.step = 0  # type: ignore[attr-defined]
+    try:
+        cluster.wait_for(starving, timeout=WAIT, what="pool scaled up to maxReplicas", interval=1.0)
+    except TimeoutError as err:
+        pool = cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)
+        raise TimeoutError(f"{err}; pool annotations: {pool['metadata'].get('annotations')}") from None
+    running(cluster, namespace, job, "engine", 2)
+    for _ in range(6):  # still starving, but at maxReplicas: stays at 2
+        starving()
+    assert cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)["spec"]["replicas"] == 2

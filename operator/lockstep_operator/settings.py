@@ -51,6 +51,10 @@ class OperatorSettings(BaseModel):
     """json: one JSON object per line (structured logs); text: kopf's plain format."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Root log level."""
+    autoscale_window_seconds: float = Field(default=120.0, gt=0)
+    """Built-in pool autoscaler: how long the queue must stay near zero / at capacity before acting."""
+    autoscale_cooldown_seconds: float = Field(default=300.0, ge=0)
+    """Built-in pool autoscaler: minimum time between two changes of a pool."""
     gang_restart_limit_default: int = Field(default=3, ge=0)
     """Gang restarts of a TrainerGroup allowed when its spec does not say."""
 

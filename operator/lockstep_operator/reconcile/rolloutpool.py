@@ -139,7 +139,7 @@ async def reconcile_pool(
     )
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
-        await _autoscale(kube, body, spec, progress, now.timestamp())
+        await _autoscale(kube, body, spec, progress, now.timestamp(), settings)
     previous = previous_status(body, RolloutPoolStatus)
     status = pool_status(
         live,
@@ -203,7 +203,12 @@ def _dying(pod: Manifest) -> bool:
 
 
 async def _autoscale(
-    kube: KubeClient, body: Manifest, spec: RolloutPoolSpec, progress: ProgressReport | None, now: float
+    kube: KubeClient,
+    body: Manifest,
+    spec: RolloutPoolSpec,
+    progress: ProgressReport | None,
+    now: float,
+    settings: OperatorSettings,
 ) -> None:
     """Record the driver's queue sample once per step and apply the policy's decision."""
     assert spec.autoscaling is not None
@@ -220,7 +225,10 @@ async def _autoscale(
         patch_ann[ANN_QUEUE_HISTORY] = json.dumps(history)
     last = json.loads(ann.get(ANN_LAST_SCALED, "null"))
     policy = ScalePolicy(
-        min_replicas=spec.autoscaling.min_replicas, max_replicas=spec.autoscaling.max_replicas
+        min_replicas=spec.autoscaling.min_replicas,
+        max_replicas=spec.autoscaling.max_replicas,
+        window_s=settings.autoscale_window_seconds,
+        cooldown_s=settings.autoscale_cooldown_seconds,
     )
     decision = decide_replicas(
         current=spec.replicas,
