@@ -49,6 +49,16 @@ def files_bytes(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.glob("*.safetensors"))}
 
 
+def published_once(tmp_path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """(v0, root): a publisher started from v0 under tmp_path/root that published version 1."""
+    v0 = model()
+    root = tmp_path / "root"
+    pub = dd.DeltaPublisher(root, write_ckpt(tmp_path / "base", v0))
+    pub.start()
+    pub.publish(step(v0, 1).items(), 1)
+    return v0, root
+
+
 def loaded(directory: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in directory.glob("*.safetensors"):
@@ -139,11 +149,7 @@ def test_replica_mismatch_fails_before_any_reload(tmp_path: Path) -> None:
 
 
 def test_torn_publish_is_never_picked_up(tmp_path: Path) -> None:
-    v0 = model()
-    root = tmp_path / "root"
-    pub = dd.DeltaPublisher(root, write_ckpt(tmp_path / "base", v0))
-    pub.start()
-    pub.publish(step(v0, 1).items(), 1)
+    v0, root = published_once(tmp_path)
     local = write_ckpt(tmp_path / "local", v0)
     dd.init_local(local, root)
     # Index missing: the version is invisible, apply stays at version 0.
@@ -165,11 +171,7 @@ def test_torn_publish_is_never_picked_up(tmp_path: Path) -> None:
 
 
 def test_corrupted_delta_rejected_by_patched_checksum(tmp_path: Path) -> None:
-    v0 = model()
-    root = tmp_path / "root"
-    pub = dd.DeltaPublisher(root, write_ckpt(tmp_path / "base", v0))
-    pub.start()
-    pub.publish(step(v0, 1).items(), 1)
+    v0, root = published_once(tmp_path)
     # Damage one target checksum: the delta itself decodes fine, the PATCHED tensor is wrong.
     path = dd.version_dir(root, 1) / dd.INDEX_NAME
     index = dd.DeltaIndex.model_validate_json(path.read_bytes())
@@ -185,11 +187,7 @@ def test_corrupted_delta_rejected_by_patched_checksum(tmp_path: Path) -> None:
 
 
 def test_lineage_xor_never_applied_twice(tmp_path: Path) -> None:
-    v0 = model()
-    root = tmp_path / "root"
-    pub = dd.DeltaPublisher(root, write_ckpt(tmp_path / "base", v0))
-    pub.start()
-    pub.publish(step(v0, 1).items(), 1)
+    v0, root = published_once(tmp_path)
     local = write_ckpt(tmp_path / "local", v0)
     dd.init_local(local, root)
     dd.apply_delta(root, local, 1)
