@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep.serving.client import EngineClient
 from lockstep.serving.weight_group import WeightUpdateGroup, open_weight_update_group
 from lockstep.weights.aio import LoopThread
-from lockstep.weights.pipeline import Bucket, PipelineConfig, prepare_buckets
+from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
@@ -160,12 +160,8 @@ class BroadcastTransport:
         if self.pause_mode is not None:
             mode = self.pause_mode
             self._all(lambda c: c.pause_generation(mode))
-        tensors = payload = 0
         try:
-            for bucket in prepare_buckets(named_tensors, self.config):
-                self.send_bucket(bucket)
-                tensors += len(bucket.named_tensors)
-                payload += bucket.nbytes
+            tensors, payload = send_buckets(named_tensors, self.config, self.send_bucket)
             self._all(lambda c: c.flush_cache())
             # Only now, with every tensor loaded on every engine, does the version change.
             self._all(lambda c: c.update_weight_version(version))

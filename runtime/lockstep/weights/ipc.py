@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from lockstep.serving.client import EngineClient
 from lockstep.serving.tensor_codec import dumps_named_tensors
 from lockstep.weights.aio import LoopThread
-from lockstep.weights.pipeline import Bucket, PipelineConfig, prepare_buckets
+from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
@@ -100,12 +100,8 @@ class CudaIpcTransport:
         t0 = self.clock()
         if self.pause_mode is not None:
             self._io.run(self.client.pause_generation(self.pause_mode), self.timeout_s)
-        tensors = payload = 0
         try:
-            for bucket in prepare_buckets(named_tensors, self.config):
-                self.send_bucket(bucket)
-                tensors += len(bucket.named_tensors)
-                payload += bucket.nbytes
+            tensors, payload = send_buckets(named_tensors, self.config, self.send_bucket)
             self._io.run(self.client.flush_cache(), self.timeout_s)
             self._io.run(self.client.update_weight_version(version), self.timeout_s)
         finally:

@@ -202,3 +202,18 @@ def prepare_buckets(
         full = expert_gather(chunk) if expert_gather is not None else chunk
         yield Bucket(index=index, named_tensors=full, expert=True)
         index += 1
+
+
+def send_buckets(
+    named_tensors: Iterable[NamedTensor], config: PipelineConfig | None, send: Callable[[Bucket], None]
+) -> tuple[int, int]:
+    """Prepare `named_tensors` and hand each bucket to `send` in order; (tensors, payload bytes) sent.
+
+    The loop every bucket-at-a-time transport runs (broadcast, CUDA IPC) between pause and version bump.
+    """
+    tensors = payload = 0
+    for bucket in prepare_buckets(named_tensors, config):
+        send(bucket)
+        tensors += len(bucket.named_tensors)
+        payload += bucket.nbytes
+    return tensors, payload
