@@ -66,8 +66,7 @@ class Glm47(ModelFamily):
         return _render(messages, add_generation_prompt, previous_role="assistant")
 
     def merge(self, row_tail: Sequence[int], suffix: Sequence[int]) -> Merge:
-        stops = {self.codec.encode(s)[0] for s in _STOPS}
-        if row_tail and row_tail[-1] in stops:
+        if row_tail and row_tail[-1] in self.stop_ids:  # the IDs of _STOPS (see build)
             return Merge(trim=1, bridge=(), suffix=tuple(suffix))
         return Merge(trim=0, bridge=(), suffix=tuple(suffix))
 
