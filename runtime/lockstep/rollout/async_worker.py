@@ -33,6 +33,11 @@ from lockstep.types import Group, Sample, SampleStatus
 log = logging.getLogger(__name__)
 
 
+class RolloutFailed(RuntimeError):
+    """Every recent trajectory failed: the generate callable (agent, reward, engine request) is broken,
+    so the run stops instead of dropping groups forever while the trainer waits."""
+
+
 class GenerateSample(Protocol):
     """Generates and scores one trajectory: fills response_ids, loss_mask, rollout_logprobs,
     token_versions, reward and status of the given sample and returns it. Raising marks it FAILED."""
@@ -87,7 +92,10 @@ class AsyncRolloutWorker:
         max_in_flight: int,
         sample_timeout_s: float | None = None,
         first_group_index: int = 0,
+        max_consecutive_failures: int = 64,
     ) -> None:
+        if max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1, got {max_consecutive_failures}")
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
         if max_in_flight < n_samples_per_prompt:
@@ -114,7 +122,11 @@ class AsyncRolloutWorker:
         self.exhausted = False
         """True once the prompt source ran out (no more groups will be submitted)."""
         self.failure: BaseException | None = None
-        """Why rollout stopped early (an unreachable engine); the buffer is closed then."""
+        """Why rollout stopped early (an unreachable engine, RolloutFailed); the buffer is closed then."""
+        self.max_consecutive_failures = max_consecutive_failures
+        """FAILED trajectories in a row (no usable one between) that stop the run with RolloutFailed."""
+        self._failed_in_a_row = 0
+        self._last_error: BaseException | None = None
         self._in_flight = 0
         self._cond = asyncio.Condition()
         self._partial: dict[int, list[Sample | None]] = {}
@@ -204,6 +216,7 @@ class AsyncRolloutWorker:
             raise  # an unreachable engine is not a failed sample: the run stops (see _run_sample)
         except Exception as err:
             self.counters.failed_samples += 1
+            self._last_error = err
             log.warning("trajectory %d/%d failed: %r", sample.group_index, sample.index, err)
             sample.status = SampleStatus.FAILED
         return sample
@@ -217,6 +230,15 @@ class AsyncRolloutWorker:
         self.counters.finished_samples += 1
         self.counters.unusable_samples += done.status in (SampleStatus.ABORTED, SampleStatus.FAILED)
         self.counters.generated_tokens += len(done.response_ids)
+        self._failed_in_a_row = self._failed_in_a_row + 1 if done.status == SampleStatus.FAILED else 0
+        if self._failed_in_a_row >= self.max_consecutive_failures:
+            await self._fail(
+                RolloutFailed(
+                    f"the last {self._failed_in_a_row} trajectories failed (last error: {self._last_error!r}); "
+                    "fix the generate/agent/reward function or the engine request it sends"
+                )
+            )
+            return
         slots = self._partial[done.group_index]
         slots[done.index] = done
         async with self._cond:

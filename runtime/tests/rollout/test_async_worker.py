@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from lockstep.rollout.async_worker import AsyncRolloutWorker, Prompt
+from lockstep.rollout.async_worker import AsyncRolloutWorker, Prompt, RolloutFailed
 from lockstep.rollout.buffer import BufferClosed, GroupBuffer
 from lockstep.types import Sample, SampleStatus
 
@@ -184,4 +184,36 @@ async def test_unreachable_engine_stops_rollout() -> None:
         await buf.get()
     assert isinstance(w.failure, ConnectionError)
     assert w.counters.failed_samples == 0  # not counted as failed samples: the run stops
+    await w.stop()
+
+
+async def test_a_generate_that_always_fails_stops_rollout() -> None:
+    async def broken_reward(sample: Sample) -> Sample:
+        raise KeyError("answer")  # e.g. a reward function reading a field the task does not have
+
+    buf = GroupBuffer(capacity=4)
+    w = AsyncRolloutWorker(
+        broken_reward, prompts(), buf, n_samples_per_prompt=2, max_in_flight=4, max_consecutive_failures=6
+    )
+    w.start()
+    with pytest.raises(BufferClosed):
+        await buf.get()
+    assert isinstance(w.failure, RolloutFailed) and "KeyError('answer')" in str(w.failure)
+    assert w.counters.failed_samples >= 6
+    await w.stop()
+
+
+async def test_a_usable_trajectory_resets_the_failure_count() -> None:
+    wl = GatedWorkload()
+    buf = GroupBuffer(capacity=8)
+    w = AsyncRolloutWorker(
+        wl, prompts(2), buf, n_samples_per_prompt=2, max_in_flight=2, max_consecutive_failures=2
+    )
+    wl.fail |= {(0, 0), (1, 1)}  # failed, usable, usable, failed: never two in a row
+    w.start()
+    for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        wl.gate(*key).set()
+        await settle()
+    await w.wait_idle()
+    assert w.failure is None and w.counters.failed_samples == 2
     await w.stop()
