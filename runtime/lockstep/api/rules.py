@@ -74,6 +74,11 @@ _transport = field("weightSync.transport")
 _streaming = _transport.in_(WEIGHT_STREAMING_TRANSPORTS)
 _world = field("nodes") * field("gpusPerNode")
 _par = "parallelism."
+# RLJob's spec.rollout and a RolloutPool's spec hold the same replicas/autoscaling pair.
+_REPLICAS_WITHIN_AUTOSCALING = has("autoscaling").implies(
+    field("replicas").ge(field("autoscaling.minReplicas"))
+    & field("replicas").le(field("autoscaling.maxReplicas"))
+)
 RULES: Final[tuple[Rule, ...]] = (
     Rule(
         "name-is-a-label",
@@ -240,20 +245,14 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         "replicas-within-autoscaling",
         RolloutSpec,
-        has("autoscaling").implies(
-            field("replicas").ge(field("autoscaling.minReplicas"))
-            & field("replicas").le(field("autoscaling.maxReplicas"))
-        ),
+        _REPLICAS_WITHIN_AUTOSCALING,
         "replicas",
         "replicas must lie within autoscaling.minReplicas..maxReplicas: change replicas or the bounds",
     ),
     Rule(
         "pool-replicas-within-autoscaling",
         RolloutPoolSpec,
-        has("autoscaling").implies(
-            field("replicas").ge(field("autoscaling.minReplicas"))
-            & field("replicas").le(field("autoscaling.maxReplicas"))
-        ),
+        _REPLICAS_WITHIN_AUTOSCALING,
         "replicas",
         "replicas must lie within autoscaling.minReplicas..maxReplicas: scale within the bounds or "
         "change them",
