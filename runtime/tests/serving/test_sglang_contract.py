@@ -108,6 +108,7 @@ async def _every_call(c: EngineClient) -> None:
     sp = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[1])
     await c.generate([5, 6, 7], sp, rid="r1")
     await c.generate([5, 6, 7], SamplingParams(max_new_tokens=0), logprob_start_len=0, rid="r2")
+    await c.generate([5, 6, 7], SamplingParams(max_new_tokens=1), rid="r3", routed_dp_rank=1)
     await c.abort("r1")
     await c.abort()
     await c.health_generate()
