@@ -62,24 +62,23 @@ def _calls_equal(a: tuple[ToolCall, ...], b: tuple[ToolCall, ...], loose: bool) 
     return True
 
 
-def strict(stored: Message, replayed: Message) -> bool:
-    """Role, content, reasoning and exact tool calls (ids ignored)."""
+def _full_match(stored: Message, replayed: Message, loose: bool) -> bool:
     return (
         stored.role == replayed.role
         and _content_equal(stored, replayed)
         and _reasoning_equal(stored, replayed)
-        and _calls_equal(stored.tool_calls, replayed.tool_calls, loose=False)
+        and _calls_equal(stored.tool_calls, replayed.tool_calls, loose=loose)
     )
+
+
+def strict(stored: Message, replayed: Message) -> bool:
+    """Role, content, reasoning and exact tool calls (ids ignored)."""
+    return _full_match(stored, replayed, loose=False)
 
 
 def loose_tool_call(stored: Message, replayed: Message) -> bool:
     """As strict, but tool-call arguments compare as parsed JSON (key order, whitespace ignored)."""
-    return (
-        stored.role == replayed.role
-        and _content_equal(stored, replayed)
-        and _reasoning_equal(stored, replayed)
-        and _calls_equal(stored.tool_calls, replayed.tool_calls, loose=True)
-    )
+    return _full_match(stored, replayed, loose=True)
 
 
 def role_content_only(stored: Message, replayed: Message) -> bool:
