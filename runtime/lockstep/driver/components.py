@@ -107,6 +107,7 @@ def _loss_config(job: RLJob) -> PolicyLossConfig:
         eps_clip_low=alg.eps_clip,
         eps_clip_high=alg.eps_clip_high if alg.eps_clip_high is not None else alg.eps_clip,
         kl_coef=alg.kl.coef,
+        kl_estimator=str(alg.kl.estimator),
         mismatch=MismatchConfig(str(alg.mismatch.correction), alg.mismatch.low, alg.mismatch.high),
     )
 

@@ -127,3 +127,22 @@ def test_two_gloo_ranks_shard_train_and_save(model_dir: Path, tmp_path: Path) ->
     assert set(saved) == set(original)
     assert any(not torch.equal(saved[n], original[n]) for n in saved)  # the sharded steps trained
     assert (out / "rng_rank0.pt").exists() and (out / "rng_rank1.pt").exists()
+
+
+def test_reference_policy_stays_at_the_initial_weights(model_dir: Path) -> None:
+    b = FSDPBackend(FSDPConfig(model_path=model_dir, lr=1e-2, device="cpu", with_ref=True))
+    try:
+        batch = _batch()
+        assert torch.equal(b.compute_logprobs(batch, role="ref"), b.compute_logprobs(batch))
+        b.train_step(batch, sft_loss)
+        ref_after = b.compute_logprobs(batch, role="ref")
+        assert not torch.equal(ref_after, b.compute_logprobs(batch))  # the actor moved, the reference did not
+        assert b.ref_model is not None and all(not p.requires_grad for p in b.ref_model.parameters())
+    finally:
+        b.close()
+    plain = FSDPBackend(FSDPConfig(model_path=model_dir, device="cpu"))
+    try:
+        with pytest.raises(ValueError, match="with_ref=True"):
+            plain.compute_logprobs(_batch(), role="ref")
+    finally:
+        plain.close()

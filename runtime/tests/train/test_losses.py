@@ -84,6 +84,15 @@ def test_kl_k3_is_added_and_needs_ref() -> None:
     assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)
 
 
+@pytest.mark.parametrize(("estimator", "want"), [("k1", 0.5), ("k2", 0.125)])
+def test_kl_k1_k2(estimator: str, want: float) -> None:
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    batch = _batch([0.0], [-1.0])
+    batch.ref_logprobs = torch.tensor([[-1.5]])  # d = ref - logp = -0.5
+    loss, metrics = policy_loss(logp, batch, PolicyLossConfig(kl_coef=1.0, kl_estimator=estimator))
+    assert metrics["kl_ref"] == pytest.approx(want) and loss.item() == pytest.approx(want)
+
+
 def test_sft_loss_is_masked_nll() -> None:
     batch = _batch([1.0, 1.0], [0.0, 0.0])
     batch.loss_mask = torch.tensor([[1.0, 0.0]])
@@ -96,5 +105,7 @@ def test_sft_loss_is_masked_nll() -> None:
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown estimator"):
         PolicyLossConfig(estimator="dpo")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        PolicyLossConfig(kl_estimator="k4")
     with pytest.raises(ValueError, match="kl_coef"):
         PolicyLossConfig(kl_coef=-1.0)

@@ -14,8 +14,8 @@ logprob, rollout = engine logprob):
     rho_t  = exp(logp_t - old_t)                          ("ppo"/"grpo": token-level ratio)
     rho_t  = exp(mean_t(logp - old)) of the sequence       ("gspo": sequence-level, grad per token)
     pg_t   = max(-A_i * rho_t, -A_i * clip(rho_t, 1 - eps_low, 1 + eps_high))
-    loss_t = w_t * pg_t + kl_coef * k3_t                   (w_t from mismatch.py, 1 when off)
-    k3_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    (low-variance KL to the reference policy)
+    loss_t = w_t * pg_t + kl_coef * kl_t                   (w_t from mismatch.py, 1 when off)
+    kl_t   = k3: exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (low-variance default; k1, k2 selectable)
 
 Who calls it: lockstep.driver builds a loss with `make_policy_loss` / `sft_loss` and passes it to
 `TrainBackend.train_step`.
@@ -58,13 +58,18 @@ class PolicyLossConfig:
     gspo_eps_high: float = 4e-4
     """Upper GSPO clip."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL term against the reference policy; 0 turns it (and ref logprobs) off."""
+    """Weight of the KL term against the reference policy; 0 turns it (and ref logprobs) off."""
+    kl_estimator: str = "k3"
+    """Per-token KL(policy || ref) estimator on policy samples, with d = ref - logp: k1 = -d,
+    k2 = d^2 / 2, k3 = exp(d) - d - 1 (unbiased and >= 0, the low-variance default)."""
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """Train-rollout mismatch correction (off, tis, clip-or-pop) and its bounds."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"unknown estimator {self.estimator!r}; use one of {', '.join(ESTIMATORS)}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; use k1, k2 or k3")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
@@ -117,9 +122,14 @@ def policy_loss(
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs in the batch (compute them with role='ref')")
         d = batch.ref_logprobs - logprobs  # [B, T-1]
-        k3 = torch.exp(d) - d - 1
-        loss = loss + config.kl_coef * k3
-        metrics["kl_ref"] = _masked_mean(k3.detach(), mask)
+        if config.kl_estimator == "k1":
+            kl = -d
+        elif config.kl_estimator == "k2":
+            kl = 0.5 * d * d
+        else:
+            kl = torch.exp(d) - d - 1
+        loss = loss + config.kl_coef * kl
+        metrics["kl_ref"] = _masked_mean(kl.detach(), mask)
     return loss * mask, metrics
 
 
