@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_checkpoint("builtin:tiny", cache_dir=tmp_path_factory.mktemp("cache"))
+    return Path(resolve_checkpoint("builtin:tiny", cache_dir=tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture
