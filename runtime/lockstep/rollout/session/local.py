@@ -15,6 +15,8 @@ Who calls it: lockstep.rollout.generate (as the configured agent function), test
 from __future__ import annotations
 
 import asyncio
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.rollout.session.engine import BackendEngine
@@ -22,25 +24,39 @@ from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.tasks.toolcalc.agent import run_episode
 from lockstep.types import Sample
 
-_servers: dict[tuple[int, int], SessionServer] = {}
-_locks: dict[int, asyncio.Lock] = {}
+
+@dataclass(slots=True)
+class _LoopServers:
+    """The in-process session servers of one event loop."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serializes the first start (many agents of a batch arrive at once)."""
+    by_client: dict[int, tuple[object, SessionServer]] = field(default_factory=dict)
+    """id(engine client) -> (that client, its server); holding the client keeps its id unique."""
+
+
+# Keyed by the loop object itself, not id(loop): a server or lock of a closed loop must never be handed
+# to a later loop (each asyncio.run, each test), whatever ids the objects get.
+_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopServers] = weakref.WeakKeyDictionary()
 
 
 async def session_url_for(ctx: Any) -> str:
     """ctx.session_url, or the URL of this process's in-process session server (started once)."""
     if ctx.session_url:
         return str(ctx.session_url)
-    loop = id(asyncio.get_running_loop())
-    async with _locks.setdefault(loop, asyncio.Lock()):
-        key = (loop, id(ctx.client))
-        srv = _servers.get(key)
-        if srv is None:
+    loop = asyncio.get_running_loop()
+    servers = _per_loop.get(loop)
+    if servers is None:
+        servers = _per_loop[loop] = _LoopServers()
+    async with servers.lock:
+        entry = servers.by_client.get(id(ctx.client))
+        if entry is None:
             family = str(ctx.extra.get("family", "tiny"))
             config = SessionServerConfig(family=family, max_new_tokens=ctx.sampling.max_new_tokens)
             srv = SessionServer(config, BackendEngine(ctx.client))
             await srv.start("127.0.0.1", 0)
-            _servers[key] = srv
-        return srv.url
+            entry = servers.by_client[id(ctx.client)] = (ctx.client, srv)
+        return entry[1].url
 
 
 async def toolcalc_agent(ctx: Any, sample: Sample) -> Sample:
