@@ -92,8 +92,23 @@ def execute(
         )
         return 130
     how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
-    print(f"{how}: step {getattr(state, 'step', '?')}, run dir {run_dir} (metrics.jsonl, metrics.png)")
+    print(
+        f"{how}: step {getattr(state, 'step', '?')}{_reward_summary(run_dir)}, run dir {run_dir} (metrics.jsonl, metrics.png)"
+    )
     return 0
+
+
+def _reward_summary(run_dir: Path) -> str:
+    """ ", reward 0.91 (last 10 steps), eval 0.98" from the run's metrics file ("" when it has none)."""
+    from lockstep.observability.metrics import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train = [r["reward_mean"] for r in rows if r["kind"] == "train" and r.get("reward_mean") is not None][
+        -10:
+    ]
+    evals = [r["reward_mean"] for r in rows if r["kind"] == "eval" and r.get("reward_mean") is not None]
+    out = f", reward {sum(train) / len(train):.2f} (last {len(train)} steps)" if train else ""
+    return out + (f", eval {evals[-1]:.2f}" if evals else "")
 
 
 def main(args: argparse.Namespace) -> int:

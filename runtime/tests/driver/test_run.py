@@ -55,10 +55,11 @@ def _state(run_dir: Path) -> dict[str, object]:
     return state
 
 
-def test_run_then_resume(tmp_path: Path, cache: Path) -> None:
+def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     args = ["run", str(FIXTURE), "--run-dir", str(run_dir), "--cache-dir", str(cache)]
     assert main([*args, "--steps", "3"]) == 0
+    assert "done: step 3, reward " in capsys.readouterr().out
     rows = read_jsonl(run_dir / "metrics.jsonl")
     kinds = [r["kind"] for r in rows]
     assert kinds == ["sft", "sft", "publish", "train", "train", "train"]
