@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -213,24 +214,34 @@ def _read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-async def _finish_update(engine: ReferenceEngine, version: int | None, flush: bool) -> None:
-    if version is not None:
-        engine.set_weight_version(version)
-    if flush:
-        engine.flush_cache()
+_UpdateBody = (
+    UpdateWeightsFromDiskRequest | UpdateWeightsFromDistributedRequest | UpdateWeightsFromTensorRequest
+)
+
+
+async def _install(
+    engine: ReferenceEngine, body: _UpdateBody, read: Callable[[], list[tuple[str, torch.Tensor]]]
+) -> int:
+    """The update every weight endpoint runs: abort if asked, then read and load the tensors, set the
+    version and flush the cache under the step lock (no step sees half the weights). Returns the count."""
+    version = _parse_version(body.weight_version)
+    if body.abort_all_requests:
+        await engine.abort(None, message="aborted for a weight update")
+    async with engine.exclusive():
+        named = await engine.run_in_worker(read)
+        n: int = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
+        if version is not None:
+            engine.set_weight_version(version)
+        if body.flush_cache:
+            engine.flush_cache()
+    return n
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body: UpdateWeightsFromDiskRequest = await _parse(request, UpdateWeightsFromDiskRequest)
     try:
-        version = _parse_version(body.weight_version)
-        if body.abort_all_requests:
-            await engine.abort(None, message="aborted for a weight update")
-        async with engine.exclusive():
-            named = await engine.run_in_worker(_read_checkpoint, body.model_path)
-            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
-            await _finish_update(engine, version, body.flush_cache)
+        n = await _install(engine, body, lambda: _read_checkpoint(body.model_path))
     except (OSError, KeyError, ValueError) as e:
         return _result(False, f"update_weights_from_disk failed: {e}")
     return _result(True, f"Loaded {n} tensors from {body.model_path}.", num_paused_requests=0)
@@ -294,13 +305,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if not len(body.names) == len(body.dtypes) == len(body.shapes):
         return _result(False, "names, dtypes and shapes must have the same length")
     try:
-        version = _parse_version(body.weight_version)
-        if body.abort_all_requests:
-            await engine.abort(None, message="aborted for a weight update")
-        async with engine.exclusive():
-            named = await engine.run_in_worker(_receive, engine, body)
-            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
-            await _finish_update(engine, version, body.flush_cache)
+        n = await _install(engine, body, lambda: _receive(engine, body))
     except (RuntimeError, KeyError, ValueError) as e:
         return _result(False, f"update_weights_from_distributed failed: {e}")
     return _result(True, f"Succeeded to update {n} parameters.")
@@ -323,13 +328,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if len(body.serialized_named_tensors) != 1:
         return _result(False, "serialized_named_tensors needs exactly one entry (the engine is one TP rank)")
     try:
-        version = _parse_version(body.weight_version)
         named = loads_named_tensors(body.serialized_named_tensors[0])
-        if body.abort_all_requests:
-            await engine.abort(None, message="aborted for a weight update")
-        async with engine.exclusive():
-            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
-            await _finish_update(engine, version, body.flush_cache)
+        n = await _install(engine, body, lambda: named)
     except Exception as e:  # a bad payload of any kind is the caller's error, reported, never raised
         return _result(False, f"update_weights_from_tensor failed: {type(e).__name__}: {e}")
     return _result(True, f"Succeeded to update {n} parameters.")
