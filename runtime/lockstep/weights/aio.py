@@ -5,7 +5,7 @@ collectives it issues block), while lockstep.serving.EngineClient is async. Each
 `LoopThread` and submits its HTTP calls there: they run concurrently with the broadcasts the calling
 thread issues (the engine's /update_weights_from_distributed only returns after it received them).
 
-Who calls it: broadcast.py, ipc.py, preflight.py.
+Who calls it: broadcast.py, ipc.py, preflight.py, disk_delta.py (http_reload).
 """
 
 from __future__ import annotations

@@ -600,30 +600,28 @@ Reload = Callable[[Path, int], None]
 def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: float = 600.0) -> Reload:
     """A Reload for an engine over HTTP: pause, /update_weights_from_disk at the version, continue.
 
-    This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5).
+    This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5). It goes
+    through lockstep.serving.EngineClient like every other transport; an engine error is a DeltaError.
     """
-    import httpx
+    from lockstep.serving import EngineClient, EngineError
+    from lockstep.weights.aio import LoopThread
 
-    from lockstep.serving.payloads import (
-        ContinueGenerationRequest,
-        PauseGenerationRequest,
-        UpdateWeightsFromDiskRequest,
-    )
-
-    base = engine_url.rstrip("/")
-
-    def post(path: str, body: BaseModel) -> None:
-        r = httpx.post(base + path, json=body.model_dump(mode="json", exclude_none=True), timeout=timeout_s)
-        if r.status_code != 200 or r.json().get("success") is False:
-            raise DeltaError(f"{base}{path} answered {r.status_code}: {r.text[:500]}")
+    async def install(local: Path, version: int) -> None:
+        async with EngineClient(engine_url, timeout_s=timeout_s, retries=1) as client:
+            await client.pause_generation(pause_mode)
+            try:
+                await client.update_weights_from_disk(str(local), weight_version=version)
+            finally:
+                await client.continue_generation()
 
     def reload(local: Path, version: int) -> None:
-        post("/pause_generation", PauseGenerationRequest(mode=pause_mode))
+        io = LoopThread("disk-delta-reload")  # push is synchronous; the client is async
         try:
-            body = UpdateWeightsFromDiskRequest(model_path=str(local), weight_version=str(version))
-            post("/update_weights_from_disk", body)
+            io.run(install(local, version))
+        except EngineError as e:
+            raise DeltaError(f"engine reload of {local} at version {version} failed: {e}") from e
         finally:
-            post("/continue_generation", ContinueGenerationRequest())
+            io.close()
 
     return reload
 

@@ -217,3 +217,14 @@ def test_disk_delta_into_engine(engine_server: EngineServer, tiny_dir: Path, tmp
     report = transport.push(named, version=5)
     assert_engine_holds(engine_server, named, 5)
     assert report.extra["update_weights_wire_bytes"] == report.wire_bytes > 0
+
+
+def test_disk_delta_reload_failure_is_a_delta_error_and_generation_continues(
+    engine_server: EngineServer, tmp_path: Path
+) -> None:
+    import lockstep.weights.disk_delta as dd
+
+    reload = dd.http_reload(engine_server.url)
+    with pytest.raises(dd.DeltaError, match=r"holds no \*\.safetensors"):
+        reload(tmp_path, 3)  # an empty dir: the engine refuses the update
+    assert engine_server.engine.weight_version == 0 and not engine_server.engine.is_paused
