@@ -230,8 +230,19 @@ class EngineClient:
         headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         method, path = ROUTES[endpoint]
-        url = self.base_url + path
         payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
+        return await self._send(method, path, payload, ok_404=ok_404, headers=headers)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        payload: Any,
+        *,
+        ok_404: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        url = self.base_url + path
         delay = self.backoff_s
         last: BaseException | None = None
         for attempt in range(1, self.retries + 1):
@@ -248,6 +259,11 @@ class EngineClient:
             return resp
         assert last is not None
         raise EngineUnreachable(url, self.retries, last)
+
+    async def post_json(self, path: str, body: BaseModel) -> Any:
+        """POST a body to a non-SGLang route of this engine (e.g. a Lockstep extension under
+        /lockstep/), with the same retries and errors as every call; returns the decoded reply."""
+        return (await self._send("POST", path, body.model_dump(mode="json"))).json()
 
     async def _call(self, endpoint: str, body: BaseModel | None, reply: type[_R]) -> _R:
         resp = await self._request(endpoint, body)

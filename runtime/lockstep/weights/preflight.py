@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from lockstep.api.common import Condition, ConditionStatus
@@ -155,15 +154,6 @@ class LogprobProbe:
     """Largest accepted |engine - trainer| logprob difference (bf16 kernels differ a little)."""
 
 
-async def _engine_json(client: EngineClient, path: str, body: BaseModel) -> dict[str, object]:
-    async with httpx.AsyncClient(timeout=600.0) as http:
-        resp = await http.post(client.base_url + path, json=body.model_dump(mode="json"))
-    if resp.status_code >= 400:
-        raise RuntimeError(f"{client.base_url}{path} answered {resp.status_code}: {resp.text[:500]}")
-    out: dict[str, object] = resp.json()
-    return out
-
-
 def compare(
     engine: str, expected: dict[str, TensorSummary], got: dict[str, TensorSummary]
 ) -> list[TensorMismatch]:
@@ -210,13 +200,13 @@ def check_weight_update_equal(
     clients = [EngineClient(u) for u in engine_urls]
     try:
         for c in clients:
-            io.run(_engine_json(c, RANDOMIZE_PATH, RandomizeRequest(seed=seed)))
+            io.run(c.post_json(RANDOMIZE_PATH, RandomizeRequest(seed=seed)))
         transport.push(named_tensors(), version)
         expected = {n: summarize(t) for n, t in named_tensors()}
         mismatches: list[TensorMismatch] = []
         for c in clients:
             reply = ChecksumsReply.model_validate(
-                io.run(_engine_json(c, CHECKSUMS_PATH, ChecksumsRequest(names=list(expected))))
+                io.run(c.post_json(CHECKSUMS_PATH, ChecksumsRequest(names=list(expected))))
             )
             mismatches += compare(c.base_url, expected, reply.tensors)
         worst = None
