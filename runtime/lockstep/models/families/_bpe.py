@@ -80,6 +80,11 @@ class BpeCodec:
             )
         return cls(Tokenizer.from_file(str(path)), specials, str(path))
 
+    @classmethod
+    def load(cls, tokenizer_dir: str | Path | None, specials: Sequence[str]) -> BpeCodec:
+        """The served model's tokenizer from `tokenizer_dir`, or the offline stand-in when None."""
+        return cls.from_dir(tokenizer_dir, specials) if tokenizer_dir else cls.stand_in(specials)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 

@@ -133,8 +133,8 @@ def _render(messages: Sequence[Message], add_generation_prompt: bool, previous_r
 
 def build(tokenizer_dir: str | None = None) -> Qwen3:
     """Build the Qwen3 family with the model's tokenizer.json from `tokenizer_dir`, or the offline stand-in."""
-    codec = BpeCodec.from_dir(tokenizer_dir, SPECIALS) if tokenizer_dir else BpeCodec.stand_in(SPECIALS)
-    ids = {s: codec.id(s) for s in SPECIALS}
+    codec = BpeCodec.load(tokenizer_dir, SPECIALS)
+    ids = codec.special_to_id
     return Qwen3(
         name="qwen3",
         codec=codec,
