@@ -7,7 +7,7 @@ run is in test_gpu.py), P2P over Mooncake's TransferEngine on loopback TCP.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,20 +118,22 @@ def trainer_logprobs(model: torch.nn.Module) -> preflight.TrainerLogprobs:
 PROMPT = [5, 17, 23, 42, 8, 9, 30]
 
 
-def broadcast(server: EngineServer) -> BroadcastTransport:
-    return BroadcastTransport([EngineTarget(server.url)], backend="gloo")
-
-
-def test_preflight_passes(engine_server: EngineServer, tiny_dir: Path) -> None:
-    model = trainer_model(tiny_dir)
-    probe = preflight.LogprobProbe(PROMPT, trainer_logprobs(model), tolerance=1e-3)
-    transport = broadcast(engine_server)
+@pytest.fixture
+def broadcast(engine_server: EngineServer) -> Iterator[BroadcastTransport]:
+    """A gloo BroadcastTransport into the engine, closed after the test."""
+    transport = BroadcastTransport([EngineTarget(engine_server.url)], backend="gloo")
     try:
-        result = preflight.check_weight_update_equal(
-            [engine_server.url], transport, lambda: export(model), probe=probe
-        )
+        yield transport
     finally:
         transport.close()
+
+
+def test_preflight_passes(engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport) -> None:
+    model = trainer_model(tiny_dir)
+    probe = preflight.LogprobProbe(PROMPT, trainer_logprobs(model), tolerance=1e-3)
+    result = preflight.check_weight_update_equal(
+        [engine_server.url], broadcast, lambda: export(model), probe=probe
+    )
     assert result.passed, result.message
     assert result.checked_tensors == len(export(model)) and result.logprob_max_abs_diff is not None
     cond = result.condition(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
@@ -139,16 +141,14 @@ def test_preflight_passes(engine_server: EngineServer, tiny_dir: Path) -> None:
     assert preflight.PreflightResult.model_validate_json(result.model_dump_json()) == result
 
 
-def test_preflight_catches_a_dropped_tensor(engine_server: EngineServer, tiny_dir: Path) -> None:
+def test_preflight_catches_a_dropped_tensor(
+    engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport
+) -> None:
     model = trainer_model(tiny_dir)
     dropped = "model.layers.1.mlp.up_proj.weight"
-    transport = broadcast(engine_server)
-    try:
-        result = preflight.check_weight_update_equal(
-            [engine_server.url], DroppingTransport(transport, dropped), lambda: export(model)
-        )
-    finally:
-        transport.close()
+    result = preflight.check_weight_update_equal(
+        [engine_server.url], DroppingTransport(broadcast, dropped), lambda: export(model)
+    )
     assert not result.passed
     assert [(m.name, m.reason) for m in result.mismatches] == [(dropped, "checksum")]  # it still holds noise
     cond = result.condition(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
@@ -171,7 +171,7 @@ class DroppingTransport:
 
 
 def test_preflight_probe_catches_a_skipped_post_load_step(
-    engine_server: EngineServer, tiny_dir: Path
+    engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport
 ) -> None:
     model = trainer_model(tiny_dir)
     # The trainer's forward sees a layout the engine never got (as if a post-load shuffle were skipped
@@ -181,13 +181,9 @@ def test_preflight_probe_catches_a_skipped_post_load_step(
         w = shuffled.model.layers[0].self_attn.q_proj.weight
         w.copy_(w.flip(0))
     probe = preflight.LogprobProbe(PROMPT, trainer_logprobs(shuffled), tolerance=1e-3)
-    transport = broadcast(engine_server)
-    try:
-        result = preflight.check_weight_update_equal(
-            [engine_server.url], transport, lambda: export(model), probe=probe
-        )
-    finally:
-        transport.close()
+    result = preflight.check_weight_update_equal(
+        [engine_server.url], broadcast, lambda: export(model), probe=probe
+    )
     assert not result.passed and result.mismatches == []
     assert result.condition(dt.datetime(2026, 1, 1, tzinfo=dt.UTC)).reason == "LogprobProbeFailed"
 
