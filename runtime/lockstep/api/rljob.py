@@ -151,6 +151,15 @@ class OPDSpec(ApiModel):
         return self
 
 
+class SFTWarmStartSpec(ApiModel):
+    """Supervised steps on the task's reference answers before RL starts (off with steps 0)."""
+
+    steps: int = Field(default=0, ge=0, le=100000000)
+    """SFT optimizer steps before the first RL step; 0 skips the warm start."""
+    learning_rate: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Learning rate of the SFT steps; unset uses algorithm.learningRate."""
+
+
 class AlgorithmSpec(ApiModel):
     """The RL objective and its corrections."""
 
@@ -178,6 +187,10 @@ class AlgorithmSpec(ApiModel):
     Needs a registered model profile and the fsdp backend."""
     opd: OPDSpec | None = None
     """On-policy distillation; unset disables it."""
+    sft_warm_start: SFTWarmStartSpec = Field(
+        default_factory=SFTWarmStartSpec, json_schema_extra=EMPTY_DEFAULT
+    )
+    """SFT warm start on the task's reference answers before RL (off by default)."""
 
 
 # -------------------------------------------------------------------------------------------- rollout
@@ -366,6 +379,10 @@ class TrainerSpec(ApiModel):
     stream_optimizer_state_to_disk: bool = False
     """Keep optimizer state on local disk and stream it in bucket by bucket at the optimizer step
     (to fit, not to go faster)."""
+    grad_clip: float = Field(default=1.0, gt=0.0, le=1000000.0)
+    """Clip the global gradient norm to this before each optimizer step."""
+    micro_batch_size: int = Field(default=64, ge=1, le=1048576)
+    """Rows (samples) per forward/backward pass; gradients accumulate over a step's micro-batches."""
 
 
 # ---------------------------------------------------------------------------------------- weight sync
@@ -466,6 +483,11 @@ class ScheduleSpec(ApiModel):
     """Save a checkpoint every this many steps; unset saves only at the end."""
     eval_interval: int | None = Field(default=None, ge=1, le=100000000)
     """Evaluate on data.evalPrompts every this many steps; unset never evaluates."""
+    eval_temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Sampling temperature of evaluation; 0 is greedy decoding."""
+    buffer_groups: int | None = Field(default=None, ge=1, le=1048576)
+    """Capacity in groups of the fully-async buffer between rollout and trainer; unset is
+    2 x algorithm.batchSize."""
 
 
 # ------------------------------------------------------------------------------------ data and agent
@@ -500,6 +522,9 @@ class AgentSpec(ApiModel):
     """End an episode after this many turns."""
     timeout_seconds: int | None = Field(default=None, ge=1, le=604800)
     """End an episode after this long."""
+    group_filter_function: str | None = Field(default=None, max_length=256, pattern=IMPORT_PATH_PATTERN)
+    """`module:function` taking a Group and returning True to keep it; applied when a complete group
+    enters the fully-async buffer (unset keeps every group)."""
 
 
 # ------------------------------------------------------------------------------------------ placement
