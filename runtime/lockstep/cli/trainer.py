@@ -3,7 +3,7 @@
 Why it exists: the operator starts `torchrun -m lockstep trainer --config /etc/lockstep/job.yaml` on
 each TrainerGroup rank pod. Each rank joins the process group from the torchrun env (gloo on CPU,
 NCCL on CUDA), loads the policy FSDP2-sharded, checks the world size against the manifest, runs the
-job's SFT warm start (annotation lockstep.dev/sft-warm-start-steps) if any, and writes an HF-layout
+job's SFT warm start (spec.algorithm.sftWarmStart) if any, and writes an HF-layout
 checkpoint to --out (rank 0 writes the gathered weights). Run without torchrun it is one rank.
 
 Minimal today: the RL steps themselves run in the driver (see `lockstep driver`); this command is

@@ -363,24 +363,10 @@ class AsyncLoop:
 
 # ------------------------------------------------------------------------------- the real components
 
-BUFFER_GROUPS_ANNOTATION = "lockstep.dev/async-buffer-groups"
-"""Annotation overriding the buffer capacity in groups (default 2 x spec.algorithm.batchSize)."""
-
 
 def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
     """The loop's knobs from the manifest and the sync driver's RunSettings (pure, golden-tested)."""
     spec = job.spec
-    raw = job.metadata.annotations.get(BUFFER_GROUPS_ANNOTATION)
-    try:
-        buffer_groups = int(raw) if raw is not None else None
-    except ValueError as e:
-        raise ValueError(
-            f"metadata.annotations[{BUFFER_GROUPS_ANNOTATION}]: {raw!r} is not an integer"
-        ) from e
-    if buffer_groups is not None and buffer_groups < 1:
-        raise ValueError(
-            f"metadata.annotations[{BUFFER_GROUPS_ANNOTATION}] must be >= 1 group, got {buffer_groups}"
-        )
     timeout = spec.agent.timeout_seconds
     return AsyncSettings(
         steps=s.steps,
@@ -388,7 +374,7 @@ def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
         n_samples_per_prompt=s.samples_per_prompt,
         max_in_flight=spec.rollout.max_in_flight,
         max_staleness=spec.schedule.max_weight_staleness,
-        buffer_groups=buffer_groups,
+        buffer_groups=spec.schedule.buffer_groups,
         update_interval=s.update_interval,
         eval_interval=s.eval_interval,
         save_interval=s.save_interval,
@@ -396,20 +382,16 @@ def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
     )
 
 
-GROUP_FILTER_ANNOTATION = "lockstep.dev/group-filter"
-"""Annotation naming a user group filter, `package.module:function` (Group -> bool, True keeps), applied
-at put; the RLJob schema has no field for it yet."""
-
-
 def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
-    """The user group filters the manifest names (imported now, so a bad path fails at start)."""
-    raw = job.metadata.annotations.get(GROUP_FILTER_ANNOTATION)
-    if not raw:
+    """The user group filter of spec.agent.groupFilterFunction (imported now, so a bad path fails at
+    start)."""
+    path = job.spec.agent.group_filter_function
+    if not path:
         return ()
     try:
-        return (load_group_filter(raw),)
+        return (load_group_filter(path),)
     except ValueError as e:
-        raise ValueError(f"metadata.annotations[{GROUP_FILTER_ANNOTATION}]: {e}") from e
+        raise ValueError(f"spec.agent.groupFilterFunction: {e}") from e
 
 
 class ComponentHooks:

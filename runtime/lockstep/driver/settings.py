@@ -1,14 +1,9 @@
 """RunSettings: the knobs of one local run, read once from the RLJob (a pure function, golden-tested).
 
 Why it exists: the loop should read plain, validated numbers, not walk the manifest. `settings_from_job`
-is the one place that maps manifest fields to loop knobs, and the one place that reads the few local
-knobs the RLJob schema has no field for yet, from metadata.annotations:
-
-- `lockstep.dev/sft-warm-start-steps` (int, default 0): SFT steps on the task's reference answers
-  before RL (the "SFT warm start" step of the driver); 0 skips it.
-- `lockstep.dev/sft-learning-rate` (float, default: spec.algorithm.learningRate).
-- `lockstep.dev/grad-clip` (float, default 1.0), `lockstep.dev/micro-batch-size` (int, default 64).
-- `lockstep.dev/eval-temperature` (float, default 0 = greedy).
+is the one place that maps manifest fields to loop knobs, including the local-run ones:
+spec.algorithm.sftWarmStart {steps, learningRate}, spec.trainer.gradClip and microBatchSize, and
+spec.schedule.evalTemperature (all typed and range-checked by lockstep.api).
 
 Who calls it: lockstep.driver.components.
 """
@@ -20,9 +15,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-
-ANNOTATION_PREFIX = "lockstep.dev/"
-"""Prefix of the local-run annotations read here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +55,6 @@ class RunSettings:
     """Sampling temperature of evaluation (0 = greedy)."""
 
 
-def _annotation(job: RLJob, key: str, kind: type, default: object) -> object:
-    raw = job.metadata.annotations.get(ANNOTATION_PREFIX + key)
-    if raw is None:
-        return default
-    try:
-        return kind(raw)
-    except ValueError as e:
-        raise ValueError(
-            f"metadata.annotations[{ANNOTATION_PREFIX + key}]: {raw!r} is not a valid {kind.__name__}"
-        ) from e
-
-
 def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
     """Read the loop's knobs from `job`; `steps` (the --steps flag) overrides spec.schedule.steps."""
     spec = job.spec
@@ -91,16 +71,14 @@ def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         max_new_tokens=sampling.max_new_tokens,
-        sft_steps=int(_annotation(job, "sft-warm-start-steps", int, 0)),  # type: ignore[call-overload]
-        sft_learning_rate=_annotation(job, "sft-learning-rate", float, None),  # type: ignore[arg-type]
-        grad_clip=float(_annotation(job, "grad-clip", float, 1.0)),  # type: ignore[arg-type]
-        micro_batch_size=int(_annotation(job, "micro-batch-size", int, 64)),  # type: ignore[call-overload]
-        eval_temperature=float(_annotation(job, "eval-temperature", float, 0.0)),  # type: ignore[arg-type]
+        sft_steps=spec.algorithm.sft_warm_start.steps,
+        sft_learning_rate=spec.algorithm.sft_warm_start.learning_rate,
+        grad_clip=spec.trainer.grad_clip,
+        micro_batch_size=spec.trainer.micro_batch_size,
+        eval_temperature=spec.schedule.eval_temperature,
     )
     if s.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {s.steps}")
-    if s.sft_steps < 0:
-        raise ValueError(f"metadata.annotations[{ANNOTATION_PREFIX}sft-warm-start-steps] must be >= 0")
     if s.temperature <= 0:
         raise ValueError(
             "spec.rollout.sampling.temperature: RL needs temperature > 0 (logprobs of greedy decoding are "

@@ -31,9 +31,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def _manifest(
-    tmp_path: Path, edit: dict[str, object] | None = None, annotations: dict[str, str] | None = None
-) -> Path:
+def _manifest(tmp_path: Path, edit: dict[str, object] | None = None) -> Path:
     doc = yaml.safe_load(FIXTURE.read_text())
     for dotted, value in (edit or {}).items():
         node = doc
@@ -41,7 +39,6 @@ def _manifest(
         for key in parents:
             node = node.setdefault(key, {})
         node[last] = value
-    doc["metadata"]["annotations"].update(annotations or {})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -226,8 +226,8 @@ async def test_unreachable_engine_fails_the_run_without_saving() -> None:
 
 
 def test_settings_for_job_golden() -> None:
-    from lockstep.api import load_manifest
-    from lockstep.driver.fully_async import BUFFER_GROUPS_ANNOTATION, settings_for_job
+    from lockstep.api import ManifestError, load_manifest
+    from lockstep.driver.fully_async import settings_for_job
     from lockstep.driver.settings import settings_from_job
 
     text = (Path(__file__).parent / "fixtures" / "tiny-async.yaml").read_text()
@@ -246,14 +246,11 @@ def test_settings_for_job_golden() -> None:
         sample_timeout_s=None,
     )
     assert got.capacity == 8
-    annotated = text.replace(
-        "  name: tiny-async\n", f"  name: tiny-async\n  annotations: {{{BUFFER_GROUPS_ANNOTATION}: '3'}}\n"
-    )
-    job = load_manifest(annotated)
+    sized = text.replace("  schedule:\n", "  schedule:\n    bufferGroups: 3\n")
+    job = load_manifest(sized)
     assert settings_for_job(job, settings_from_job(job)).capacity == 3
-    job = load_manifest(annotated.replace("'3'", "'many'"))
-    with pytest.raises(ValueError, match="async-buffer-groups"):
-        settings_for_job(job, settings_from_job(job))
+    with pytest.raises(ManifestError, match="bufferGroups"):
+        load_manifest(sized.replace("bufferGroups: 3", "bufferGroups: 0"))
 
 
 def test_staleness_metrics_flatten_histograms() -> None:
@@ -276,9 +273,9 @@ def test_staleness_metrics_flatten_histograms() -> None:
     assert m["staleness_token_weighted_hist_ge16"] == 2.0
 
 
-def test_group_filter_from_annotation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_group_filter_from_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lockstep.api import load_manifest
-    from lockstep.driver.fully_async import GROUP_FILTER_ANNOTATION, filters_for_job
+    from lockstep.driver.fully_async import filters_for_job
 
     (tmp_path / "my_async_filters.py").write_text("def keep_all(group):\n    return True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -286,12 +283,9 @@ def test_group_filter_from_annotation(tmp_path: Path, monkeypatch: pytest.Monkey
     assert filters_for_job(load_manifest(text)) == ()
 
     def with_filter(path: str) -> str:
-        return text.replace(
-            "  name: tiny-async\n",
-            f"  name: tiny-async\n  annotations: {{{GROUP_FILTER_ANNOTATION}: '{path}'}}\n",
-        )
+        return text.replace("  data:\n", f"  agent:\n    groupFilterFunction: {path}\n  data:\n")
 
     (keep,) = filters_for_job(load_manifest(with_filter("my_async_filters:keep_all")))
     assert keep(Group(0, [])) is True
-    with pytest.raises(ValueError, match="group-filter"):
+    with pytest.raises(ValueError, match="groupFilterFunction"):
         filters_for_job(load_manifest(with_filter("my_async_filters:missing")))
