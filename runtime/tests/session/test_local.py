@@ -1,4 +1,5 @@
-"""The in-process session server of `lockstep.rollout.session.local`: one per event loop and client.
+"""The in-process session server of `lockstep.rollout.session.local`: one per event loop and client,
+sticky per session over the driver's replicas.
 
 Each asyncio.run is a new loop (as each test is); a server started on an earlier, closed loop
 must never be handed out again (it would never answer), and within one loop the server is reused.
@@ -10,8 +11,9 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
-from lockstep.rollout.session.local import session_url_for
-from lockstep.serving import SamplingParams
+from lockstep.rollout.session.engine import BackendEngine, ReplicaPool
+from lockstep.rollout.session.local import session_url_for, turn_engine
+from lockstep.serving import EngineClient, SamplingParams
 
 
 async def _url_then_create_a_session(ctx: SimpleNamespace) -> tuple[str, str]:
@@ -30,3 +32,16 @@ def test_each_loop_gets_a_live_server() -> None:
     )
     urls = [asyncio.run(_url_then_create_a_session(ctx))[0] for _ in range(4)]
     assert len(set(urls)) == 4  # a fresh server on every loop, each answering on its own loop
+
+
+def test_driver_replicas_get_session_affinity_and_stay_open() -> None:
+    clients = [EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")]
+    engine = turn_engine(SimpleNamespace(clients=clients))  # the driver's round-robin ReplicaSet shape
+    assert isinstance(engine, ReplicaPool)
+    assert sorted(engine.ring.replicas) == [c.base_url for c in clients]
+    asyncio.run(engine.aclose())
+    assert not any(c._http.is_closed for c in clients)  # the driver owns and closes them
+    assert isinstance(turn_engine(SimpleNamespace(clients=clients[:1])), BackendEngine)
+    assert isinstance(turn_engine(clients[0]), BackendEngine)
+    for c in clients:
+        asyncio.run(c.aclose())

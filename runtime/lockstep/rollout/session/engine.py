@@ -37,13 +37,20 @@ class TurnEngine(Protocol):
 class ReplicaPool:
     """Replicas behind consistent hashing of the session id, one EngineClient each."""
 
-    def __init__(self, replicas: Sequence[str], timeout_s: float = 600.0, dp_size: int = 1) -> None:
-        self.ring = HashRing([r.rstrip("/") for r in replicas], dp_size=dp_size)
-        """Session id -> (replica URL, DP rank); dp_size is each replica's SGLang --dp-size."""
+    def __init__(
+        self, replicas: Sequence[str | EngineClient], timeout_s: float = 600.0, dp_size: int = 1
+    ) -> None:
         # One client per replica: each tracks its replica's last weight version, which is what lets
         # result_from_reply trust stock SGLang's single per-reply version for every token. No retry:
-        # a dead replica fails the turn at once (the agent sees a 502).
-        self._clients = {r: EngineClient(r, timeout_s=timeout_s, retries=1) for r in self.ring.replicas}
+        # a dead replica fails the turn at once (the agent sees a 502). Clients passed in (e.g. the
+        # driver's) are used as they are and stay open at aclose: their owner closes them.
+        self._owned = [
+            EngineClient(r, timeout_s=timeout_s, retries=1) for r in replicas if isinstance(r, str)
+        ]
+        given = [r for r in replicas if isinstance(r, EngineClient)]
+        self._clients = {c.base_url: c for c in [*given, *self._owned]}
+        self.ring = HashRing(list(self._clients), dp_size=dp_size)
+        """Session id -> (replica URL, DP rank); dp_size is each replica's SGLang --dp-size."""
 
     async def generate(
         self, session_id: str, input_ids: Sequence[int], sampling: SamplingParams, routed_experts: bool
@@ -59,7 +66,7 @@ class ReplicaPool:
         )
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
+        for client in self._owned:
             await client.aclose()
 
 

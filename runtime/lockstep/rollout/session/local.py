@@ -3,7 +3,8 @@
 Why it exists: in a cluster the driver hands agents the URL of a session-server Service
 (AgentContext.session_url). On one machine nothing runs it yet, so these AgentFns start one
 SessionServer per process on 127.0.0.1 the first time they run, in front of the driver's engine
-client (AgentContext.client, so turns go where the driver's samples go), and reuse it afterwards.
+client (AgentContext.client, so turns go where the driver's samples go; with several replicas each
+session sticks to one of them), and reuse it afterwards.
 
 Manifest: spec.agent.agentFunction: lockstep.rollout.session.local:toolcalc_agent
           spec.agent.rewardFunction: lockstep.tasks.toolcalc:reward
@@ -19,8 +20,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.rollout.session.engine import BackendEngine
+from lockstep.rollout.session.engine import BackendEngine, ReplicaPool, TurnEngine
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
+from lockstep.serving import EngineClient
 from lockstep.tasks.toolcalc.agent import run_episode
 from lockstep.types import Sample
 
@@ -40,6 +42,19 @@ class _LoopServers:
 _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopServers] = weakref.WeakKeyDictionary()
 
 
+def turn_engine(client: Any) -> TurnEngine:
+    """Session affinity over the driver's replicas when its client holds several EngineClients (its
+    round-robin ReplicaSet would send every turn elsewhere); otherwise the client itself."""
+    replicas = getattr(client, "clients", None)
+    if (
+        isinstance(replicas, list)
+        and len(replicas) > 1
+        and all(isinstance(c, EngineClient) for c in replicas)
+    ):
+        return ReplicaPool(replicas)
+    return BackendEngine(client)
+
+
 async def session_url_for(ctx: Any) -> str:
     """ctx.session_url, or the URL of this process's in-process session server (started once)."""
     if ctx.session_url:
@@ -53,7 +68,7 @@ async def session_url_for(ctx: Any) -> str:
         if entry is None:
             family = str(ctx.extra.get("family", "tiny"))
             config = SessionServerConfig(family=family, max_new_tokens=ctx.sampling.max_new_tokens)
-            srv = SessionServer(config, BackendEngine(ctx.client))
+            srv = SessionServer(config, turn_engine(ctx.client))
             await srv.start("127.0.0.1", 0)
             entry = servers.by_client[id(ctx.client)] = (ctx.client, srv)
         return entry[1].url
