@@ -21,9 +21,24 @@ from typing import Any
 
 log = logging.getLogger("lockstep.run")
 
+EXIT_CODES = """exit codes:
+  0    done, or stopped by Ctrl-C after the current step with a checkpoint (continue with --resume)
+  2    bad manifest or unsupported settings (the message names the field)
+  3    a rollout engine is unreachable
+  4    non-finite loss: stopped, the last good checkpoint is intact
+  5    pre-flight weight check (spec.weightSync.checkWeightUpdateEqual) failed; no step was trained
+  130  abandoned by a second Ctrl-C (resume from the last saved checkpoint)"""
+"""The exit codes `lockstep run` and `lockstep driver` return, shown in --help."""
+
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("run", help="run an RLJob manifest on this machine", description=__doc__)
+    p = subparsers.add_parser(
+        "run",
+        help="run an RLJob manifest on this machine",
+        description=__doc__,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("manifest", type=Path, help="RLJob YAML file")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<metadata.name>)")
     p.add_argument("--steps", type=int, default=None, help="override spec.schedule.steps")
@@ -93,7 +108,8 @@ def execute(
         return 130
     how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
     print(
-        f"{how}: step {getattr(state, 'step', '?')}{_reward_summary(run_dir)}, run dir {run_dir} (metrics.jsonl, metrics.png)"
+        f"{how}: step {getattr(state, 'step', '?')}{_reward_summary(run_dir)}{_preflight_summary(run_dir)}, "
+        f"run dir {run_dir} (metrics.jsonl, metrics.png)"
     )
     return 0
 
@@ -109,6 +125,18 @@ def _reward_summary(run_dir: Path) -> str:
     evals = [r["reward_mean"] for r in rows if r["kind"] == "eval" and r.get("reward_mean") is not None]
     out = f", reward {sum(train) / len(train):.2f} (last {len(train)} steps)" if train else ""
     return out + (f", eval {evals[-1]:.2f}" if evals else "")
+
+
+def _preflight_summary(run_dir: Path) -> str:
+    """ ", pre-flight passed (N tensors equal ...)" when this run's pre-flight wrote its result."""
+    from lockstep.driver.steps import PREFLIGHT_FILE
+    from lockstep.weights.preflight import PreflightResult
+
+    path = run_dir / PREFLIGHT_FILE
+    if not path.is_file():
+        return ""
+    result = PreflightResult.model_validate_json(path.read_text())
+    return f", pre-flight {'passed' if result.passed else 'FAILED'} ({result.message})"
 
 
 def main(args: argparse.Namespace) -> int:

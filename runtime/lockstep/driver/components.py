@@ -4,7 +4,8 @@ Why it exists: the loops (sync in loop.py, fully-async in fully_async.py) should
 (seed §1); all construction happens here: the model checkpoint resolved, the reference engine(s)
 started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs used), one
 EngineClient per engine on the shared AsyncRunner loop, the trainer backend, the weight transport, the
-task and its rollout (plugins loaded and validated), and the metrics sink.
+task and its rollout (plugins loaded and validated), and the metrics sink. The weight transport
+comes from lockstep.driver.transports (spec.weightSync.transport).
 
 `Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
 `run_fully_async(job, components)`.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep.driver.aio import AsyncRunner
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
 from lockstep.driver.settings import RunSettings, settings_from_job
+from lockstep.driver.transports import build_transport, check_transport, needs_tensor_updates
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
@@ -142,6 +144,7 @@ def build_components(
     from lockstep.serving.client import EngineClient
 
     _check_supported(job)
+    check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
     settings = settings_from_job(job, steps)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +164,7 @@ def build_components(
             runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
         backend = _build_backend(job, settings, model_dir)
         closers.append(backend.close)
-        transport = _build_transport(job, run_dir, model_dir, runner, clients, backend.device_type)
+        transport = build_transport(job, run_dir, model_dir, runner, clients, backend.device_type)
         closers.append(transport.close)
         rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
@@ -194,11 +197,15 @@ def build_components(
 
 
 def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]]) -> list[EngineServer]:
-    """spec.rollout.replicas reference engines in this process (CUDA when gpusPerEngine > 0 and present)."""
+    """spec.rollout.replicas reference engines in this process (CUDA when gpusPerEngine > 0 and present).
+
+    They accept tensor updates only when the transport is cuda-ipc (the restricted unpickler is the
+    only door for pickled tensors, so it stays shut otherwise)."""
     device = "cuda" if job.spec.rollout.gpus_per_engine > 0 and _cuda() else "cpu"
+    allow = needs_tensor_updates(job)  # cuda-ipc sends /update_weights_from_tensor
     engines = []
     for _ in range(max(job.spec.rollout.replicas, 1)):
-        server = start_reference_engine(model_dir, device=device)
+        server = start_reference_engine(model_dir, device=device, allow_tensor_updates=allow)
         closers.append(server.stop)
         engines.append(server)
     return engines
@@ -270,47 +277,6 @@ def _build_rollout(
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731
     return Rollout(ctx=ctx, plugins=plugins, render=render, agent_ctx=agent_ctx)
-
-
-def _build_transport(
-    job: RLJob, run_dir: Path, model_dir: Path, runner: AsyncRunner, clients: list[EngineClient], device: str
-) -> WeightTransport:
-    """The transport named by spec.weightSync.transport, for engines reachable from this process.
-
-    auto and from-disk-capable setups use the from-disk transport (full HF checkpoint per version,
-    POST /update_weights_from_disk); broadcast uses the weights helper's BroadcastTransport (gloo on
-    CPU, NCCL on CUDA). Others are refused with the field path until they are wired here.
-    """
-    from lockstep.weights.from_disk import FromDiskTransport
-
-    name = str(job.spec.weight_sync.transport)
-    if name == "broadcast":
-        from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
-
-        return BroadcastTransport(
-            [EngineTarget(c.base_url) for c in clients],
-            backend="nccl" if device == "cuda" else "gloo",
-            device=device,
-            pause_mode=str(job.spec.weight_sync.pause_mode),
-        )
-    if name != "auto":
-        raise ValueError(
-            f"spec.weightSync.transport: {name!r} is not wired into `lockstep run` yet; use auto (from-disk) "
-            "or broadcast"
-        )
-
-    def make_reload(client: EngineClient) -> Callable[[str, int], None]:
-        def reload(path: str, version: int) -> None:
-            runner.run(client.update_weights_from_disk(path, weight_version=version))
-
-        return reload
-
-    return FromDiskTransport(
-        run_dir / "weights",
-        [make_reload(c) for c in clients],
-        config_dir=model_dir,
-        extra_files=("config.json", "tiny_tokenizer.json", "chat_template.jinja"),
-    )
 
 
 def _close_clients(runner: AsyncRunner, clients: list[EngineClient]) -> None:

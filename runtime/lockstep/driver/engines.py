@@ -36,8 +36,12 @@ class EngineServer:
     """The engine object (for tests and diagnostics)."""
 
 
-def start_reference_engine(model_dir: Path, *, device: str = "cpu") -> EngineServer:
+def start_reference_engine(
+    model_dir: Path, *, device: str = "cpu", allow_tensor_updates: bool = False
+) -> EngineServer:
     """Serve lockstep.engine's reference engine for `model_dir` on 127.0.0.1 (free port).
+
+    `allow_tensor_updates` opens /update_weights_from_tensor (pickled tensors; the cuda-ipc transport).
 
     Sampling is reproducible through the per-request sampling_seed the rollout sends, so the engine
     itself needs no seed.
@@ -53,7 +57,7 @@ def start_reference_engine(model_dir: Path, *, device: str = "cpu") -> EngineSer
     async def serve() -> None:
         engine = ReferenceEngine.load(model_dir, device=device)
         await engine.start()
-        runner = web.AppRunner(create_app(engine), access_log=None)
+        runner = web.AppRunner(create_app(engine, allow_tensor_updates=allow_tensor_updates), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -471,7 +471,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     """
     from lockstep.driver.loop import evaluate_at
     from lockstep.driver.state import load_checkpoint
-    from lockstep.driver.steps import push_weights, sft_warm_start
+    from lockstep.driver.steps import first_push, sft_warm_start
     from lockstep.observability.plot import plot_metrics
 
     c = components
@@ -487,7 +487,8 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
         for k, m in enumerate(sft_warm_start(c)):
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
-    c.metrics.log("publish", state.step, push_weights(c, state.version))  # engines == trainer before step 1
+    # engines == trainer before step 1 (through the pre-flight check when asked)
+    c.metrics.log("publish", state.step, first_push(c, state.version))
     if settings.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     from tqdm import tqdm

@@ -22,7 +22,7 @@ from lockstep.driver.state import DriverState, load_checkpoint, save_checkpoint
 from lockstep.driver.steps import (
     collect_batch,
     evaluate,
-    preflight_push,
+    first_push,
     push_weights,
     sft_warm_start,
     train_on_groups,
@@ -47,8 +47,7 @@ def run_sync(c: Components) -> DriverState:
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
     # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
-    first = preflight_push if c.job.spec.weight_sync.check_weight_update_equal else push_weights
-    c.metrics.log("publish", state.step, first(c, state.version))
+    c.metrics.log("publish", state.step, first_push(c, state.version))
     if s.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     saved_at = state.step

@@ -9,6 +9,7 @@ Who calls it: lockstep.driver.loop, lockstep.driver.fully_async.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ from lockstep.types import Group, Sample, SampleStatus
 if TYPE_CHECKING:
     from lockstep.driver.components import Components
     from lockstep.driver.state import DriverState
+
+log = logging.getLogger(__name__)
 
 EVAL_GROUP_BASE = 1_000_000_000
 """Group indices of eval samples start here (they never mix with training groups)."""
@@ -110,6 +113,18 @@ def push_weights(c: Components, version: int) -> dict[str, float]:
     return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
 
 
+PREFLIGHT_FILE = "preflight.json"
+"""Where in the run dir the pre-flight's PreflightResult (pydantic JSON) is written, passed or not."""
+
+
+def first_push(c: Components, version: int) -> dict[str, float]:
+    """The push before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
+    if c.job.spec.weight_sync.check_weight_update_equal:
+        return preflight_push(c, version)
+    (c.run_dir / PREFLIGHT_FILE).unlink(missing_ok=True)  # a result of an earlier start is not this one's
+    return push_weights(c, version)
+
+
 class PreflightFailed(RuntimeError):
     """check-weight-update-equal found engines that do not hold the trainer's weights."""
 
@@ -139,6 +154,8 @@ def preflight_push(c: Components, version: int) -> dict[str, float]:
         ),
         seed=c.settings.seed,
     )
+    (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
+    log.info("pre-flight %s: %s", "passed" if result.passed else "FAILED", result.message)
     if not result.passed:
         raise PreflightFailed(f"spec.weightSync.checkWeightUpdateEqual: {result.message}")
     return {

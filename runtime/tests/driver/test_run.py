@@ -121,6 +121,10 @@ REWARDS = """
 def nan_after_two_steps(sample, response):
     # Batch = 2 groups: groups 4 and 5 are drawn by step 3.
     return float("nan") if sample.group_index >= 4 else 0.5 + 0.1 * sample.index
+
+def by_index(sample, response):
+    # Rewards that differ inside every group: nonzero advantages, so every step changes the weights.
+    return 0.1 * sample.index
 """
 
 
@@ -175,24 +179,53 @@ def test_unsupported_settings_are_refused_before_start(
     assert "spec.model.lora: LoRA is not built yet" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("transport", ["auto", "broadcast"])
-def test_preflight_then_steps_through_each_wired_transport(
-    tmp_path: Path, cache: Path, transport: str
+@pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])
+def test_preflight_then_steps_through_each_transport(
+    tmp_path: Path, cache: Path, reward_module: str, transport: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    manifest = _manifest(
-        tmp_path, {"spec.weightSync.transport": transport, "spec.weightSync.checkWeightUpdateEqual": True}
-    )
+    """Every transport: the pre-flight (noise in the engines, first update, compare) then two real
+    updates whose logprobs match the trainer's. cuda-ipc runs its host shared-memory path on CPU."""
+    from lockstep.weights.preflight import PreflightResult
+
+    edit = {
+        "spec.weightSync.transport": transport,
+        "spec.weightSync.checkWeightUpdateEqual": True,
+        "spec.algorithm.sftWarmStart": {"steps": 0},  # the updates are under test, not the warm start
+        "spec.agent.rewardFunction": f"{reward_module}:by_index",
+        "spec.schedule.colocate": transport == "cuda-ipc",  # the API asks cuda-ipc to be colocated
+    }
     run_dir = tmp_path / "run"
-    assert (
-        main(["run", str(manifest), "--run-dir", str(run_dir), "--cache-dir", str(cache), "--steps", "2"])
-        == 0
-    )
+    args = ["run", str(_manifest(tmp_path, edit)), "--run-dir", str(run_dir), "--cache-dir", str(cache)]
+    assert main([*args, "--steps", "2"]) == 0
+    result = PreflightResult.model_validate_json((run_dir / "preflight.json").read_text())
+    assert result.passed and result.checked_tensors > 0 and not result.mismatches
+    assert f"pre-flight passed ({result.message})" in capsys.readouterr().out
     publish = read_jsonl(run_dir / "metrics.jsonl", "publish")[0]
-    assert publish["preflight_tensors"] > 0  # every tensor compared after the engines were randomized
+    assert publish["preflight_tensors"] == result.checked_tensors  # every tensor compared after noise
     assert publish["preflight_logprob_max_abs_diff"] < 1e-3
     train = read_jsonl(run_dir / "metrics.jsonl", "train")
     assert [r["weight_version"] for r in train] == [1, 2]
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in train)  # updates really landed
+    if transport == "disk-delta":
+        assert 0.0 < train[-1]["update_weights_density"] <= 1.0  # a delta, not a full checkpoint
+        assert sorted(p.name for p in (run_dir / "delta").glob("weight_v*")) == [
+            "weight_v000001",
+            "weight_v000002",
+        ]
+
+
+def test_cuda_ipc_is_refused_without_a_separate_cuda_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    edit = {
+        "spec.weightSync.transport": "cuda-ipc",
+        "spec.trainer.device": "cuda",
+        "spec.schedule.colocate": True,
+    }
+    assert main(["run", str(_manifest(tmp_path, edit)), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "spec.weightSync.transport: cuda-ipc" in err
+    assert "needs a CUDA device" in err or "needs the engine in another process" in err
 
 
 def test_driver_pod_command_uses_the_given_engine_and_resumes(tmp_path: Path, cache: Path) -> None:
