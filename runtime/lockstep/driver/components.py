@@ -273,6 +273,8 @@ def _build_rollout(
             settings.seed,
             max_turns=agent.max_turns,
             timeout_s=timeout,
+            # The session server renders turns with the family's chat-template rules (TITO).
+            extra={"family": job.spec.model.family},
         )
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731

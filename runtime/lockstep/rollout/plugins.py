@@ -65,7 +65,8 @@ class AgentContext(RolloutContext):
     timeout_s: float | None = None
     """spec.agent.timeoutSeconds."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Free-form settings for the agent."""
+    """Free-form settings for the agent. The driver sets "family" (spec.model.family), which the
+    in-process session server of lockstep.rollout.session.local uses for the chat-template rules."""
 
 
 class GenerateFn(Protocol):

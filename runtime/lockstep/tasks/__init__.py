@@ -7,6 +7,8 @@ rollout layer renders messages with the model family's chat format.
 
 Built-in tasks (`data.prompts: builtin:<name>`):
 - `builtin:reverse`: reverse a string of 3 to 5 digits; exact-match reward (see digits.py).
+- `builtin:toolcalc`: a multi-turn arithmetic task answered through the `calc` tool (see toolcalc/).
+The table is lockstep.tasks.registry.BUILTIN_TASKS.
 A JSON-lines file path is also accepted (one {"prompt" or "messages", "answer"} object per line,
 exact-match reward after stripping whitespace).
 

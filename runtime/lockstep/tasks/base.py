@@ -104,7 +104,7 @@ def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Tas
 
     Raises ValueError naming the unknown built-in and the known ones.
     """
-    from lockstep.tasks.digits import BUILTIN_TASKS
+    from lockstep.tasks.registry import BUILTIN_TASKS
 
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable
 
-from lockstep.tasks.base import Split, Task, TaskItem, exact_match
+from lockstep.tasks.base import Split, TaskItem, exact_match
 
 MIN_DIGITS = 3
 """Shortest digit string."""
@@ -62,7 +61,3 @@ class ReverseDigits:
 
     def reward(self, response: str, item: TaskItem) -> float:
         return exact_match(response, item.answer)
-
-
-BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {"reverse": ReverseDigits}
-"""Built-in task names (used as `builtin:<name>`) and their constructors (taking the data seed)."""

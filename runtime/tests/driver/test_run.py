@@ -244,3 +244,37 @@ def test_driver_pod_command_uses_the_given_engine_and_resumes(tmp_path: Path, ca
     assert [r["step"] for r in train] == [1, 2]
     assert [r["weight_version"] for r in train] == [1, 2]
     assert len(read_jsonl(tmp_path / "metrics.jsonl", "sft")) == 2  # the warm start ran once
+
+
+AGENT = """
+from lockstep.rollout.session.local import toolcalc_agent
+
+FAMILIES = []
+
+async def recording_agent(ctx, sample):
+    FAMILIES.append(ctx.extra.get("family"))
+    return await toolcalc_agent(ctx, sample)
+"""
+
+
+def test_builtin_toolcalc_runs_with_the_model_family(tmp_path: Path, cache: Path) -> None:
+    """builtin:toolcalc prompts, the TITO toolcalc agent; the agent context carries spec.model.family."""
+    (tmp_path / "lockstep_test_agent.py").write_text(textwrap.dedent(AGENT))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        doc = yaml.safe_load((Path(__file__).parents[3] / "examples" / "tiny-tools.yaml").read_text())
+        assert doc["spec"]["data"]["prompts"] == "builtin:toolcalc"
+        doc["spec"]["agent"]["agentFunction"] = "lockstep_test_agent:recording_agent"
+        doc["spec"]["algorithm"] |= {"batchSize": 1, "samplesPerPrompt": 2}
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(yaml.safe_dump(doc))
+        run_dir = tmp_path / "run"
+        args = ["run", str(manifest), "--run-dir", str(run_dir), "--cache-dir", str(cache), "--steps", "1"]
+        assert main(args) == 0
+        import lockstep_test_agent
+
+        assert lockstep_test_agent.FAMILIES and set(lockstep_test_agent.FAMILIES) == {"tiny"}
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("lockstep_test_agent", None)
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl", "train")] == [1]

@@ -67,3 +67,18 @@ def test_jsonl_task(tmp_path: Path) -> None:
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         load_task(str(bad))
+
+
+def test_toolcalc_is_a_builtin_task() -> None:
+    from lockstep.tasks.toolcalc import calc
+
+    task = load_task("builtin:toolcalc", "builtin:toolcalc", seed=2)
+    assert task.name == "builtin:toolcalc"
+    item = task.item(3)
+    assert item == load_task("builtin:toolcalc", seed=2).item(3)  # deterministic by (seed, index)
+    (message,) = item.messages
+    assert message["content"] == f"calc {item.metadata['expression']}"
+    assert item.answer == calc({"expression": item.metadata["expression"]})
+    assert task.reward(f" {item.answer}\n", item) == 1.0 and task.reward("no", item) == 0.0
+    with pytest.raises(ValueError, match="builtin:reverse, builtin:toolcalc"):
+        load_task("builtin:nope")
