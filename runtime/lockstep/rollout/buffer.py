@@ -17,11 +17,11 @@ metrics). Everything runs on one asyncio event loop; the trainer's blocking work
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lockstep.rollout.plugins import load_function
 from lockstep.rollout.staleness import Staleness, StalenessStats, is_too_stale, measure_staleness
 from lockstep.types import Group, SampleStatus
 
@@ -33,22 +33,13 @@ class BufferClosed(Exception):
     """Raised by put/get once the buffer is closed (the run is ending)."""
 
 
-def load_group_filter(path: str) -> GroupFilter:
-    """Import a user filter by its path, `package.module:function` or `package.module.function`."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
+def load_group_filter(path: str, field_path: str = "group filter") -> GroupFilter:
+    """Import a user filter by its path, `package.module:function` (or `package.module.function`),
+    with the same checks and errors as the manifest's other plugin paths (ValueError naming field_path)."""
+    if ":" not in path and "." in path:
         module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"group filter {path!r}: expected an import path like 'my_pkg.filters:keep_group'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"group filter {path!r} cannot be imported ({err}); check the module is installed"
-        ) from err
-    if not callable(obj):
-        raise ValueError(f"group filter {path!r} is not callable; it must take a Group and return bool")
-    fn: GroupFilter = obj
+        path = f"{module_name}:{attr}"
+    fn: GroupFilter = load_function(path, field_path)
     return fn
 
 
