@@ -9,9 +9,9 @@ maps the manifest onto the weights package's transports, for engines reachable f
   with every engine (stock SGLang included), needs no process group or RDMA library, and a single
   machine always shares a disk; the faster transports are opt-in by name.
 - `broadcast` -> BroadcastTransport over a weight-update group (gloo on CPU, NCCL on CUDA).
-- `disk-delta` -> DiskDeltaTransport: the trainer publishes byte deltas under run_dir/delta/, each
-  engine gets its own copy of the checkpoint (run_dir/engine-copies/<i>/) that is patched and reloaded.
-  The first update publishes nothing and verifies trainer export and every copy against the baseline.
+- `disk-delta` -> DiskDeltaTransport (in LocalDiskDelta): byte deltas under run_dir/delta/, one
+  checkpoint copy per engine, patched and reloaded. The first update publishes nothing: its baseline is
+  the trainer's export at the first push, verified byte-identical on both sides.
   spec.weightSync.diskDelta.path names the shared volume in a cluster; a local run keeps its deltas in
   the run dir.
 - `p2p` -> P2PTransport: Mooncake TransferEngine over loopback TCP into each engine's receive buffer.
@@ -31,7 +31,7 @@ import logging
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -145,57 +145,93 @@ def _from_disk(
 
 
 def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> WeightTransport:
-    """Publisher over run_dir/delta, one fresh checkpoint copy per engine (patched, then reloaded)."""
-    from lockstep.weights.disk_delta import DeltaPublisher, DiskDeltaTransport, http_reload
-
     spec = job.spec.weight_sync.disk_delta
     if str(spec.checksum) != "xxh3-128":
         raise ValueError(
             f"spec.weightSync.diskDelta.checksum: only xxh3-128 is implemented, got {spec.checksum}; remove it"
         )
-    # Deltas and copies are caches of this process: a (resumed) run starts them again from the
-    # checkpoint, since the publisher's byte baseline is the checkpoint on disk.
-    root, copies = run_dir / "delta", run_dir / "engine-copies"
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(copies, ignore_errors=True)
-    subscribers = []
-    for i, url in enumerate(urls):
-        local = copies / str(i)
-        shutil.copytree(model_dir, local)
-        subscribers.append((local, http_reload(url, pause_mode=str(job.spec.weight_sync.pause_mode))))
-    publisher = DeltaPublisher(root, model_dir, encoding=str(spec.encoding), level=spec.zstd_level)  # type: ignore[arg-type]
-    return FirstUpdateThenDeltas(DiskDeltaTransport(publisher, subscribers))
+    return LocalDiskDelta(
+        run_dir,
+        model_dir,
+        urls,
+        encoding=str(spec.encoding),
+        level=spec.zstd_level,
+        pause_mode=str(job.spec.weight_sync.pause_mode),
+    )
 
 
-class FirstUpdateThenDeltas:
-    """WeightTransport over DiskDeltaTransport whose first push is the transport's first update.
+class LocalDiskDelta:
+    """WeightTransport: disk-delta for the engines of one machine, one checkpoint copy per engine.
 
-    The driver's first push (version 0, or the resumed version) runs `first_update` (nothing published;
-    trainer export and every engine copy verified against the baseline) and reloads every engine from
-    its verified copy, so engines hold exactly the baseline bytes even after the pre-flight filled them
-    with noise. A resumed run then publishes its version as the first delta against the baseline.
+    The first push (version 0 after an SFT warm start, or the resumed version) is the transport's first
+    update. Its byte baseline is the trainer's export at that moment, written once as an HF checkpoint
+    (run_dir/delta-base/): after a warm start or a resume the trainer no longer holds the bytes of
+    spec.model.checkpoint, and deltas must start from what the engines hold. Every engine gets a copy
+    (run_dir/engine-copies/<i>/); `first_update` publishes nothing and verifies the trainer's layout and
+    every copy against the baseline; each engine then reloads its verified copy (so engines hold exactly
+    the baseline even after the pre-flight filled them with noise). Later pushes publish deltas under
+    run_dir/delta/, patch every copy, then reload. The three directories are caches of this process:
+    each start of the run builds them again from the trainer's export.
     """
 
     name = "disk-delta"
 
-    def __init__(self, inner: DiskDeltaTransport) -> None:
-        self.inner = inner
-        """The disk-delta transport (publisher and per-engine subscribers)."""
-        self.started = False
-        """Whether first_update ran."""
+    def __init__(
+        self,
+        run_dir: Path,
+        model_dir: Path,
+        urls: Sequence[str],
+        *,
+        encoding: str = "xor",
+        level: int = 1,
+        pause_mode: str = "retract",
+    ) -> None:
+        from lockstep.weights.disk_delta import http_reload
+
+        self.run_dir = Path(run_dir)
+        """Where delta/, delta-base/ and engine-copies/ live."""
+        self.model_dir = Path(model_dir)
+        """The initial checkpoint (its config and tokenizer files go into the baseline)."""
+        self.reloads = [http_reload(u, pause_mode=pause_mode) for u in urls]
+        """One reload (pause, /update_weights_from_disk, continue) per engine."""
+        self.encoding = encoding
+        """spec.weightSync.diskDelta.encoding."""
+        self.level = level
+        """spec.weightSync.diskDelta.zstdLevel."""
+        self.inner: DiskDeltaTransport | None = None
+        """The disk-delta transport, built at the first push."""
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        if self.started:
+        if self.inner is not None:
             return self.inner.push(named_tensors, version)
-        tensors = list(named_tensors)  # read twice: layout check, then (resume) the first delta
+        return self._first_update(list(named_tensors), version)
+
+    def _first_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+        from lockstep.weights.disk_delta import DeltaPublisher, DiskDeltaTransport
+        from lockstep.weights.from_disk import FromDiskTransport
+
+        root, base, copies = (
+            self.run_dir / "delta",
+            self.run_dir / "delta-base",
+            self.run_dir / "engine-copies",
+        )
+        for stale in (root, base, copies):
+            shutil.rmtree(stale, ignore_errors=True)
+        writer = FromDiskTransport(base, [], config_dir=self.model_dir, extra_files=MODEL_FILES)
+        baseline, _, _ = writer.write(tensors, version)
+        subscribers = []
+        for i, reload in enumerate(self.reloads):
+            local = copies / str(i)
+            shutil.copytree(baseline, local)
+            subscribers.append((local, reload))
+        encoding: Any = self.encoding  # one of the codec's encodings (the API enum)
+        publisher = DeltaPublisher(root, baseline, encoding=encoding, level=self.level, base_version=version)
+        self.inner = DiskDeltaTransport(publisher, subscribers)
         report = self.inner.first_update(tensors)
-        self.started = True
-        for local, reload in self.inner.subscribers:
-            reload(local, report.version)
-        if version == report.version:
-            return report
-        log.info("disk-delta: resumed at version %d, publishing it as the first delta", version)
-        return self.inner.push(tensors, version)
+        for local, reload in subscribers:
+            reload(local, version)
+        return report
 
     def close(self) -> None:
-        self.inner.close()
+        if self.inner is not None:
+            self.inner.close()

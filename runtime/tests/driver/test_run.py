@@ -183,14 +183,15 @@ def test_unsupported_settings_are_refused_before_start(
 def test_preflight_then_steps_through_each_transport(
     tmp_path: Path, cache: Path, reward_module: str, transport: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every transport: the pre-flight (noise in the engines, first update, compare) then two real
-    updates whose logprobs match the trainer's. cuda-ipc runs its host shared-memory path on CPU."""
+    """Every transport after the fixture's SFT warm start: the pre-flight (noise in the engines, first
+    update, compare with the warm-started trainer) then two real updates whose logprobs match the
+    trainer's. cuda-ipc runs its host shared-memory path on CPU. disk-delta also resumes: its baseline
+    is rebuilt from the resumed trainer and the next delta lands on it."""
     from lockstep.weights.preflight import PreflightResult
 
     edit = {
         "spec.weightSync.transport": transport,
         "spec.weightSync.checkWeightUpdateEqual": True,
-        "spec.algorithm.sftWarmStart": {"steps": 0},  # the updates are under test, not the warm start
         "spec.agent.rewardFunction": f"{reward_module}:by_index",
         "spec.schedule.colocate": transport == "cuda-ipc",  # the API asks cuda-ipc to be colocated
     }
@@ -212,6 +213,9 @@ def test_preflight_then_steps_through_each_transport(
             "weight_v000001",
             "weight_v000002",
         ]
+        assert main([*args, "--steps", "3", "--resume"]) == 0
+        (resumed,) = read_jsonl(run_dir / "metrics.jsonl", "train")[2:]
+        assert resumed["weight_version"] == 3 and resumed["train_rollout_logprob_abs_diff"] < 1e-3
 
 
 def test_cuda_ipc_is_refused_without_a_separate_cuda_engine(

@@ -72,3 +72,21 @@ def test_colocate_with_fully_async_is_refused_at_load() -> None:
     text = FIXTURE.read_text().replace("colocate: false", "colocate: true")
     with pytest.raises(ManifestError, match="colocate"):
         load_manifest(text)
+
+
+def test_fully_async_with_disk_delta_and_preflight(tmp_path: Path, cache_dir: Path) -> None:
+    """The fully-async loop over another transport: the pre-flight runs first, then deltas land."""
+    from lockstep.weights.preflight import PreflightResult
+
+    text = FIXTURE.read_text().replace("    evalInterval: 2\n", "")
+    text = text.replace("transport: auto", "transport: disk-delta\n    checkWeightUpdateEqual: true")
+    final = run(load_manifest(text), tmp_path, steps=2, cache_dir=cache_dir)
+    assert (final.step, final.version) == (2, 2)
+    assert PreflightResult.model_validate_json((tmp_path / "preflight.json").read_text()).passed
+    train = read_jsonl(tmp_path / "metrics.jsonl", "train")
+    assert [r["weight_version"] for r in train] == [1, 2]
+    assert all("update_weights_density" in r for r in train)  # pushed as disk deltas
+    assert sorted(p.name for p in (tmp_path / "delta").glob("weight_v*")) == [
+        "weight_v000001",
+        "weight_v000002",
+    ]
