@@ -21,8 +21,14 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
+    from lockstep.cli.run import EXIT_CODES  # the same loop and exit codes as `lockstep run`
+
     p = subparsers.add_parser(
-        "driver", help="run the RL loop of a rendered job (driver pod)", description=__doc__
+        "driver",
+        help="run the RL loop of a rendered job (driver pod)",
+        description=__doc__,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, required=True, help="rendered RLJob (job.yaml)")
     p.add_argument(

@@ -282,3 +282,13 @@ def test_builtin_toolcalc_runs_with_the_model_family(tmp_path: Path, cache: Path
         sys.path.remove(str(tmp_path))
         sys.modules.pop("lockstep_test_agent", None)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl", "train")] == [1]
+
+
+@pytest.mark.parametrize("command", ["run", "driver"])
+def test_help_lists_the_exit_codes(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "--metrics-port" in out
+    for code in ("0 ", "2 ", "3 ", "4 ", "5 ", "130"):
+        assert f"\n  {code}" in out, code
