@@ -10,8 +10,8 @@ every time; disk-delta, broadcast and P2P exist to avoid that at scale.
 The engines are reached through `reload(model_path, version)` callbacks so this module stays
 synchronous and independent of the caller's event loop; only the newest `keep` versions stay on disk.
 
-Who calls it: lockstep.driver.components builds it for `lockstep run` when the manifest's transport
-is auto and no faster transport applies (or the weights helper's transport is not available).
+Who calls it: lockstep.driver.transports builds it for `lockstep run` when spec.weightSync.transport
+is auto (the one-machine default), and uses its `write` for the disk-delta baseline checkpoint.
 """
 
 from __future__ import annotations

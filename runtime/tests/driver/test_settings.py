@@ -1,0 +1,58 @@
+"""settings_from_job: the manifest fields the local loop reads, golden (pure function, no engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from lockstep.api import ManifestError, load_manifest
+from lockstep.driver.settings import RunSettings, settings_from_job
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+
+
+def test_golden_settings_of_the_fixture() -> None:
+    assert settings_from_job(load_manifest(FIXTURE)) == RunSettings(
+        steps=3,
+        batch_groups=2,
+        samples_per_prompt=4,
+        seed=0,
+        save_interval=2,
+        eval_interval=None,
+        update_interval=1,
+        learning_rate=0.0003,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=6,
+        sft_steps=2,
+        sft_learning_rate=0.003,
+        grad_clip=1.0,
+        micro_batch_size=64,
+        eval_temperature=0.0,
+    )
+
+
+def test_local_knobs_come_from_typed_fields() -> None:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["algorithm"]["sftWarmStart"] = {"steps": 0}
+    doc["spec"]["trainer"] |= {"gradClip": 0.5, "microBatchSize": 8}
+    doc["spec"]["schedule"]["evalTemperature"] = 0.7
+    s = settings_from_job(load_manifest(yaml.safe_dump(doc)), steps=9)
+    assert (s.steps, s.sft_steps, s.sft_learning_rate) == (9, 0, None)
+    assert (s.grad_clip, s.micro_batch_size, s.eval_temperature) == (0.5, 8, 0.7)
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "field"),
+    [
+        ("trainer", {"gradClip": 0}, "spec.trainer.gradClip"),
+        ("trainer", {"microBatchSize": 0}, "spec.trainer.microBatchSize"),
+        ("algorithm", {"sftWarmStart": {"steps": -1}}, "spec.algorithm.sftWarmStart.steps"),
+    ],
+)
+def test_bad_knobs_are_refused_naming_the_field(section: str, value: dict[str, object], field: str) -> None:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"][section] |= value
+    with pytest.raises(ManifestError, match=field.replace(".", r"\.")):
+        load_manifest(yaml.safe_dump(doc))
