@@ -17,9 +17,9 @@ maps the manifest onto the weights package's transports, for engines reachable f
 - `p2p` -> P2PTransport: Mooncake TransferEngine over loopback TCP into each engine's receive buffer.
 - `cuda-ipc` -> CudaIpcTransport to the single colocated engine, which must accept tensor updates.
   With trainer.device cpu the same code shares host memory (the documented CPU path of
-  lockstep.weights.ipc, used to run it without a GPU); with trainer.device cuda the engine must be
-  another process (a CUDA IPC handle cannot be opened by its creator), so it is refused for in-process
-  engines and on a machine without CUDA.
+  lockstep.weights.ipc, used to run it without a GPU; in-process engines only); with trainer.device
+  cuda the engine must be another process (a CUDA IPC handle cannot be opened by its creator), so it
+  is refused for in-process engines and on a machine without CUDA.
 
 Who calls it: lockstep.driver.components (`check_transport` before engines start, `build_transport`
 once they are ready).
@@ -68,7 +68,12 @@ def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool)
             "or choose broadcast"
         )
     if str(job.spec.trainer.device) != "cuda":
-        return  # host shared memory: the CPU path of lockstep.weights.ipc
+        if external_engines:
+            raise ValueError(
+                f"{FIELD}: cuda-ipc with spec.trainer.device cpu shares host memory with an engine of this "
+                "process only; drop --engine-url, or use broadcast for an engine in another process"
+            )
+        return  # host shared memory with the in-process engine: the CPU path of lockstep.weights.ipc
     if not cuda_available:
         raise ValueError(
             f"{FIELD}: cuda-ipc with spec.trainer.device cuda needs a CUDA device, and this machine has none; "

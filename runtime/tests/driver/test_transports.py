@@ -1,0 +1,52 @@
+"""check_transport: which spec.weightSync.transport settings a run refuses before anything starts (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from lockstep.api import RLJob, load_manifest
+from lockstep.driver.transports import check_transport, needs_tensor_updates
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+
+
+def _job(transport: str, device: str = "cpu", replicas: int = 1) -> RLJob:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["weightSync"] = {"transport": transport}
+    doc["spec"]["schedule"]["colocate"] = transport == "cuda-ipc"
+    doc["spec"]["trainer"]["device"] = device
+    doc["spec"]["rollout"]["replicas"] = replicas
+    return load_manifest(yaml.safe_dump(doc))
+
+
+@pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p"])
+@pytest.mark.parametrize("external", [False, True])
+def test_other_transports_always_start(transport: str, external: bool) -> None:
+    check_transport(_job(transport), external_engines=external, cuda_available=False)
+    assert not needs_tensor_updates(_job(transport))
+
+
+@pytest.mark.parametrize(
+    ("device", "replicas", "external", "cuda", "refusal"),
+    [
+        ("cpu", 1, False, False, None),  # host shared memory with the in-process engine
+        ("cpu", 1, True, False, "host memory with an engine of this process only"),
+        ("cpu", 2, False, False, "set spec.rollout.replicas to 1"),
+        ("cuda", 1, False, False, "needs a CUDA device"),
+        ("cuda", 1, False, True, "needs the engine in another process"),
+        ("cuda", 1, True, True, None),
+    ],
+)
+def test_cuda_ipc_refusals_name_the_field(
+    device: str, replicas: int, external: bool, cuda: bool, refusal: str | None
+) -> None:
+    job = _job("cuda-ipc", device, replicas)
+    assert needs_tensor_updates(job)
+    if refusal is None:
+        check_transport(job, external_engines=external, cuda_available=cuda)
+        return
+    with pytest.raises(ValueError, match=r"spec\.weightSync\.transport: cuda-ipc") as e:
+        check_transport(job, external_engines=external, cuda_available=cuda)
+    assert refusal in str(e.value)
