@@ -107,12 +107,14 @@ apiVersion: rl.lockstep.dev/v1alpha1
 kind: RLJob
 metadata:
   name: async-longtail
-  annotations:
-    lockstep.dev/sft-warm-start-steps: "{sft_steps}"
-    lockstep.dev/sft-learning-rate: "3.0e-3"
 spec:
   model: {{checkpoint: "{checkpoint}", family: tiny}}
-  algorithm: {{samplesPerPrompt: {n}, batchSize: {batch}, learningRate: 1.0e-3, mismatch: {{correction: tis}}}}
+  algorithm:
+    samplesPerPrompt: {n}
+    batchSize: {batch}
+    learningRate: 1.0e-3
+    mismatch: {{correction: tis}}
+    sftWarmStart: {{steps: {sft_steps}, learningRate: 3.0e-3}}
   rollout:
     engine: reference
     gpusPerEngine: 0
