@@ -88,6 +88,7 @@ class FSDPBackend:
 
     def _build_model(self, frozen: bool = False) -> Any:
         import torch
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -100,9 +101,12 @@ class FSDPBackend:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
         model.to(self.device)
+        # An explicit mesh of the trainer's own device type: the default mesh follows the machine (CUDA
+        # when present) and would move a CPU trainer's parameters onto the GPU.
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         if frozen:
             model.requires_grad_(False)
             model.eval()
