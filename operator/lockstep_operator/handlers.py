@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -139,6 +140,18 @@ def _family(job: str, namespace: str) -> list[Key]:
         ("TrainerGroup", namespace, trainer_name(job)),
         ("WeightChannel", namespace, channel_name(job)),
     ]
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Credentials from $KUBECONFIG (or ~/.kube/config), else the in-cluster service account.
+
+    Decided at login time: kopf's own fallbacks are chosen when its registry is created (at the first
+    import of this module), which may be before KUBECONFIG is set (tests, embedding).
+    """
+    if os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs)
 
 
 @kopf.on.startup()

@@ -82,8 +82,29 @@ def test_job_children(example: str) -> None:
     )
     check(
         f"{example}-children",
-        {"pool": pool, "trainer": trainer, "channel": channel, "engine0": engine0, "rank0": rank0},
+        {
+            "pool": _own(pool),
+            "trainer": _own(trainer),
+            "channel": _own(channel),
+            "engine0": engine0,
+            "rank0": rank0,
+        },
     )
+    # The sections copied from the job are exactly the job's (kept out of the golden file, so new
+    # API defaults do not churn it).
+    wire = job.spec.wire()
+    assert trainer["spec"]["trainer"] == wire["trainer"] and trainer["spec"]["model"] == wire["model"]
+    assert (
+        pool["spec"]["placement"] == wire["placement"] and channel["spec"]["weightSync"] == wire["weightSync"]
+    )
+
+
+COPIED = ("model", "trainer", "engine", "placement", "weightSync")
+
+
+def _own(child: dict[str, Any]) -> dict[str, Any]:
+    """A child kind without the spec sections copied verbatim from the job."""
+    return {**child, "spec": {k: v for k, v in child["spec"].items() if k not in COPIED}}
 
 
 def test_driver_config_and_rbac() -> None:

@@ -155,8 +155,9 @@ class KubeClient:
         self.requests = 0
         """API requests made (the bench reports requests per job)."""
         self.written: dict[tuple[str, str, str], str] = {}
-        """(kind, namespace, name) -> resourceVersion of this client's last write of that object, so a
-        watch event that is only the echo of our own write can be recognised and skipped."""
+        """(kind, namespace, name) -> resourceVersion of this client's last /status write of that object,
+        so a watch event that is only the echo of a reconcile's own status write can be skipped. Only
+        status writes: a parent's apply to a child (suspend, stop annotations) must wake the child."""
 
     async def __aenter__(self) -> KubeClient:
         headers = {"Authorization": f"Bearer {self._creds.token}"} if self._creds.token else {}
@@ -197,7 +198,7 @@ class KubeClient:
                     status = {"reason": resp.reason or "", "message": text[:500]}
                 raise ApiError(resp.status, str(status.get("reason", "")), str(status.get("message", "")))
             answer = cast(Manifest, json.loads(text)) if text else {}
-            if method in ("PATCH", "POST", "PUT") and isinstance(answer.get("metadata"), dict):
+            if method == "PATCH" and path.endswith("/status") and isinstance(answer.get("metadata"), dict):
                 meta = answer["metadata"]
                 key = (str(answer.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", "")))
                 if len(self.written) > 16384:
