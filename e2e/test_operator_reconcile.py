@@ -319,11 +319,21 @@ def test_transport_choice_per_topology(
         }
         shared_volume(cluster, namespace, "shared-ckpt")
     cluster.apply(tiny(job, **spec), namespace=namespace)
-    st = cluster.wait_for(
-        lambda: (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s,
-        timeout=WAIT,
-        what=f"transport of {job}",
-    )
+    try:
+        st = cluster.wait_for(
+            lambda: (
+                (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s
+            ),
+            timeout=WAIT,
+            what=f"transport of {job}",
+        )
+    except TimeoutError as err:
+        seen = [
+            (p["metadata"]["name"], p["status"].get("phase"), p["spec"].get("nodeName"))
+            for p in pods(cluster, namespace, job)
+        ]
+        channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
+        raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
     assert st["transport"] == expected, st["reason"]
     assert st["reason"]
     job_status = cluster.wait_for(
