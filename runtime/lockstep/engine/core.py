@@ -291,6 +291,29 @@ class ReferenceEngine:
             n += 1
         return n
 
+    def receive_targets(
+        self, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
+    ) -> list[torch.Tensor | None]:
+        """Check an incoming update's metadata against the model before any data moves.
+
+        specs: (HF name, dtype, shape) per tensor, as the request announces them. Returns, per tensor,
+        the live parameter storage to receive into in place (same dtype, shape and device, contiguous),
+        or None where the tensor must be staged and cast-copied (its dtype differs). Raises KeyError on
+        an unknown name and ValueError on a shape mismatch, naming the tensor, for the whole request.
+        Receiving into the returned tensors writes the live weights: call it holding `exclusive()`.
+        """
+        targets: list[torch.Tensor | None] = []
+        for name, dtype, shape in specs:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"{name!r} is not a parameter of this model (HF names expected)")
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"{name} has shape {tuple(shape)}, the model's is {tuple(p.shape)}")
+            live = p.data  # the parameter's own storage: CUDA graphs keep pointing at it
+            in_place = dtype == live.dtype and live.device == self.device and live.is_contiguous()
+            targets.append(live if in_place else None)
+        return targets
+
     @contextlib.asynccontextmanager
     async def paused(self, mode: PauseMode = "retract") -> AsyncIterator[None]:
         """`async with engine.paused():` no step runs inside; the prefix cache is flushed on exit."""

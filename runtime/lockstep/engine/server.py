@@ -219,17 +219,18 @@ _UpdateBody = (
 )
 
 
-async def _install(
-    engine: ReferenceEngine, body: _UpdateBody, read: Callable[[], list[tuple[str, torch.Tensor]]]
-) -> int:
-    """The update every weight endpoint runs: abort if asked, then read and load the tensors, set the
-    version and flush the cache under the step lock (no step sees half the weights). Returns the count."""
+async def _install(engine: ReferenceEngine, body: _UpdateBody, load: Callable[[], int]) -> int:
+    """The update every weight endpoint runs: abort if asked, then `load` the tensors on the worker
+    thread, set the version and flush the cache under the step lock (no step sees half the weights).
+
+    The version changes only when `load` returned, i.e. every tensor arrived; if it raises, the
+    version stays and the error reaches the handler (success=false). Returns the tensor count.
+    """
     version = _parse_version(body.weight_version)
     if body.abort_all_requests:
         await engine.abort(None, message="aborted for a weight update")
     async with engine.exclusive():
-        named = await engine.run_in_worker(read)
-        n: int = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
+        n: int = await engine.run_in_worker(load)
         if version is not None:
             engine.set_weight_version(version)
         if body.flush_cache:
@@ -241,7 +242,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body: UpdateWeightsFromDiskRequest = await _parse(request, UpdateWeightsFromDiskRequest)
     try:
-        n = await _install(engine, body, lambda: _read_checkpoint(body.model_path))
+        n = await _install(
+            engine, body, lambda: engine.load_weights(_read_checkpoint(body.model_path), cast=True)
+        )
     except (OSError, KeyError, ValueError) as e:
         return _result(False, f"update_weights_from_disk failed: {e}")
     return _result(True, f"Loaded {n} tensors from {body.model_path}.", num_paused_requests=0)
@@ -280,19 +283,67 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     return _result(True, "Succeeded to destroy custom process group.")
 
 
-def _receive(
-    engine: ReferenceEngine, body: UpdateWeightsFromDistributedRequest
-) -> list[tuple[str, torch.Tensor]]:
-    group = engine.weight_group
-    named = []
+_Spec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def _specs(body: UpdateWeightsFromDistributedRequest) -> list[_Spec]:
+    """(name, dtype, shape) per announced tensor; a dtype torch does not know is the caller's error."""
+    specs = []
     for name, dtype, shape in zip(body.names, body.dtypes, body.shapes, strict=True):
         dt = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dt, torch.dtype):
-            raise ValueError(f"dtypes: {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-        t = torch.empty(shape, dtype=dt, device=engine.device)
-        group.broadcast(t, src=0)
-        named.append((name, t))
-    return named
+            raise ValueError(f"dtypes: {dtype!r} (for {name}) is not a torch dtype (e.g. bfloat16, float32)")
+        specs.append((name, dt, tuple(shape)))
+    return specs
+
+
+def _drain(group: Any, specs: list[_Spec], device: torch.device) -> None:
+    """Receive and drop every announced broadcast (into one scratch buffer), so that a rejected update
+    leaves the sender's collectives matched and the group usable; the model is not touched."""
+    sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
+    for (_, dt, shape), nbytes in zip(specs, sizes, strict=True):
+        group.broadcast(scratch[:nbytes].view(dt).view(shape), src=0)
+
+
+@torch.no_grad()
+def _receive(engine: ReferenceEngine, specs: list[_Spec]) -> int:
+    """Receive one update's broadcasts, in announced order, on the engine's worker thread.
+
+    Runs under `engine.exclusive()` (no step runs). Every name and shape is checked against the model
+    first (`receive_targets`); a bad one fails the update before any byte reaches a weight (the
+    broadcasts are drained, so the sender is not left hanging). Then each tensor is received straight
+    into its live parameter (no allocation, no copy; the storage stays where CUDA graphs point), and
+    only a tensor whose dtype differs from the parameter's goes through a staging tensor and a cast
+    copy. The collectives are posted asynchronously and waited together, as the sender does.
+
+    A failure during the receive (a broken group, a timeout) leaves the weights mixed, old and new;
+    the caller keeps the weight version unchanged and answers success=false. As with SGLang, the
+    driver then fails the run; the next full update (or pre-flight) repairs the weights.
+    """
+    import torch.distributed as dist
+
+    group = engine.weight_group
+    if group is None:
+        raise RuntimeError("the weight update group was destroyed during the update")
+    try:
+        targets = engine.receive_targets(specs)
+    except (KeyError, ValueError):
+        _drain(group, specs, engine.device)
+        raise
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    staged: list[tuple[str, torch.Tensor]] = []
+    works = []
+    for (name, dtype, shape), live in zip(specs, targets, strict=True):
+        if live is None:
+            live = torch.empty(shape, dtype=dtype, device=engine.device)
+            staged.append((name, live))
+        works.append(group.pg.broadcast([live], opts))
+    for w in works:
+        w.wait()
+    engine.load_weights(staged, cast=True)
+    return len(specs)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -305,7 +356,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if not len(body.names) == len(body.dtypes) == len(body.shapes):
         return _result(False, "names, dtypes and shapes must have the same length")
     try:
-        n = await _install(engine, body, lambda: _receive(engine, body))
+        specs = _specs(body)
+        n = await _install(engine, body, lambda: _receive(engine, specs))
     except (RuntimeError, KeyError, ValueError) as e:
         return _result(False, f"update_weights_from_distributed failed: {e}")
     return _result(True, f"Succeeded to update {n} parameters.")
@@ -329,7 +381,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return _result(False, "serialized_named_tensors needs exactly one entry (the engine is one TP rank)")
     try:
         named = loads_named_tensors(body.serialized_named_tensors[0])
-        n = await _install(engine, body, lambda: named)
+        n = await _install(engine, body, lambda: engine.load_weights(named, cast=True))
     except Exception as e:  # a bad payload of any kind is the caller's error, reported, never raised
         return _result(False, f"update_weights_from_tensor failed: {type(e).__name__}: {e}")
     return _result(True, f"Succeeded to update {n} parameters.")

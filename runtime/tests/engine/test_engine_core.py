@@ -4,6 +4,7 @@ and a step that raises aborts its requests with the error instead of leaving the
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -128,3 +129,22 @@ def test_sampling_policy_golden() -> None:
         [True, False, False, True],  # the top token holds 0.75 < 0.8, the next one completes the nucleus
         [True, True, True, True],
     ]
+
+
+def test_receive_targets_are_the_live_storage_or_staging(tiny_dir: Path) -> None:
+    engine = ReferenceEngine.load(tiny_dir, max_running_requests=2, context_length=64)
+    live = engine.named_weights()
+    names = sorted(live)
+    specs = [(n, live[n].dtype, tuple(live[n].shape)) for n in names]
+    specs[0] = (names[0], torch.bfloat16, tuple(live[names[0]].shape))
+    targets = engine.receive_targets(specs)
+    assert targets[0] is None  # dtype differs: received into staging, then cast-copied
+    # Everything else is received straight into the parameter's own storage (no allocation, no copy).
+    assert all(
+        t is not None and t.data_ptr() == live[n].data_ptr()
+        for n, t in zip(names[1:], targets[1:], strict=True)
+    )
+    with pytest.raises(KeyError, match=r"'model\.nope\.weight' is not a parameter"):
+        engine.receive_targets([*specs, ("model.nope.weight", torch.float32, (2,))])
+    with pytest.raises(ValueError, match=re.escape(f"{names[1]} has shape (3,)")):
+        engine.receive_targets([(names[1], torch.float32, (3,))])

@@ -9,6 +9,8 @@ truth across a retract-mode weight update.
 from __future__ import annotations
 
 import asyncio
+import queue
+import socket
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -166,44 +168,117 @@ async def test_update_from_disk_changes_outputs_and_version(served: Served, tiny
     assert served.engine.weight_version == 5
 
 
-async def test_update_from_distributed_gloo(served: Served, tiny_dir_b: Path) -> None:
+class _Trainer:
+    """Rank 0 of a gloo weight-update group on a thread: broadcasts each queued list of tensors in order."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.jobs: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
+        self.done: queue.Queue[BaseException | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        group = open_weight_update_group(
+            backend="gloo", master_address="127.0.0.1", master_port=self.port, rank=0, world_size=2
+        )
+        try:
+            while (tensors := self.jobs.get()) is not None:
+                try:
+                    for t in tensors:
+                        group.broadcast(t.contiguous(), src=0)
+                    self.done.put(None)
+                except BaseException as e:
+                    self.done.put(e)
+        finally:
+            group.close()
+
+    async def update(self, client: EngineClient, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """The wire contract: announce names, dtypes and shapes, broadcast concurrently, in that order."""
+        self.jobs.put([t for _, t in named])
+        try:
+            await client.update_weights_from_distributed(
+                [n for n, _ in named],
+                [str(t.dtype).removeprefix("torch.") for _, t in named],
+                [list(t.shape) for _, t in named],
+                weight_version=version,
+            )
+        finally:
+            # Every broadcast completed: the engine received (or drained) all of them.
+            assert await asyncio.to_thread(self.done.get, True, 60) is None
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(60)
+
+
+@pytest.fixture
+async def trainer(served: Served) -> AsyncIterator[_Trainer]:
+    t = _Trainer()
+    await served.client.init_weights_update_group(
+        "127.0.0.1", t.port, rank_offset=1, world_size=2, backend="gloo"
+    )
+    yield t
+    t.close()
+    await served.client.destroy_weights_update_group()
+
+
+async def test_update_from_distributed_gloo(served: Served, trainer: _Trainer, tiny_dir_b: Path) -> None:
     new = load_file(str(tiny_dir_b / "model.safetensors"))
     names = sorted(new)
-    port = 29000 + (threading.get_ident() % 1000)
-    errors: list[BaseException] = []
-
-    def trainer_rank0(broadcast: threading.Event) -> None:
-        try:
-            group = open_weight_update_group(
-                backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2
-            )
-            broadcast.wait()
-            for n in names:
-                group.broadcast(new[n].clone(), src=0)
-            group.close()
-        except BaseException as e:
-            errors.append(e)
-
-    go = threading.Event()
-    sender = threading.Thread(target=trainer_rank0, args=(go,))
-    sender.start()
-    await served.client.init_weights_update_group(
-        "127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo"
-    )
-    go.set()
-    await served.client.update_weights_from_distributed(
-        names,
-        [str(new[n].dtype).removeprefix("torch.") for n in names],
-        [list(new[n].shape) for n in names],
-        weight_version=2,
-    )
-    await asyncio.to_thread(sender.join)
-    assert not errors
-    await served.client.destroy_weights_update_group()
+    storage = {n: t.data_ptr() for n, t in served.engine.named_weights().items()}
+    await trainer.update(served.client, [(n, new[n]) for n in names], version=2)
     live = served.engine.named_weights()
     assert all(torch.equal(live[n], new[n]) for n in names)
+    # Received in place: every parameter still lives in its own storage (CUDA graphs point there).
+    assert {n: t.data_ptr() for n, t in live.items()} == storage
     res = await served.client.generate(_prompt("hi"), SamplingParams(max_new_tokens=6, temperature=0.0))
     assert res.weight_version == 2 and set(res.token_versions) <= {2}
+
+
+async def test_distributed_update_casts_a_mismatching_dtype(
+    served: Served, trainer: _Trainer, tiny_dir_b: Path
+) -> None:
+    new = load_file(str(tiny_dir_b / "model.safetensors"))
+    names = sorted(new)
+    cast = names[0]  # travels as bfloat16, the model holds float32: staged, then cast-copied
+    sent = [(n, new[n].bfloat16() if n == cast else new[n]) for n in names]
+    assert served.engine.named_weights()[cast].dtype == torch.float32
+    await trainer.update(served.client, sent, version=3)
+    live = served.engine.named_weights()
+    assert torch.equal(live[cast], new[cast].bfloat16().float())
+    assert not torch.equal(live[cast], new[cast])  # the bf16 rounding shows: it went the cast path
+    assert all(torch.equal(live[n], new[n]) for n in names if n != cast)
+    assert await served.client.get_weight_version() == 3
+
+
+@pytest.mark.parametrize("bad", ["unknown name", "shape"])
+async def test_distributed_update_rejected_before_any_weight_changes(
+    served: Served, trainer: _Trainer, tiny_dir_b: Path, bad: str
+) -> None:
+    new = load_file(str(tiny_dir_b / "model.safetensors"))
+    names = sorted(new)
+    before = {n: t.clone() for n, t in served.engine.named_weights().items()}
+    sent = [(n, new[n]) for n in names]
+    if bad == "unknown name":
+        sent.append(("model.layers.99.mlp.up_proj.weight", torch.ones(4, 4)))
+        expect = "layers.99.mlp.up_proj.weight"
+    else:
+        last, t = sent[-1]
+        sent[-1] = (last, torch.ones(t.numel() + 1))
+        expect = f"{last} has shape"
+    with pytest.raises(EngineError, match=expect):
+        await trainer.update(served.client, sent, version=4)
+    # The last tensor is the bad one, yet nothing before it reached a weight; the version stays.
+    live = served.engine.named_weights()
+    assert all(torch.equal(live[n], before[n]) for n in live)
+    assert served.engine.weight_version == 0 and await served.client.get_weight_version() == 0
+    # The broadcasts were drained, so the group is still in step: a good update goes through.
+    await trainer.update(served.client, [(n, new[n]) for n in names], version=5)
+    assert all(torch.equal(served.engine.named_weights()[n], new[n]) for n in names)
+    assert served.engine.weight_version == 5
 
 
 async def test_update_from_tensor_needs_the_flag(
