@@ -25,16 +25,15 @@ def product_label(product: str) -> str | None:
 def engine_command(engine: EngineSpec, model: ModelSpec) -> list[str]:
     """SGLang's server for `sglang`, Lockstep's reference engine for `reference`."""
     if engine.engine.value == "reference":
+        # The flags of `lockstep engine` (runtime/lockstep/cli/engine.py); runtime/tests/test_pod_commands.py
+        # parses every pod command with the runtime's own CLI.
         return [
-            "lockstep",
-            "engine",
-            "--config",
-            CONFIG_PATH,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(ENGINE_PORT),
-        ]
+            "lockstep", "engine",
+            "--model", model.checkpoint,
+            "--device", "cuda" if engine.gpus_per_engine > 0 else "cpu",
+            "--host", "0.0.0.0",
+            "--port", str(ENGINE_PORT),
+        ]  # fmt: skip
     cmd = [
         "python3", "-m", "sglang.launch_server",
         "--model-path", model.checkpoint,

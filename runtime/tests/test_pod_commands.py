@@ -1,0 +1,36 @@
+"""The operator's pod commands parse with the runtime's own CLI (a contract between the two packages).
+
+Why it exists: the operator renders `lockstep engine|driver|trainer ...` into pod specs without
+importing the runtime; a renamed flag would only show up as crash-looping pods on a real cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lockstep.api import load_manifest
+from lockstep.cli import build_parser
+from lockstep_operator.resources.commands import driver_command, engine_command, trainer_command
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def _lockstep_args(cmd: list[str]) -> list[str]:
+    """The arguments after `lockstep` (directly or through `torchrun -m lockstep`)."""
+    if cmd[0] == "lockstep":
+        return cmd[1:]
+    assert cmd[:3] == ["torchrun", "-m", "lockstep"], cmd
+    return cmd[3:]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_pod_commands_parse_with_the_runtime_cli(path: Path) -> None:
+    job = load_manifest(path)
+    parser = build_parser()
+    commands = [driver_command(), trainer_command()]
+    if job.spec.rollout.engine.value == "reference":  # RolloutSpec is an EngineSpec
+        commands.append(engine_command(job.spec.rollout, job.spec.model))
+    for cmd in commands:
+        args = parser.parse_args(_lockstep_args(cmd))
+        assert callable(args.func), cmd
