@@ -52,7 +52,7 @@ TABLE = _load_table_module().load_table()
 
 def install_crds(cluster: ControlPlane) -> None:
     """Apply the CRDs exactly as generated now and wait until each is Established."""
-    cluster.apply("\n---\n".join(render().values()))
+    cluster.apply("\n---\n".join(text for name, text in render().items() if name != "kustomization.yaml"))
     for kind in KINDS:
         cluster.kubectl(
             "wait", "--for=condition=Established", "--timeout=60s", f"crd/{kind.plural}.rl.lockstep.dev"

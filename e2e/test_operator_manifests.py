@@ -20,13 +20,9 @@ SA = "system:serviceaccount:lockstep-system:lockstep-operator"
 
 
 def build(tmp_path: Path) -> Path:
-    """A copy of manifests/ and crds/ (with a CRD kustomization when crds/ has none yet)."""
+    """A copy of manifests/ and crds/ (crds/ carries its generated kustomization)."""
     shutil.copytree(ROOT / "manifests", tmp_path / "manifests")
     shutil.copytree(ROOT / "crds", tmp_path / "crds")
-    kust = tmp_path / "crds" / "kustomization.yaml"
-    if not kust.exists():
-        files = sorted(p.name for p in (tmp_path / "crds").glob("*.yaml"))
-        kust.write_text(yaml.safe_dump({"resources": files}))
     return tmp_path / "manifests"
 
 
