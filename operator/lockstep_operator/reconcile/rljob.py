@@ -207,7 +207,8 @@ async def _invalid(
 
 async def _ensure_gang(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> str | None:
     """Apply the pod group; a scheduler whose API is not served is a problem string, never a crash."""
-    scheduler = spec.placement.gang.scheduler.value
+    # The API enum's values are exactly podgroups.Scheduler's literals.
+    scheduler: podgroups.Scheduler = spec.placement.gang.scheduler.value
     api = podgroups.group_api(scheduler)
     if api is None:
         return None

@@ -17,6 +17,7 @@ Who calls it: lockstep_operator.handlers (channel events, pod events of the job,
 from __future__ import annotations
 
 import datetime as dt
+from typing import cast
 
 from lockstep.api.weightchannel import WeightChannel, WeightChannelStatus
 from pydantic import ValidationError
@@ -66,7 +67,7 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
     trainer = await _node_facts(kube, await kube.list("v1", "Pod", namespace, selector=sel_t), cache)
     engines = await _node_facts(kube, await kube.list("v1", "Pod", namespace, selector=sel_e), cache)
     sync = spec.weight_sync
-    requested: Transport | None = None if sync.transport.value == "auto" else sync.transport.value
+    requested = None if sync.transport.value == "auto" else cast(Transport, sync.transport.value)
     if trainer is None or engines is None:
         decision = Decision(None, "waiting for trainer and engine pods to be scheduled", ())
     else:
