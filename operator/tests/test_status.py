@@ -83,7 +83,7 @@ def test_phases_in_order() -> None:
     s = spec()
     empty = JobObserved(None, None, None, None, None, None, None)
     assert phase(s, empty).phase == Phase.PENDING
-    assert phase(s, observed(ready=False)).phase == Phase.STARTING
+    assert phase(s, observed(ready=False)).phase == Phase.PROVISIONING
     assert phase(s, observed()).phase == Phase.PREFLIGHT
     passed = WeightChannelStatus(preflight_passed=True)
     st = phase(s, observed(channel=passed))

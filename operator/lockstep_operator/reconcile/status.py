@@ -6,7 +6,7 @@ pure makes every rule a golden test (operator/tests/test_status.py).
 
 Who calls it: the reconciles in this package, after they observed the children.
 
-Job phases: Pending (children not created yet) -> Starting (pods being scheduled and started) ->
+Job phases: Pending (children not created yet) -> Provisioning (pods being scheduled and started) ->
 Preflight (all pods ready; the driver's init step and, when asked, the weight-equality check run) ->
 Running (the WeightChannel reported PreflightPassed, or the driver reported its init step when the
 check is off) -> Succeeded | Failed; Suspended while spec.suspend. Terminal phases are sticky. A
@@ -162,7 +162,7 @@ def _phase(spec: RLJobSpec, obs: JobObserved, previous: Phase | None) -> tuple[P
     if previous == Phase.RUNNING:
         return Phase.RUNNING, "Running", missing or "all pods ready"
     if not ready:
-        return Phase.STARTING, "WaitingForPods", missing
+        return Phase.PROVISIONING, "WaitingForPods", missing
     if spec.weight_sync.check_weight_update_equal:
         if obs.channel is not None and obs.channel.preflight_passed:
             return Phase.RUNNING, "PreflightPassed", "weight-equality check passed"

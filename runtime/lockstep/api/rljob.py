@@ -621,7 +621,7 @@ class Phase(enum.StrEnum):
     """Where a job is in its life."""
 
     PENDING = "Pending"
-    STARTING = "Starting"
+    PROVISIONING = "Provisioning"
     PREFLIGHT = "Preflight"
     RUNNING = "Running"
     SUSPENDED = "Suspended"
@@ -633,7 +633,7 @@ class RLJobStatus(ApiModel):
     """Observed state of an RL job, written by the operator and the driver."""
 
     phase: Phase | None = None
-    """Pending, Starting, Preflight, Running, Suspended, Succeeded or Failed."""
+    """Pending, Provisioning, Preflight, Running, Suspended, Succeeded or Failed."""
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=32,
