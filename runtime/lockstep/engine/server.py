@@ -284,6 +284,8 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 _Spec = tuple[str, torch.dtype, tuple[int, ...]]
+_FLATTENED = "flattened_bucket"
+"""SGLang's load_format for one broadcast per bucket (FlattenedTensorBucket's byte layout)."""
 
 
 def _specs(body: UpdateWeightsFromDistributedRequest) -> list[_Spec]:
@@ -297,17 +299,38 @@ def _specs(body: UpdateWeightsFromDistributedRequest) -> list[_Spec]:
     return specs
 
 
-def _drain(group: Any, specs: list[_Spec], device: torch.device) -> None:
+def _nbytes(specs: list[_Spec]) -> list[int]:
+    return [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
+
+
+def _drain(group: Any, specs: list[_Spec], device: torch.device, *, flattened: bool) -> None:
     """Receive and drop every announced broadcast (into one scratch buffer), so that a rejected update
     leaves the sender's collectives matched and the group usable; the model is not touched."""
-    sizes = [torch.Size(shape).numel() * dt.itemsize for _, dt, shape in specs]
+    sizes = _nbytes(specs)
+    if flattened:
+        sizes = [sum(sizes)]  # the sender posts one collective for the whole bucket
+        specs = [("", torch.uint8, (sizes[0],))]
     scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
     for (_, dt, shape), nbytes in zip(specs, sizes, strict=True):
         group.broadcast(scratch[:nbytes].view(dt).view(shape), src=0)
 
 
+def _slices(flat: torch.Tensor, specs: list[_Spec]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a flattened bucket as views of its bytes (copied only where a slice's offset is
+    not aligned to its dtype, which torch's view(dtype) requires)."""
+    out, off = [], 0
+    for (name, dt, shape), n in zip(specs, _nbytes(specs), strict=True):
+        part = flat[off : off + n]
+        try:
+            out.append((name, part.view(dt).view(shape)))
+        except RuntimeError:
+            out.append((name, part.clone().view(dt).view(shape)))
+        off += n
+    return out
+
+
 @torch.no_grad()
-def _receive(engine: ReferenceEngine, specs: list[_Spec]) -> int:
+def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = False) -> int:
     """Receive one update's broadcasts, in announced order, on the engine's worker thread.
 
     Runs under `engine.exclusive()` (no step runs). Every name and shape is checked against the model
@@ -316,6 +339,11 @@ def _receive(engine: ReferenceEngine, specs: list[_Spec]) -> int:
     into its live parameter (no allocation, no copy; the storage stays where CUDA graphs point), and
     only a tensor whose dtype differs from the parameter's goes through a staging tensor and a cast
     copy. The collectives are posted asynchronously and waited together, as the sender does.
+
+    flattened=True is SGLang's load_format="flattened_bucket": the sender broadcasts one uint8 tensor
+    holding every tensor's bytes back to back, in announced order, without padding (the layout of
+    SGLang's FlattenedTensorBucket); it is received into one buffer and each slice copied (cast where
+    the dtype differs) into its parameter. One collective per bucket, one copy per tensor.
 
     A failure during the receive (a broken group, a timeout) leaves the weights mixed, old and new;
     the caller keeps the weight version unchanged and answers success=false. As with SGLang, the
@@ -329,8 +357,12 @@ def _receive(engine: ReferenceEngine, specs: list[_Spec]) -> int:
     try:
         targets = engine.receive_targets(specs)
     except (KeyError, ValueError):
-        _drain(group, specs, engine.device)
+        _drain(group, specs, engine.device, flattened=flattened)
         raise
+    if flattened:
+        flat = torch.empty(sum(_nbytes(specs)), dtype=torch.uint8, device=engine.device)
+        group.broadcast(flat, src=0)
+        return engine.load_weights(_slices(flat, specs), cast=True)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     staged: list[tuple[str, torch.Tensor]] = []
@@ -355,9 +387,14 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         )
     if not len(body.names) == len(body.dtypes) == len(body.shapes):
         return _result(False, "names, dtypes and shapes must have the same length")
+    if body.load_format not in (None, _FLATTENED):
+        return _result(
+            False, f"load_format {body.load_format!r} is not supported; use None or {_FLATTENED!r}"
+        )
+    flattened = body.load_format == _FLATTENED
     try:
         specs = _specs(body)
-        n = await _install(engine, body, lambda: _receive(engine, specs))
+        n = await _install(engine, body, lambda: _receive(engine, specs, flattened=flattened))
     except (RuntimeError, KeyError, ValueError) as e:
         return _result(False, f"update_weights_from_distributed failed: {e}")
     return _result(True, f"Succeeded to update {n} parameters.")

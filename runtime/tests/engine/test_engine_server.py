@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from aiohttp.test_utils import TestServer
@@ -195,16 +196,34 @@ class _Trainer:
         finally:
             group.close()
 
-    async def update(self, client: EngineClient, named: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """The wire contract: announce names, dtypes and shapes, broadcast concurrently, in that order."""
-        self.jobs.put([t for _, t in named])
+    async def update(
+        self,
+        served: Served,
+        named: list[tuple[str, torch.Tensor]],
+        version: int,
+        load_format: str | None = None,
+    ) -> None:
+        """The wire contract: announce names, dtypes and shapes, broadcast concurrently, in that order.
+
+        load_format="flattened_bucket" (SGLang): one broadcast of every tensor's bytes back to back.
+        """
+        if load_format == "flattened_bucket":
+            self.jobs.put([torch.cat([t.contiguous().flatten().view(torch.uint8) for _, t in named])])
+        else:
+            self.jobs.put([t for _, t in named])
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": "weight_update_group",
+            "weight_version": str(version),
+            "load_format": load_format,
+        }
         try:
-            await client.update_weights_from_distributed(
-                [n for n, _ in named],
-                [str(t.dtype).removeprefix("torch.") for _, t in named],
-                [list(t.shape) for _, t in named],
-                weight_version=version,
-            )
+            async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                reply = (await http.post("/update_weights_from_distributed", json=body)).json()
+            if not reply["success"]:
+                raise EngineError("/update_weights_from_distributed", 400, reply["message"])
         finally:
             # Every broadcast completed: the engine received (or drained) all of them.
             assert await asyncio.to_thread(self.done.get, True, 60) is None
@@ -229,7 +248,7 @@ async def test_update_from_distributed_gloo(served: Served, trainer: _Trainer, t
     new = load_file(str(tiny_dir_b / "model.safetensors"))
     names = sorted(new)
     storage = {n: t.data_ptr() for n, t in served.engine.named_weights().items()}
-    await trainer.update(served.client, [(n, new[n]) for n in names], version=2)
+    await trainer.update(served, [(n, new[n]) for n in names], version=2)
     live = served.engine.named_weights()
     assert all(torch.equal(live[n], new[n]) for n in names)
     # Received in place: every parameter still lives in its own storage (CUDA graphs point there).
@@ -238,15 +257,16 @@ async def test_update_from_distributed_gloo(served: Served, trainer: _Trainer, t
     assert res.weight_version == 2 and set(res.token_versions) <= {2}
 
 
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 async def test_distributed_update_casts_a_mismatching_dtype(
-    served: Served, trainer: _Trainer, tiny_dir_b: Path
+    served: Served, trainer: _Trainer, tiny_dir_b: Path, load_format: str | None
 ) -> None:
     new = load_file(str(tiny_dir_b / "model.safetensors"))
     names = sorted(new)
     cast = names[0]  # travels as bfloat16, the model holds float32: staged, then cast-copied
     sent = [(n, new[n].bfloat16() if n == cast else new[n]) for n in names]
     assert served.engine.named_weights()[cast].dtype == torch.float32
-    await trainer.update(served.client, sent, version=3)
+    await trainer.update(served, sent, version=3, load_format=load_format)
     live = served.engine.named_weights()
     assert torch.equal(live[cast], new[cast].bfloat16().float())
     assert not torch.equal(live[cast], new[cast])  # the bf16 rounding shows: it went the cast path
@@ -254,9 +274,10 @@ async def test_distributed_update_casts_a_mismatching_dtype(
     assert await served.client.get_weight_version() == 3
 
 
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 @pytest.mark.parametrize("bad", ["unknown name", "shape"])
 async def test_distributed_update_rejected_before_any_weight_changes(
-    served: Served, trainer: _Trainer, tiny_dir_b: Path, bad: str
+    served: Served, trainer: _Trainer, tiny_dir_b: Path, bad: str, load_format: str | None
 ) -> None:
     new = load_file(str(tiny_dir_b / "model.safetensors"))
     names = sorted(new)
@@ -270,13 +291,13 @@ async def test_distributed_update_rejected_before_any_weight_changes(
         sent[-1] = (last, torch.ones(t.numel() + 1))
         expect = f"{last} has shape"
     with pytest.raises(EngineError, match=expect):
-        await trainer.update(served.client, sent, version=4)
+        await trainer.update(served, sent, version=4, load_format=load_format)
     # The last tensor is the bad one, yet nothing before it reached a weight; the version stays.
     live = served.engine.named_weights()
     assert all(torch.equal(live[n], before[n]) for n in live)
     assert served.engine.weight_version == 0 and await served.client.get_weight_version() == 0
     # The broadcasts were drained, so the group is still in step: a good update goes through.
-    await trainer.update(served.client, [(n, new[n]) for n in names], version=5)
+    await trainer.update(served, [(n, new[n]) for n in names], version=5, load_format=load_format)
     assert all(torch.equal(served.engine.named_weights()[n], new[n]) for n in names)
     assert served.engine.weight_version == 5
 
@@ -401,3 +422,10 @@ async def test_routed_dp_rank_zero_is_the_single_rank(served: Served) -> None:
     routed = await served.client._http.post(served.url + "/generate", json={**body, "routed_dp_rank": 0})
     assert routed.status_code == 200, routed.text
     assert routed.json()["output_ids"] == plain.json()["output_ids"]
+
+
+async def test_distributed_update_unknown_load_format_is_refused(served: Served, trainer: _Trainer) -> None:
+    body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2, 2]], "load_format": "npz"}
+    async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+        reply = (await http.post("/update_weights_from_distributed", json=body)).json()
+    assert reply["success"] is False and "load_format 'npz' is not supported" in reply["message"]
