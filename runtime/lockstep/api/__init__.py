@@ -17,6 +17,12 @@ from lockstep.api.manifest import (
     load_objects,
     parse_object,
 )
+from lockstep.api.progress import (
+    PROGRESS_KEY,
+    ProgressReport,
+    progress_config_map_name,
+    progress_patch,
+)
 from lockstep.api.rljob import (
     AdvantageEstimator,
     AgentSpec,
@@ -71,6 +77,7 @@ __all__ = [
     "API_VERSION",
     "GROUP",
     "KINDS",
+    "PROGRESS_KEY",
     "RULES",
     "TRUE_ON_POLICY_PROFILES",
     "VERSION",
@@ -107,6 +114,7 @@ __all__ = [
     "PlacementSpec",
     "Precision",
     "Problem",
+    "ProgressReport",
     "RLJob",
     "RLJobSpec",
     "RLJobStatus",
@@ -138,4 +146,6 @@ __all__ = [
     "load_manifest",
     "load_objects",
     "parse_object",
+    "progress_config_map_name",
+    "progress_patch",
 ]
