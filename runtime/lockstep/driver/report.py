@@ -1,0 +1,265 @@
+"""The driver's side of the progress channel: build the progress document and write it somewhere.
+
+Why it exists: in a cluster the operator learns the job's step, weight version, reward, staleness and
+queue size only from the ConfigMap `<job>-progress`, the one object the driver pod's ServiceAccount
+may get/patch. `ProgressTracker` turns the loop's per-step metrics into a `ProgressReport` (pure, no
+I/O); a `ProgressReporter` delivers it: `NullReporter` for a local `lockstep run`,
+`ConfigMapReporter` in a pod (a JSON merge patch on the API server with the pod's ServiceAccount
+token, no kubernetes client). A failed report is logged and counted, never raised: a flaky API server
+must not stop training.
+
+Who calls it: lockstep.driver.loop and lockstep.driver.fully_async (through Components.reporter),
+lockstep.cli.driver (`reporter_from_env` picks the reporter), the e2e test of the channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
+
+if TYPE_CHECKING:
+    from lockstep.weights.preflight import PreflightResult
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+"""Where Kubernetes mounts the pod's ServiceAccount token, ca.crt and namespace."""
+CONFIGMAP_ENV = "LOCKSTEP_PROGRESS_CONFIGMAP"
+"""Env var the operator sets on the driver pod: the progress ConfigMap's name (resources/pods.py)."""
+JOB_ENV = "LOCKSTEP_JOB"
+"""Env var naming the RLJob (fallback for the ConfigMap name `<job>-progress`)."""
+NAMESPACE_ENV = "LOCKSTEP_NAMESPACE"
+"""Optional env var overriding the namespace file of the ServiceAccount."""
+REWARD_EMA = 0.9
+"""Weight of the previous reward average in the moving average (0.9: about the last 10 steps)."""
+
+
+class ProgressReporter(Protocol):
+    """Delivers progress documents; never raises on a delivery failure."""
+
+    failures: int
+    """Reports that could not be delivered (after retries)."""
+
+    def report(self, report: ProgressReport) -> bool:
+        """Deliver `report`; True when it arrived, False (logged, counted) when it did not."""
+        ...
+
+
+@dataclass(slots=True)
+class NullReporter:
+    """Reports nowhere: the local `lockstep run` has no operator; the last document is kept for tests."""
+
+    failures: int = 0
+    """Always 0."""
+    last: ProgressReport | None = None
+    """The most recent document given to report()."""
+
+    def report(self, report: ProgressReport) -> bool:
+        self.last = report
+        return True
+
+
+@dataclass(slots=True)
+class ProgressTracker:
+    """Builds the progress document from the loop's metrics; keeps what later documents repeat.
+
+    Pure: no clock, no I/O. The document is cumulative (each one carries the pre-flight result and the
+    last weight update), because the operator only ever reads the latest.
+    """
+
+    reward_ema: float = REWARD_EMA
+    """Weight of the previous average in the reward moving average."""
+    current: ProgressReport = field(default_factory=ProgressReport)
+    """The latest document built."""
+
+    def after_init(
+        self, metrics: Mapping[str, float], preflight: PreflightResult | None = None
+    ) -> ProgressReport:
+        """The document after the init step (the first push, through the pre-flight when it ran)."""
+        update = _update_fields(metrics)
+        update["step"] = 0
+        if preflight is not None:
+            update |= _preflight_fields(preflight)
+        return self._set(update)
+
+    def preflight_failed(self, preflight: PreflightResult) -> ProgressReport:
+        """The document after a failed pre-flight (the driver stops with an error afterwards)."""
+        return self._set(_preflight_fields(preflight))
+
+    def after_step(
+        self, step: int, metrics: Mapping[str, float], engine_versions: Mapping[str, int] | None = None
+    ) -> ProgressReport:
+        """The document after optimizer step `step` with that step's metrics."""
+        update = _update_fields(metrics)
+        update["step"] = step
+        if "reward_mean" in metrics:
+            r = float(metrics["reward_mean"])
+            prev = self.current.reward
+            update["reward"] = r if prev is None else self.reward_ema * prev + (1 - self.reward_ema) * r
+        if "staleness_s_old_max" in metrics:
+            update["staleness"] = int(metrics["staleness_s_old_max"])
+        if "staleness_token_weighted_mean" in metrics:
+            update["avg_staleness"] = float(metrics["staleness_token_weighted_mean"])
+        if "queue_size" in metrics:
+            update["queue_size"] = int(metrics["queue_size"])
+        if metrics.get("queue_capacity", 0) >= 1:
+            update["queue_capacity"] = int(metrics["queue_capacity"])
+        if engine_versions is not None:
+            update["engine_versions"] = dict(engine_versions)
+        return self._set(update)
+
+    def finished(self) -> ProgressReport:
+        """The last document of a run that did all its steps."""
+        return self._set({"done": True})
+
+    def failed(self, error: str) -> ProgressReport:
+        """The last document of a run that stopped on a fatal error (truncated to the field's limit)."""
+        return self._set({"error": error[:4096] or "driver failed"})
+
+    def _set(self, update: Mapping[str, object]) -> ProgressReport:
+        self.current = self.current.model_copy(update=dict(update))
+        # model_copy skips validation: validate once so a bad value fails here, not in the operator.
+        self.current = ProgressReport.model_validate(self.current.model_dump())
+        return self.current
+
+
+def _update_fields(metrics: Mapping[str, float]) -> dict[str, object]:
+    """Weight-update fields present in a step's metrics (push_weights / first_push)."""
+    out: dict[str, object] = {}
+    if "weight_version" in metrics:
+        out["weight_version"] = int(metrics["weight_version"])
+    if "update_weights_s" in metrics:
+        out["last_update_seconds"] = max(float(metrics["update_weights_s"]), 0.0)
+    if "update_weights_wire_bytes" in metrics:
+        out["wire_bytes"] = int(metrics["update_weights_wire_bytes"])
+    return out
+
+
+def _preflight_fields(result: PreflightResult) -> dict[str, object]:
+    names = sorted({m.name for m in result.mismatches})
+    return {"preflight": "passed" if result.passed else "failed", "preflight_mismatched": names}
+
+
+@dataclass(slots=True)
+class ConfigMapReporter:
+    """Patches the progress document into ConfigMap `name` in `namespace` on the API server.
+
+    The token is read from `token_path` on every report (kubelet rotates projected tokens) and is never
+    logged. Each report is tried `attempts` times, `backoff_s` apart, then dropped with a warning.
+    """
+
+    api_url: str
+    """API server base URL, e.g. https://10.96.0.1:443."""
+    namespace: str
+    """Namespace of the ConfigMap (the driver pod's own)."""
+    name: str
+    """ConfigMap name, `<job>-progress`."""
+    token_path: Path = SERVICE_ACCOUNT_DIR / "token"
+    """File holding the ServiceAccount bearer token."""
+    ca_path: Path | None = SERVICE_ACCOUNT_DIR / "ca.crt"
+    """CA bundle verifying the API server; None uses the system trust store."""
+    attempts: int = 3
+    """Tries per report before it is dropped."""
+    backoff_s: float = 0.5
+    """Pause between tries (doubling)."""
+    timeout_s: float = 5.0
+    """HTTP timeout of one try."""
+    sleep: Callable[[float], None] = time.sleep
+    """Injected sleep (tests pass a no-op)."""
+    failures: int = 0
+    """Reports dropped after all tries."""
+    last_error: str = ""
+    """Why the last failed report failed (status code and API server message; no token)."""
+
+    @property
+    def path(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/configmaps/{self.name}"
+
+    def report(self, report: ProgressReport) -> bool:
+        import httpx
+
+        body = progress_patch(report)
+        delay = self.backoff_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                token = self.token_path.read_text().strip()
+                verify: str | bool = str(self.ca_path) if self.ca_path is not None else True
+                with httpx.Client(base_url=self.api_url, verify=verify, timeout=self.timeout_s) as http:
+                    r = http.patch(
+                        self.path,
+                        json=body,
+                        headers={
+                            "Authorization": f"Bearer {token}",
+                            "Content-Type": "application/merge-patch+json",
+                        },
+                    )
+                if r.status_code < 300:
+                    return True
+                self.last_error = f"HTTP {r.status_code}: {_message(r)}"
+                if r.status_code in (400, 401, 403, 404, 422):
+                    break  # retrying does not fix a refused or malformed patch
+            except (OSError, httpx.HTTPError) as e:
+                self.last_error = f"{type(e).__name__}: {e}"
+            if attempt < self.attempts:
+                self.sleep(delay)
+                delay *= 2
+        self.failures += 1
+        log.warning(
+            "progress report to ConfigMap %s/%s failed (%d so far): %s",
+            self.namespace,
+            self.name,
+            self.failures,
+            self.last_error,
+        )
+        return False
+
+
+def _message(r: object) -> str:
+    """The API server's Status message of a failed response (bounded; no request headers)."""
+    try:
+        msg = r.json().get("message", "")  # type: ignore[attr-defined]
+    except ValueError:
+        msg = getattr(r, "text", "")
+    return str(msg)[:300]
+
+
+def reporter_from_env(
+    env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR
+) -> ProgressReporter:
+    """ConfigMapReporter inside a driver pod, else NullReporter.
+
+    In a pod: the operator sets LOCKSTEP_PROGRESS_CONFIGMAP (else LOCKSTEP_JOB gives `<job>-progress`),
+    Kubernetes sets KUBERNETES_SERVICE_HOST/PORT and mounts the ServiceAccount files in `sa_dir`.
+    """
+    env = os.environ if env is None else env
+    name = env.get(CONFIGMAP_ENV) or (progress_config_map_name(env[JOB_ENV]) if env.get(JOB_ENV) else "")
+    host = env.get("KUBERNETES_SERVICE_HOST", "")
+    token = sa_dir / "token"
+    if not name or not host or not token.exists():
+        if name:
+            log.warning(
+                "%s=%s is set but KUBERNETES_SERVICE_HOST or %s is missing: progress is not reported",
+                CONFIGMAP_ENV,
+                name,
+                token,
+            )
+        return NullReporter()
+    ns_file = sa_dir / "namespace"
+    namespace = env.get(NAMESPACE_ENV) or (ns_file.read_text().strip() if ns_file.exists() else "default")
+    port = env.get("KUBERNETES_SERVICE_PORT", "443")
+    host = f"[{host}]" if ":" in host else host  # an IPv6 service address
+    ca = sa_dir / "ca.crt"
+    return ConfigMapReporter(
+        api_url=f"https://{host}:{port}",
+        namespace=namespace,
+        name=name,
+        token_path=token,
+        ca_path=ca if ca.exists() else None,
+    )

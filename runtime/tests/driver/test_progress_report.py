@@ -1,0 +1,169 @@
+"""The driver's progress document (pure) and its delivery by ConfigMapReporter to a real loopback server.
+
+The document is what the operator folds into RLJob status; these tests pin the mapping from the
+loop's metric names to the document's fields, and that a failed delivery is counted, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from lockstep.api.progress import PROGRESS_KEY, ProgressReport
+from lockstep.driver.report import ConfigMapReporter, NullReporter, ProgressTracker, reporter_from_env
+from lockstep.weights.preflight import PreflightResult, TensorMismatch
+
+STEP_METRICS = {
+    "reward_mean": 0.5,
+    "weight_version": 3.0,
+    "update_weights_s": 0.25,
+    "update_weights_wire_bytes": 1234.0,
+    "staleness_s_old_max": 2.0,
+    "staleness_token_weighted_mean": 0.75,
+    "queue_size": 5.0,
+    "queue_capacity": 8.0,
+}
+
+
+def test_document_of_init_and_steps_golden() -> None:
+    t = ProgressTracker(reward_ema=0.5)
+    ok = PreflightResult(passed=True, engines=2, checked_tensors=10)
+    first = t.after_init({"weight_version": 0.0, "update_weights_s": 0.1}, ok)
+    assert first.model_dump(by_alias=True, exclude_none=True) == {
+        "step": 0,
+        "weightVersion": 0,
+        "lastUpdateSeconds": 0.1,
+        "preflight": "passed",
+        "preflightMismatched": [],
+        "engineVersions": {},
+        "done": False,
+    }
+    t.after_step(1, {**STEP_METRICS, "reward_mean": 1.0}, {"pool-0": 3})
+    doc = t.after_step(2, STEP_METRICS)
+    assert doc.model_dump(by_alias=True, exclude_none=True) == {
+        "step": 2,
+        "weightVersion": 3,
+        "reward": 0.75,  # 0.5 * 1.0 + 0.5 * 0.5
+        "staleness": 2,
+        "avgStaleness": 0.75,
+        "queueSize": 5,
+        "queueCapacity": 8,
+        "engineVersions": {"pool-0": 3},
+        "preflight": "passed",
+        "preflightMismatched": [],
+        "lastUpdateSeconds": 0.25,
+        "wireBytes": 1234,
+        "done": False,
+    }
+    assert t.finished().done is True
+    assert t.failed("x" * 5000).error == "x" * 4096
+
+
+def test_sync_step_without_queue_leaves_queue_fields_unset() -> None:
+    doc = ProgressTracker().after_step(1, {"reward_mean": 0.2, "weight_version": 1.0})
+    assert doc.queue_size is None and doc.queue_capacity is None and doc.staleness is None
+    assert doc.reward == 0.2
+
+
+def test_failed_preflight_names_the_differing_tensors() -> None:
+    bad = PreflightResult(
+        passed=False,
+        engines=1,
+        checked_tensors=3,
+        mismatches=[
+            TensorMismatch(engine="e0", name="lm_head.weight", reason="checksum"),
+            TensorMismatch(engine="e1", name="lm_head.weight", reason="checksum"),
+            TensorMismatch(engine="e0", name="embed.weight", reason="missing"),
+        ],
+    )
+    doc = ProgressTracker().preflight_failed(bad)
+    assert doc.preflight == "failed"
+    assert doc.preflight_mismatched == ["embed.weight", "lm_head.weight"]
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    status: ClassVar[int] = 200
+    seen: ClassVar[list[tuple[str, str, dict[str, str], Any]]] = []
+
+    def do_PATCH(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append((self.path, self.headers["Content-Type"], dict(self.headers), body))
+        self.send_response(type(self).status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps({"kind": "Status", "message": "nope"}).encode())
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def api() -> Iterator[tuple[str, type[_Recorder]]]:
+    handler = type("Handler", (_Recorder,), {"seen": [], "status": 200})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_configmap_reporter_sends_a_merge_patch_with_the_token(
+    api: tuple[str, type[_Recorder]], tmp_path: Path
+) -> None:
+    url, handler = api
+    (tmp_path / "token").write_text("secret-token\n")
+    rep = ConfigMapReporter(url, "ns1", "job-progress", token_path=tmp_path / "token", ca_path=None)
+    assert rep.report(ProgressReport(step=4, weight_version=4))
+    (path, ctype, headers, body) = handler.seen[0]
+    assert path == "/api/v1/namespaces/ns1/configmaps/job-progress"
+    assert ctype == "application/merge-patch+json"
+    assert headers["Authorization"] == "Bearer secret-token"
+    assert json.loads(body["data"][PROGRESS_KEY])["weightVersion"] == 4
+    assert rep.failures == 0
+
+
+def test_failed_report_is_counted_not_raised_and_never_logs_the_token(
+    api: tuple[str, type[_Recorder]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, handler = api
+    handler.status = 500
+    (tmp_path / "token").write_text("secret-token")
+    rep = ConfigMapReporter(
+        url, "ns1", "job-progress", token_path=tmp_path / "token", ca_path=None, sleep=lambda s: None
+    )
+    assert rep.report(ProgressReport(step=1)) is False
+    assert len(handler.seen) == 3  # retried: a 500 may pass
+    handler.status = 403
+    assert rep.report(ProgressReport(step=2)) is False
+    assert len(handler.seen) == 4  # not retried: Forbidden stays Forbidden
+    assert rep.failures == 2 and "403" in rep.last_error
+    assert "secret-token" not in caplog.text and "nope" in caplog.text
+    unreachable = ConfigMapReporter(
+        "http://127.0.0.1:9", "ns", "x", token_path=tmp_path / "token", ca_path=None, sleep=lambda s: None
+    )
+    assert unreachable.report(ProgressReport()) is False and unreachable.failures == 1
+
+
+def test_reporter_from_env(tmp_path: Path) -> None:
+    assert isinstance(reporter_from_env({}, tmp_path), NullReporter)
+    env = {"LOCKSTEP_PROGRESS_CONFIGMAP": "j-progress", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    assert isinstance(reporter_from_env(env, tmp_path), NullReporter)  # no token file: not in a pod
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "namespace").write_text("team-a\n")
+    rep = reporter_from_env({**env, "KUBERNETES_SERVICE_PORT": "6443"}, tmp_path)
+    assert isinstance(rep, ConfigMapReporter)
+    assert (rep.api_url, rep.namespace, rep.name, rep.ca_path) == (
+        "https://10.0.0.1:6443",
+        "team-a",
+        "j-progress",
+        None,
+    )
+    by_job = reporter_from_env({"LOCKSTEP_JOB": "j2", "KUBERNETES_SERVICE_HOST": "fd00::1"}, tmp_path)
+    assert isinstance(by_job, ConfigMapReporter)
+    assert (by_job.name, by_job.api_url) == ("j2-progress", "https://[fd00::1]:443")
