@@ -5,8 +5,12 @@ load, version update, pause/continue) should add little on top of moving the byt
 most 10% overhead. Both measurements use two processes on 127.0.0.1 and gloo:
 - pipeline: BroadcastTransport.push into a reference engine process (`lockstep engine`, fp32 CPU)
   holding a Qwen3-shaped model of about --mib MiB;
-- raw: one broadcast of a flat buffer of the same byte count to a plain receiver process.
-Prints the best of --runs (the least disturbed run on a shared machine) of each and the ratio pipeline / raw.
+- raw: one broadcast of a flat buffer of the same byte count to a plain receiver process;
+- per-tensor: the same tensors, one async broadcast each (SGLang's default wire format), received into
+  preallocated tensors, no HTTP: the floor of the wire format, so pipeline / per-tensor is the
+  pipeline's own overhead (HTTP control calls, bucketing, pause/continue, version) and
+  per-tensor / raw is the cost of one collective per tensor (large on gloo over loopback).
+Prints the best of --runs (the least disturbed run on a shared machine) of each and the ratios.
 
 Run from the repository root:  .venv/bin/python bench/weights_broadcast.py [--mib 160] [--runs 3]
 """
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "tests" / "weights"))
@@ -48,29 +53,38 @@ def write_model(directory: Path, mib: int) -> Any:
     return model
 
 
-def raw_receiver(port: int, nbytes: int, runs: int) -> None:
+def _broadcast_all(g: Any, tensors: list[torch.Tensor]) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    for w in [g.pg.broadcast([t], opts) for t in tensors]:
+        w.wait()
+
+
+def raw_receiver(port: int, shapes: list[list[int]], runs: int) -> None:
     g = open_weight_update_group(
         backend="gloo", master_address="127.0.0.1", master_port=port, rank=1, world_size=2
     )
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    bufs = [torch.empty(s, dtype=torch.uint8) for s in shapes]
     for _ in range(runs + 1):
-        g.broadcast(buf)
+        _broadcast_all(g, bufs)
     g.close()
 
 
-def raw_seconds(nbytes: int, runs: int) -> float:
+def raw_seconds(sizes: list[int], runs: int) -> float:
+    """Best of `runs`: broadcasts of uint8 buffers of these sizes (one size: one raw collective)."""
     port = free_port()
-    p = mp.get_context("spawn").Process(target=raw_receiver, args=(port, nbytes, runs))
+    shapes = [[n] for n in sizes]
+    p = mp.get_context("spawn").Process(target=raw_receiver, args=(port, shapes, runs))
     p.start()
     g = open_weight_update_group(
         backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2
     )
-    buf = torch.ones(nbytes, dtype=torch.uint8)
-    g.broadcast(buf)  # warm-up: connections
+    bufs = [torch.ones(s, dtype=torch.uint8) for s in shapes]
+    _broadcast_all(g, bufs)  # warm-up: connections
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        g.broadcast(buf)
+        _broadcast_all(g, bufs)
         times.append(time.perf_counter() - t0)
     p.join(60)
     g.close()
@@ -101,16 +115,20 @@ def main() -> int:
         finally:
             engine.close()
     pipeline = min(times[1:])
-    raw = raw_seconds(nbytes, args.runs)
+    raw = raw_seconds([nbytes], args.runs)
+    per_tensor = raw_seconds([t.numel() * t.element_size() for _, t in named], args.runs)
     overhead = pipeline / raw - 1
     print(f"{len(named)} tensors, {nbytes / 2**20:.0f} MiB, gloo over loopback, 2 processes")
     print(
         f"pipeline (BroadcastTransport.push into the engine): {pipeline:.3f} s  ({nbytes / pipeline / 1e9:.2f} GB/s)"
     )
     print(f"raw (one broadcast of the same bytes):              {raw:.3f} s  ({nbytes / raw / 1e9:.2f} GB/s)")
+    print(f"per-tensor (one broadcast per tensor, no HTTP): {per_tensor:.3f} s")
     print(
         f"ratio pipeline / raw = {pipeline / raw:.3f} (overhead {overhead:+.1%}; goal <= {GOAL_OVERHEAD:.0%})"
     )
+    print(f"ratio pipeline / per-tensor = {pipeline / per_tensor:.3f} (the pipeline's own overhead)")
+    print(f"ratio per-tensor / raw = {per_tensor / raw:.3f} (the cost of one collective per tensor)")
     return 0
 
 
