@@ -8,6 +8,10 @@ from the run dir's latest checkpoint (the pod restarts OnFailure).
 Minimal today: the trainer runs inside the driver process as one FSDP2 rank (the distributed
 trainer-driver channel to the TrainerGroup's rank pods is not built yet).
 
+Progress: in the pod (LOCKSTEP_PROGRESS_CONFIGMAP set by the operator, the ServiceAccount token
+mounted, KUBERNETES_SERVICE_HOST set) the loop patches its progress into that ConfigMap, which the
+operator folds into RLJob status (lockstep.driver.report); elsewhere progress is not reported.
+
 Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
 """
 
@@ -64,4 +68,20 @@ def main(args: argparse.Namespace) -> int:
         print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
         return 2
     args.resume = latest_checkpoint(args.run_dir) is not None
+    _log_progress_channel()
     return execute(job, args.run_dir, args, urls, install_signal=True)
+
+
+def _log_progress_channel() -> None:
+    """Say where progress goes (build_components picks the same reporter from the environment)."""
+    import logging
+
+    from lockstep.driver.report import ConfigMapReporter, reporter_from_env
+
+    reporter = reporter_from_env()
+    where = (
+        f"ConfigMap {reporter.namespace}/{reporter.name} at {reporter.api_url}"
+        if isinstance(reporter, ConfigMapReporter)
+        else "nowhere (not in a driver pod)"
+    )
+    logging.getLogger("lockstep.driver").info("progress reports go to %s", where)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.driver.aio import AsyncRunner
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import RunSettings, settings_from_job
 from lockstep.driver.transports import build_transport, check_transport, needs_tensor_updates
 from lockstep.observability.metrics import MetricsSink
@@ -87,6 +88,8 @@ class Components:
     """Start from the latest checkpoint of run_dir (the --resume flag)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
+    progress: DriverProgress = field(default_factory=DriverProgress)
+    """The progress channel: the loops report the init step, each step, done and fatal errors."""
 
     def item_metadata(self, item: TaskItem) -> dict[str, Any]:
         """What each sample of `item` carries in Sample.metadata (reward functions read it)."""
@@ -138,6 +141,7 @@ def build_components(
     connect_retries: int = 5,
     engine_ready_timeout_s: float = 60.0,
     resume: bool = False,
+    reporter: ProgressReporter | None = None,
 ) -> Components:
     """Build every part of a run; on any failure, what was already started is stopped again."""
     from lockstep.models import TinyTokenizer, resolve_checkpoint
@@ -193,6 +197,8 @@ def build_components(
         pad_id=tokenizer.pad_token_id,
         closers=closers,
         resume=resume,
+        # None: the environment decides (ConfigMapReporter in a driver pod, else NullReporter).
+        progress=DriverProgress(reporter if reporter is not None else reporter_from_env()),
     )
 
 

@@ -467,8 +467,15 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
 
     Same conventions as the sync loop: resume from checkpoints/latest, SFT warm start once, the trainer's
     weights pushed before the first step, eval before training and at the eval interval, metrics.jsonl
-    (kinds train/eval) and metrics.png (plus the queue and staleness panels).
+    (kinds train/eval) and metrics.png (plus the queue and staleness panels). The end (done or a fatal
+    error) goes to the progress channel.
     """
+    from lockstep.driver.loop import run_reported
+
+    return run_reported(components, lambda: _run_fully_async(job, components))
+
+
+def _run_fully_async(job: RLJob, components: Components) -> DriverState:
     from lockstep.driver.loop import evaluate_at
     from lockstep.driver.state import load_checkpoint
     from lockstep.driver.steps import first_push, sft_warm_start
@@ -488,7 +495,9 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
     # engines == trainer before step 1 (through the pre-flight check when asked)
-    c.metrics.log("publish", state.step, first_push(c, state.version))
+    pushed = first_push(c, state.version)
+    c.metrics.log("publish", state.step, pushed)
+    c.progress.init(pushed, c.run_dir, state.step)
     if settings.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     from tqdm import tqdm
@@ -498,6 +507,8 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     )
 
     async def progress(step: int, m: dict[str, float]) -> None:
+        # The report may wait on the API server (retries): off the event loop the rollouts run on.
+        await asyncio.get_running_loop().run_in_executor(None, c.progress.step, step, m)
         bar.update(1)
         bar.set_postfix(
             reward=f"{m.get('reward_mean', 0.0):.2f}",

@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from lockstep.driver.components import Components
 from lockstep.driver.state import DriverState, load_checkpoint, save_checkpoint
 from lockstep.driver.steps import (
+    NonFiniteLoss,
+    PreflightFailed,
     collect_batch,
     evaluate,
     first_push,
@@ -36,8 +39,29 @@ def _due(interval: int | None, step: int) -> bool:
     return interval is not None and step % interval == 0
 
 
+FATAL_ERRORS: tuple[type[Exception], ...] = (PreflightFailed, NonFiniteLoss, ValueError)
+"""Errors a restart of the driver cannot fix: reported as the job's error. Others (an unreachable
+engine, a crash) are not: the driver pod restarts OnFailure and resumes from its checkpoint."""
+
+
+def run_reported(c: Components, body: Callable[[], DriverState]) -> DriverState:
+    """Run a loop `body` and report its end on the progress channel: done, or a fatal error."""
+    try:
+        state = body()
+    except FATAL_ERRORS as e:
+        c.progress.failed(e, c.run_dir)
+        raise
+    if state.step >= c.settings.steps:
+        c.progress.finished()
+    return state
+
+
 def run_sync(c: Components) -> DriverState:
     """Run steps until settings.steps (or until c.stop is set); returns the final state."""
+    return run_reported(c, lambda: _run_sync(c))
+
+
+def _run_sync(c: Components) -> DriverState:
     s = c.settings
     state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
     if not state.sft_done and s.sft_steps > 0:
@@ -47,7 +71,9 @@ def run_sync(c: Components) -> DriverState:
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
     # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
-    c.metrics.log("publish", state.step, first_push(c, state.version))
+    pushed = first_push(c, state.version)
+    c.metrics.log("publish", state.step, pushed)
+    c.progress.init(pushed, c.run_dir, state.step)
     if s.eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     saved_at = state.step
@@ -63,6 +89,7 @@ def run_sync(c: Components) -> DriverState:
                 save_checkpoint(c.backend, c.run_dir, state)
                 saved_at = state.step
             c.metrics.log("train", state.step, metrics)
+            c.progress.step(state.step, metrics)
             if _due(s.eval_interval, state.step) or (s.eval_interval and state.step == s.steps):
                 c.metrics.log("eval", state.step, evaluate_at(c, state))
             bar.update(1)

@@ -80,11 +80,12 @@ class ProgressTracker:
     """The latest document built."""
 
     def after_init(
-        self, metrics: Mapping[str, float], preflight: PreflightResult | None = None
+        self, metrics: Mapping[str, float], preflight: PreflightResult | None = None, step: int = 0
     ) -> ProgressReport:
-        """The document after the init step (the first push, through the pre-flight when it ran)."""
+        """The document after the init step (the first push, through the pre-flight when it ran);
+        `step` is the resumed step (0 on a fresh start)."""
         update = _update_fields(metrics)
-        update["step"] = 0
+        update["step"] = step
         if preflight is not None:
             update |= _preflight_fields(preflight)
         return self._set(update)
@@ -128,6 +129,46 @@ class ProgressTracker:
         # model_copy skips validation: validate once so a bad value fails here, not in the operator.
         self.current = ProgressReport.model_validate(self.current.model_dump())
         return self.current
+
+
+@dataclass(slots=True)
+class DriverProgress:
+    """What the loops call: the tracker building documents plus the reporter delivering them."""
+
+    reporter: ProgressReporter = field(default_factory=NullReporter)
+    """Where documents go (NullReporter locally, ConfigMapReporter in a driver pod)."""
+    tracker: ProgressTracker = field(default_factory=ProgressTracker)
+    """Builds the cumulative document."""
+
+    def init(self, metrics: Mapping[str, float], run_dir: Path, step: int = 0) -> None:
+        """After the first push; reads the pre-flight result the push wrote into `run_dir`, if any."""
+        self.reporter.report(self.tracker.after_init(metrics, _read_preflight(run_dir), step))
+
+    def step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """After optimizer step `step` with its metrics."""
+        self.reporter.report(self.tracker.after_step(step, metrics))
+
+    def finished(self) -> None:
+        """All steps done: the job succeeds."""
+        self.reporter.report(self.tracker.finished())
+
+    def failed(self, error: BaseException, run_dir: Path) -> None:
+        """A fatal error stops the driver: report it (and a failed pre-flight's tensor names)."""
+        preflight = _read_preflight(run_dir)
+        if preflight is not None and not preflight.passed:
+            self.tracker.preflight_failed(preflight)
+        self.reporter.report(self.tracker.failed(f"{type(error).__name__}: {error}"))
+
+
+def _read_preflight(run_dir: Path) -> PreflightResult | None:
+    """The PreflightResult first_push wrote into the run dir, or None when the check did not run."""
+    from lockstep.driver.steps import PREFLIGHT_FILE
+    from lockstep.weights.preflight import PreflightResult
+
+    path = run_dir / PREFLIGHT_FILE
+    if not path.exists():
+        return None
+    return PreflightResult.model_validate_json(path.read_text())
 
 
 def _update_fields(metrics: Mapping[str, float]) -> dict[str, object]:

@@ -106,7 +106,7 @@ class _Recorder(BaseHTTPRequestHandler):
 def api() -> Iterator[tuple[str, type[_Recorder]]]:
     handler = type("Handler", (_Recorder,), {"seen": [], "status": 200})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", handler
     server.shutdown()
@@ -167,3 +167,42 @@ def test_reporter_from_env(tmp_path: Path) -> None:
     by_job = reporter_from_env({"LOCKSTEP_JOB": "j2", "KUBERNETES_SERVICE_HOST": "fd00::1"}, tmp_path)
     assert isinstance(by_job, ConfigMapReporter)
     assert (by_job.name, by_job.api_url) == ("j2-progress", "https://[fd00::1]:443")
+
+
+class _ListReporter:
+    """A ProgressReporter keeping every document (the loop's side of the channel, observed)."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.docs: list[ProgressReport] = []
+
+    def report(self, report: ProgressReport) -> bool:
+        self.docs.append(report)
+        return True
+
+
+def test_real_sync_loop_reports_init_each_step_and_done(tmp_path: Path) -> None:
+    """The tiny job's real loop (engine on 127.0.0.1, FSDP2 trainer) with the pre-flight check on."""
+    import yaml
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+
+    doc = yaml.safe_load((Path(__file__).parent / "fixtures" / "tiny-fast.yaml").read_text())
+    doc["spec"].setdefault("weightSync", {})["checkWeightUpdateEqual"] = True
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    reporter = _ListReporter()
+    state = run(
+        load_manifest(tmp_path / "job.yaml"),
+        tmp_path / "run",
+        steps=2,
+        cache_dir=tmp_path / "cache",
+        reporter=reporter,
+    )
+    assert state.step == 2
+    assert [d.step for d in reporter.docs] == [0, 1, 2, 2]
+    init, first, second, last = reporter.docs
+    assert init.preflight == "passed" and init.weight_version == 0 and init.reward is None
+    assert (first.weight_version, second.weight_version) == (1, 2)
+    assert first.reward is not None and second.preflight == "passed"
+    assert second.last_update_seconds is not None and not second.done
+    assert last.done and last.error is None
