@@ -11,6 +11,10 @@ HTTP 400 with {"error": ...} naming the field; weight endpoints answer SGLang's 
 (400 on failure). /update_weights_from_tensor unpickles tensors, so it answers 403 unless the app
 was created with allow_tensor_updates=True (and then allows only torch's tensor rebuild functions).
 
+Weight updates over a group (/update_weights_from_distributed) are checked against the model first and
+received straight into the live parameters (see `_receive`): no per-update allocation or copy unless a
+tensor's dtype differs from its parameter's.
+
 Who calls it: lockstep.cli.engine (serves it), tests (real server on 127.0.0.1).
 """
 
