@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -231,7 +232,9 @@ class ConfigMapReporter:
         for attempt in range(1, self.attempts + 1):
             try:
                 token = self.token_path.read_text().strip()
-                verify: str | bool = str(self.ca_path) if self.ca_path is not None else True
+                verify: ssl.SSLContext | bool = (
+                    ssl.create_default_context(cafile=str(self.ca_path)) if self.ca_path is not None else True
+                )
                 with httpx.Client(base_url=self.api_url, verify=verify, timeout=self.timeout_s) as http:
                     r = http.patch(
                         self.path,
