@@ -181,18 +181,25 @@ class _ListReporter:
         return True
 
 
+def _tiny_job(tmp_path: Path, **spec: dict[str, Any]) -> Path:
+    """The tiny fast job with `spec.<key>` sections updated."""
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parent / "fixtures" / "tiny-fast.yaml").read_text())
+    for key, fields in spec.items():
+        doc["spec"].setdefault(key, {}).update(fields)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    return tmp_path / "job.yaml"
+
+
 def test_real_sync_loop_reports_init_each_step_and_done(tmp_path: Path) -> None:
     """The tiny job's real loop (engine on 127.0.0.1, FSDP2 trainer) with the pre-flight check on."""
-    import yaml
     from lockstep.api import load_manifest
     from lockstep.driver import run
 
-    doc = yaml.safe_load((Path(__file__).parent / "fixtures" / "tiny-fast.yaml").read_text())
-    doc["spec"].setdefault("weightSync", {})["checkWeightUpdateEqual"] = True
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     reporter = _ListReporter()
     state = run(
-        load_manifest(tmp_path / "job.yaml"),
+        load_manifest(_tiny_job(tmp_path, weightSync={"checkWeightUpdateEqual": True})),
         tmp_path / "run",
         steps=2,
         cache_dir=tmp_path / "cache",
@@ -206,3 +213,39 @@ def test_real_sync_loop_reports_init_each_step_and_done(tmp_path: Path) -> None:
     assert first.reward is not None and second.preflight == "passed"
     assert second.last_update_seconds is not None and not second.done
     assert last.done and last.error is None
+
+
+def test_real_fully_async_loop_reports_queue_staleness_and_wire_bytes(tmp_path: Path) -> None:
+    """The fully-async loop over disk-delta: queue and staleness from the buffer, bytes from the push."""
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+
+    fixture = Path(__file__).parents[1] / "rollout" / "fixtures" / "tiny-async.yaml"
+    text = fixture.read_text().replace("    evalInterval: 2\n", "")
+    text = text.replace("transport: auto", "transport: disk-delta\n    checkWeightUpdateEqual: true")
+    reporter = _ListReporter()
+    run(load_manifest(text), tmp_path / "run", steps=2, cache_dir=tmp_path / "cache", reporter=reporter)
+    assert [d.step for d in reporter.docs] == [0, 1, 2, 2]
+    init, _, second, last = reporter.docs
+    assert init.preflight == "passed" and init.queue_size is None
+    assert second.queue_capacity is not None and second.queue_size is not None
+    assert second.staleness is not None and second.avg_staleness is not None
+    assert second.wire_bytes is not None and second.wire_bytes > 0
+    assert second.weight_version == 2 and last.done
+
+
+def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN loss (a restart cannot fix it) ends the channel with `error`, not `done`."""
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+    from lockstep.driver.steps import NonFiniteLoss
+
+    (tmp_path / "progress_nan_reward.py").write_text("def nan(sample, response):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    job = load_manifest(_tiny_job(tmp_path, agent={"rewardFunction": "progress_nan_reward:nan"}))
+    reporter = _ListReporter()
+    with pytest.raises(NonFiniteLoss):
+        run(job, tmp_path / "run", steps=2, cache_dir=tmp_path / "cache", reporter=reporter)
+    assert [d.step for d in reporter.docs] == [0, 0]
+    assert reporter.docs[-1].error is not None and reporter.docs[-1].error.startswith("NonFiniteLoss: ")
+    assert not reporter.docs[-1].done
