@@ -177,6 +177,17 @@ def test_pool_engine_ready_only_at_the_current_version() -> None:
         now=T0,
     )
     assert before_any.ready_replicas == 2  # no version published yet: health alone decides
+    through_router = pool_status(
+        pods[:2],
+        selector="a=b",
+        current_version=3,
+        engine_versions={},
+        min_replicas=1,
+        previous=None,
+        generation=1,
+        now=T0,
+    )
+    assert through_router.ready_replicas == 2  # no per-engine versions reported: the push's guarantee stands
 
 
 def test_trainer_status_counts_ranks() -> None:

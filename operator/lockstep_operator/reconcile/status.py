@@ -292,13 +292,18 @@ def pool_status(
     generation: int | None,
     now: dt.datetime,
 ) -> RolloutPoolStatus:
-    """Pool status: an engine is ready only when its pod is Ready and it holds `current_version`."""
+    """Pool status: an engine is ready only when its pod is Ready and it holds `current_version`.
+
+    Per-engine versions come from the driver's progress report. A driver that reaches the engines only
+    through the router reports none; then the push's own guarantee stands in (a weight update reaches
+    every engine or raises and fails the run), and readiness is the pod's.
+    """
     engines: list[EngineStatus] = []
     for pod in sorted(pods, key=lambda p: int(p["metadata"]["labels"].get(LABEL_REPLICA, "0"))):
         name = pod["metadata"]["name"]
         ip = (pod.get("status") or {}).get("podIP")
         version = engine_versions.get(name)
-        synced = current_version is None or version == current_version
+        synced = current_version is None or not engine_versions or version == current_version
         engines.append(
             EngineStatus(
                 name=name,
