@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep.api.progress import progress_config_map_name
+
 GROUP = "rl.lockstep.dev"
 API_VERSION = f"{GROUP}/v1alpha1"
 LABEL_JOB = f"{GROUP}/job"
@@ -123,7 +125,7 @@ def config_name(job: str) -> str:
 
 def progress_name(job: str) -> str:
     """ConfigMap the driver patches with its progress (the only object it may write)."""
-    return f"{job}-progress"
+    return progress_config_map_name(job)
 
 
 def driver_name(job: str) -> str:
