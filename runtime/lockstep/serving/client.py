@@ -396,8 +396,13 @@ class EngineClient:
         group_name: str = "weight_update_group",
         weight_version: int | str | None = None,
         flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> SuccessReply:
-        """Tell the engine to receive broadcasts of these tensors; the caller broadcasts concurrently."""
+        """Tell the engine to receive broadcasts of these tensors; the caller broadcasts concurrently.
+
+        load_format None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast of the
+        tensors' bytes back to back, in the order named (SGLang's FlattenedTensorBucket layout).
+        """
         v = None if weight_version is None else str(weight_version)
         body = UpdateWeightsFromDistributedRequest(
             names=list(names),
@@ -406,6 +411,7 @@ class EngineClient:
             group_name=group_name,
             weight_version=v,
             flush_cache=flush_cache,
+            load_format=load_format,
         )
         return await self._update("update_weights_from_distributed", body, v)
 
