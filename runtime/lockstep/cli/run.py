@@ -5,7 +5,8 @@ engine(s) in-process on 127.0.0.1, the FSDP2 trainer as one rank, the sync (or f
 progress bar, metrics.jsonl + metrics.png in the run dir and an optional Prometheus endpoint.
 
 Exit codes: 0 done (or stopped by Ctrl-C with a checkpoint), 2 bad manifest or settings, 3 engine
-unreachable, 4 non-finite loss (last good checkpoint intact), 5 pre-flight weight check failed, 130 abandoned by a second Ctrl-C.
+unreachable, 4 non-finite loss (last good checkpoint intact), 5 pre-flight weight check failed,
+6 rollout failed (every trajectory failing, fully-async), 130 abandoned by a second Ctrl-C.
 
 Who calls it: users (`make run`), tests.
 """
@@ -27,6 +28,7 @@ EXIT_CODES = """exit codes:
   3    a rollout engine is unreachable
   4    non-finite loss: stopped, the last good checkpoint is intact
   5    pre-flight weight check (spec.weightSync.checkWeightUpdateEqual) failed; no step was trained
+  6    rollout failed: trajectories kept failing (the last error is named; fully-async)
   130  abandoned by a second Ctrl-C (resume from the last saved checkpoint)"""
 """The exit codes `lockstep run` and `lockstep driver` return, shown in --help."""
 
@@ -69,6 +71,7 @@ def execute(
     from lockstep.driver import run
     from lockstep.driver.loop import install_sigint
     from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
+    from lockstep.rollout.async_worker import RolloutFailed
     from lockstep.serving.client import EngineUnreachable
 
     stop = threading.Event()
@@ -98,6 +101,9 @@ def execute(
     except PreflightFailed as e:
         print(f"error: pre-flight failed, no step was trained: {e}", file=sys.stderr)
         return 5
+    except RolloutFailed as e:
+        print(f"error: rollout failed: {e}", file=sys.stderr)
+        return 6
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

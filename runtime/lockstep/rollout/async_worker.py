@@ -126,7 +126,8 @@ class AsyncRolloutWorker:
         self.max_consecutive_failures = max_consecutive_failures
         """FAILED trajectories in a row (no usable one between) that stop the run with RolloutFailed."""
         self._failed_in_a_row = 0
-        self._last_error: BaseException | None = None
+        self._last_error: str | None = None
+        """The last trajectory error, "Type: message" (raised by the generate callable or recorded by it)."""
         self._in_flight = 0
         self._cond = asyncio.Condition()
         self._partial: dict[int, list[Sample | None]] = {}
@@ -216,7 +217,7 @@ class AsyncRolloutWorker:
             raise  # an unreachable engine is not a failed sample: the run stops (see _run_sample)
         except Exception as err:
             self.counters.failed_samples += 1
-            self._last_error = err
+            self._last_error = f"{type(err).__name__}: {err}"
             log.warning("trajectory %d/%d failed: %r", sample.group_index, sample.index, err)
             sample.status = SampleStatus.FAILED
         return sample
@@ -231,10 +232,12 @@ class AsyncRolloutWorker:
         self.counters.unusable_samples += done.status in (SampleStatus.ABORTED, SampleStatus.FAILED)
         self.counters.generated_tokens += len(done.response_ids)
         self._failed_in_a_row = self._failed_in_a_row + 1 if done.status == SampleStatus.FAILED else 0
+        if done.status == SampleStatus.FAILED and "error" in done.metadata:
+            self._last_error = str(done.metadata["error"])  # generate caught it and recorded it on the sample
         if self._failed_in_a_row >= self.max_consecutive_failures:
             await self._fail(
                 RolloutFailed(
-                    f"the last {self._failed_in_a_row} trajectories failed (last error: {self._last_error!r}); "
+                    f"the last {self._failed_in_a_row} trajectories failed (last error: {self._last_error}); "
                     "fix the generate/agent/reward function or the engine request it sends"
                 )
             )

@@ -198,7 +198,7 @@ async def test_a_generate_that_always_fails_stops_rollout() -> None:
     w.start()
     with pytest.raises(BufferClosed):
         await buf.get()
-    assert isinstance(w.failure, RolloutFailed) and "KeyError('answer')" in str(w.failure)
+    assert isinstance(w.failure, RolloutFailed) and "KeyError: 'answer'" in str(w.failure)
     assert w.counters.failed_samples >= 6
     await w.stop()
 
