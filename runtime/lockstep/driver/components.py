@@ -3,7 +3,7 @@
 Why it exists: the loops (sync in loop.py, fully-async in fully_async.py) should read like pseudocode
 (seed §1); all construction happens here: the model checkpoint resolved, the reference engine(s)
 started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs used), one
-EngineClient per engine on the shared AsyncRunner loop, the trainer backend, the weight transport, the
+EngineClient per engine on the shared LoopThread loop, the trainer backend, the weight transport, the
 task and its rollout (plugins loaded and validated), and the metrics sink. The weight transport
 comes from lockstep.driver.transports (spec.weightSync.transport).
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.driver.aio import AsyncRunner
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import RunSettings, settings_from_job
@@ -31,6 +30,7 @@ from lockstep.driver.transports import build_transport, check_transport, needs_t
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
+from lockstep.serving.loop import LoopThread
 from lockstep.tasks import Task, TaskItem, load_task
 from lockstep.train.common.losses import PolicyLossConfig
 from lockstep.train.common.mismatch import MismatchConfig
@@ -59,7 +59,7 @@ class Components:
     """Run directory: metrics.jsonl, metrics.png, checkpoints/, weights/."""
     model_dir: Path
     """The initial HF checkpoint (resolved from spec.model.checkpoint)."""
-    runner: AsyncRunner
+    runner: LoopThread
     """The event loop thread every EngineClient coroutine runs on (`runner.run(coro)`)."""
     clients: list[EngineClient]
     """One client per engine replica."""
@@ -157,7 +157,7 @@ def build_components(
         model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
         tokenizer = TinyTokenizer.load(model_dir)
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
-        runner = AsyncRunner()
+        runner = LoopThread()
         closers.append(runner.close)
         engines = [] if engine_urls else _start_engines(job, model_dir, closers)
         clients = [
@@ -287,7 +287,7 @@ def _build_rollout(
     return Rollout(ctx=ctx, plugins=plugins, render=render, agent_ctx=agent_ctx)
 
 
-def _close_clients(runner: AsyncRunner, clients: list[EngineClient]) -> None:
+def _close_clients(runner: LoopThread, clients: list[EngineClient]) -> None:
     for client in clients:
         runner.run(client.aclose())
 

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     import torch
 
     from lockstep.api import RLJob
-    from lockstep.driver.aio import AsyncRunner
     from lockstep.serving.client import EngineClient
+    from lockstep.serving.loop import LoopThread
     from lockstep.weights.disk_delta import DiskDeltaTransport
     from lockstep.weights.pipeline import PipelineConfig
     from lockstep.weights.transport import TransferReport, WeightTransport
@@ -90,7 +90,7 @@ def build_transport(
     job: RLJob,
     run_dir: Path,
     model_dir: Path,
-    runner: AsyncRunner,
+    runner: LoopThread,
     clients: Sequence[EngineClient],
     device: str,
 ) -> WeightTransport:
@@ -134,7 +134,7 @@ def _pipeline(job: RLJob) -> PipelineConfig:
 
 
 def _from_disk(
-    run_dir: Path, model_dir: Path, runner: AsyncRunner, clients: Sequence[EngineClient]
+    run_dir: Path, model_dir: Path, runner: LoopThread, clients: Sequence[EngineClient]
 ) -> WeightTransport:
     from lockstep.weights.from_disk import FromDiskTransport
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
 from lockstep.serving.weight_group import WeightUpdateGroup, open_weight_update_group
-from lockstep.weights.aio import LoopThread
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 

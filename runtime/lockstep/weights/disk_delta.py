@@ -604,7 +604,7 @@ def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: floa
     through lockstep.serving.EngineClient like every other transport; an engine error is a DeltaError.
     """
     from lockstep.serving import EngineClient, EngineError
-    from lockstep.weights.aio import LoopThread
+    from lockstep.serving.loop import LoopThread
 
     async def install(local: Path, version: int) -> None:
         async with EngineClient(engine_url, timeout_s=timeout_s, retries=1) as client:

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
 from lockstep.serving.tensor_codec import dumps_named_tensors
-from lockstep.weights.aio import LoopThread
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 

@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lockstep.api.common import Condition, ConditionStatus
 from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
 from lockstep.weights import st_bytes as sb
-from lockstep.weights.aio import LoopThread
 from lockstep.weights.transport import WeightTransport
 
 if TYPE_CHECKING:
