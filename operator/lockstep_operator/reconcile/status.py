@@ -45,36 +45,18 @@ def set_condition(
 ) -> list[Condition]:
     """Return `conditions` with `type_` set; lastTransitionTime moves only when the status changes."""
     value = {True: ConditionStatus.TRUE, False: ConditionStatus.FALSE, None: ConditionStatus.UNKNOWN}[status]
-    out: list[Condition] = []
-    found = False
-    for cond in conditions:
-        if cond.type != type_:
-            out.append(cond)
-            continue
-        found = True
-        since = cond.last_transition_time if cond.status == value else now
-        out.append(
-            Condition(
-                type=type_,
-                status=value,
-                reason=reason,
-                message=message[:32768],
-                last_transition_time=since,
-                observed_generation=generation,
-            )
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_,
-                status=value,
-                reason=reason,
-                message=message[:32768],
-                last_transition_time=now,
-                observed_generation=generation,
-            )
-        )
-    return out
+    old = next((c for c in conditions if c.type == type_), None)
+    updated = Condition(
+        type=type_,
+        status=value,
+        reason=reason,
+        message=message[:32768],
+        last_transition_time=old.last_transition_time if old is not None and old.status == value else now,
+        observed_generation=generation,
+    )
+    if old is None:
+        return [*conditions, updated]
+    return [updated if c.type == type_ else c for c in conditions]
 
 
 def condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
