@@ -384,7 +384,16 @@ def test_preflight_failure_fails_the_job_naming_tensors(
     st = phase_is(cluster, namespace, job, "Failed")
     failed = cond(st, "Failed")
     assert failed["reason"] == "PreflightFailed" and "model.layers.0.mlp.up_proj.weight" in failed["message"]
-    channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
+    # The channel's status is written by its own reconcile, which may land after the job's.
+    channel = cluster.wait_for(
+        lambda: (
+            (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("preflightPassed")
+            is not None
+            and s
+        ),
+        timeout=WAIT,
+        what="preflight folded into the weight channel",
+    )
     assert channel["preflightPassed"] is False and cond(channel, "PreflightPassed")["status"] == "False"
     # A failed job frees its GPUs: engine and trainer pods go away.
     cluster.wait_for(
@@ -478,7 +487,11 @@ def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
         return all(now[n] != first[n] for n in first)  # rank 0 restarted too: the whole gang
 
     cluster.wait_for(restarted, timeout=WAIT, what="both ranks recreated")
-    assert status(cluster, namespace, "trainergroup", f"{job}-trainer")["restarts"] == 1
+    cluster.wait_for(
+        lambda: status(cluster, namespace, "trainergroup", f"{job}-trainer").get("restarts") == 1,
+        timeout=WAIT,
+        what="one gang restart counted",
+    )
     cluster.kubectl(
         "annotate", "pod", f"{job}-trainer-0", "-n", namespace, "lockstep.dev/failure-message=NCCL timeout"
     )
