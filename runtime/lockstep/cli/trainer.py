@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+DEFAULT_PORT = 29600
+"""The trainer's command port (rank 0); the driver pod's LOCKSTEP_TRAINER_URL points at it."""
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("trainer", help="run one trainer rank (torchrun env)", description=__doc__)
@@ -33,6 +36,21 @@ def register(subparsers: Any) -> None:
         "--cache-dir", type=Path, default=None, help="where builtin:<name> checkpoints are written"
     )
     p.add_argument("--sft-steps", type=int, default=None, help="override the SFT warm-start steps")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="take the RL steps for a remote driver: rank 0 serves commands on --port, all ranks run them",
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"command port of rank 0 (default {DEFAULT_PORT})"
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address rank 0 listens on (tests: 127.0.0.1)")
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="engine or router URL the ranks push weights to (default: $LOCKSTEP_ROUTER_URL)",
+    )
     p.set_defaults(func=main)
 
 
@@ -43,6 +61,9 @@ def main(args: argparse.Namespace) -> int:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    if args.serve:
+        print("error: --serve is not built yet", file=sys.stderr)
         return 2
     return run_rank(job, args)
 
