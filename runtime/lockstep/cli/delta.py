@@ -25,6 +25,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     pub.add_argument("--root", type=Path, required=True, help="shared publish root (weight_vNNNNNN/ dirs)")
     pub.add_argument("--encoding", choices=["xor", "overwrite"], default="xor")
     pub.add_argument("--level", type=int, default=1, help="zstd level (default 1, the spec's)")
+    pub.add_argument(
+        "--checksum",
+        choices=["xxh3-128", "blake3", "adler32"],
+        default="xxh3-128",
+        help="checksum of every tensor before and after (subscribers follow the index)",
+    )
     pub.add_argument("--version", type=int, default=None, help="version to publish (default: latest + 1)")
     pub.set_defaults(func=_publish)
 
@@ -54,7 +60,12 @@ def _publish(args: argparse.Namespace) -> int:
         base_version = versions[-1] if versions else 0
         version = args.version if args.version is not None else base_version + 1
         pub = dd.DeltaPublisher(
-            args.root, args.base, encoding=args.encoding, level=args.level, base_version=base_version
+            args.root,
+            args.base,
+            encoding=args.encoding,
+            level=args.level,
+            base_version=base_version,
+            checksum=args.checksum,
         )
         pub.check_base()
         if not (args.root / dd.BASELINE_NAME).exists():

@@ -91,7 +91,7 @@ class TensorState(BaseModel):
     nbytes: int
     """Byte size (elements x element size)."""
     checksum: str
-    """xxh3-128 of the tensor's bytes in this version."""
+    """Checksum (the index's or marker's checksum_format) of the tensor's bytes in this version."""
 
 
 class DeltaTensor(BaseModel):
@@ -101,7 +101,7 @@ class DeltaTensor(BaseModel):
     shard: str
     """File name of the delta shard (inside weight_vNNNNNN/) holding the compressed payload."""
     base_checksum: str
-    """xxh3-128 of the tensor in the base version (lineage check before patching)."""
+    """Checksum of the tensor in the base version (lineage check before patching)."""
     raw_bytes: int
     """Size of the uncompressed encoded delta."""
     changed_bytes: int
@@ -124,8 +124,8 @@ class DeltaIndex(BaseModel):
     """Compression of every payload."""
     compression_level: int = codec.DEFAULT_ZSTD_LEVEL
     """zstd level used."""
-    checksum_format: Literal["xxh3-128"] = "xxh3-128"
-    """Checksum of tensors' bytes, before and after."""
+    checksum_format: sb.ChecksumAlgorithm = "xxh3-128"
+    """Checksum of tensors' bytes, before and after (the publisher's choice; subscribers follow it)."""
     weight_map: dict[str, str] = Field(default_factory=dict)
     """Changed tensor name -> delta shard file (as in HF index files)."""
     tensors: dict[str, DeltaTensor] = Field(default_factory=dict)
@@ -144,6 +144,8 @@ class LocalState(BaseModel):
     """Version the checkpoint files hold."""
     state: dict[str, TensorState]
     """Layout and checksum of every tensor."""
+    checksum_format: sb.ChecksumAlgorithm = "xxh3-128"
+    """Algorithm of the checksums in `state`."""
 
 
 class Journal(BaseModel):
@@ -179,8 +181,10 @@ class PublishResult:
         return self.changed_bytes / self.total_bytes if self.total_bytes else 0.0
 
 
-def _state_of(dtype: str, shape: Iterable[int], data: np.ndarray) -> TensorState:
-    return TensorState(dtype=dtype, shape=list(shape), nbytes=int(data.size), checksum=sb.checksum(data))
+def _state_of(dtype: str, shape: Iterable[int], data: np.ndarray, algorithm: str) -> TensorState:
+    return TensorState(
+        dtype=dtype, shape=list(shape), nbytes=int(data.size), checksum=sb.checksum(data, algorithm)
+    )
 
 
 def _layout_diffs(
@@ -207,9 +211,13 @@ class DeltaPublisher:
         level: int = codec.DEFAULT_ZSTD_LEVEL,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         base_version: int = 0,
+        checksum: sb.ChecksumAlgorithm = sb.CHECKSUM_FORMAT,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ValueError(f"encoding must be one of {codec.ENCODINGS}, got {encoding!r}")
+        if checksum not in sb.CHECKSUM_ALGORITHMS:
+            raise ValueError(f"checksum must be one of {sb.CHECKSUM_ALGORITHMS}, got {checksum!r}")
+        self.checksum: sb.ChecksumAlgorithm = checksum
         self.root = Path(root)
         self.encoding: codec.Encoding = encoding
         self.level = level
@@ -247,11 +255,13 @@ class DeltaPublisher:
             path = self.root / BASELINE_NAME
             if not path.is_file():
                 return  # nothing recorded yet: start() will record this snapshot as the baseline
-            expected = LocalState.model_validate_json(path.read_bytes()).state
+            marker = LocalState.model_validate_json(path.read_bytes())
+            expected, algorithm = marker.state, marker.checksum_format
         else:
-            expected = load_index(self.root, self.version).state
+            index = load_index(self.root, self.version)
+            expected, algorithm = index.state, index.checksum_format
         want = {n: st.checksum for n, st in expected.items()}
-        got = {n: sb.checksum(b) for n, (_, _, b) in self._snapshot.items()}
+        got = {n: sb.checksum(b, algorithm) for n, (_, _, b) in self._snapshot.items()}
         bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         if bad:
             raise LineageError(
@@ -262,8 +272,8 @@ class DeltaPublisher:
     def start(self) -> PublishResult:
         """The first update: publish nothing, record the baseline's checksums for the engines to verify."""
         self.root.mkdir(parents=True, exist_ok=True)
-        state = {n: _state_of(d, s, b) for n, (d, s, b) in self._snapshot.items()}
-        marker = LocalState(version=self.version, state=state)
+        state = {n: _state_of(d, s, b, self.checksum) for n, (d, s, b) in self._snapshot.items()}
+        marker = LocalState(version=self.version, state=state, checksum_format=self.checksum)
         sb.write_durable(self.root / BASELINE_NAME, marker.model_dump_json().encode())
         total = sum(int(b.size) for _, _, b in self._snapshot.values())
         return PublishResult(version=self.version, tensors=len(state), total_bytes=total)
@@ -297,7 +307,11 @@ class DeltaPublisher:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, out: Path
     ) -> tuple[DeltaIndex, dict[str, np.ndarray], PublishResult]:
         index = DeltaIndex(
-            version=version, base_version=self.version, encoding=self.encoding, compression_level=self.level
+            version=version,
+            base_version=self.version,
+            encoding=self.encoding,
+            compression_level=self.level,
+            checksum_format=self.checksum,
         )
         result = PublishResult(version=version)
         new_bytes: dict[str, np.ndarray] = {}
@@ -317,7 +331,7 @@ class DeltaPublisher:
 
         for name, tensor in named_tensors:
             data = sb.tensor_bytes(tensor)
-            st = _state_of(sb.st_dtype(tensor), tensor.shape, data)
+            st = _state_of(sb.st_dtype(tensor), tensor.shape, data, self.checksum)
             if name in index.state:  # a replicated tensor (e.g. tied embeddings from two stages)
                 if index.state[name].checksum != st.checksum:
                     raise ReplicaMismatchError(
@@ -341,7 +355,10 @@ class DeltaPublisher:
             shard[name] = ("U8", (len(frame),), frame)
             shard_size += len(frame)
             index.tensors[name] = DeltaTensor(
-                shard="", base_checksum=sb.checksum(base[2]), raw_bytes=len(raw), changed_bytes=changed
+                shard="",
+                base_checksum=sb.checksum(base[2], self.checksum),
+                raw_bytes=len(raw),
+                changed_bytes=changed,
             )
             new_bytes[name] = np.array(data)  # own copy: the trainer will update its tensor in place
             result.changed_tensors += 1
@@ -397,11 +414,16 @@ def read_local_state(local: Path) -> LocalState:
 def init_local(local: Path, root: Path | None = None, version: int = 0) -> LocalState:
     """Materialize a local checkpoint as `version` (0: the baseline) and verify it against ROOT/baseline.json."""
     local = Path(local)
-    state = {e.name: _state_of(e.dtype, e.shape, data) for e, data in sb.iter_checkpoint_bytes(local)}
-    marker = LocalState(version=version, state=state)
     baseline_path = None if root is None else Path(root) / BASELINE_NAME
+    baseline = None
     if baseline_path is not None and baseline_path.is_file():
         baseline = LocalState.model_validate_json(baseline_path.read_bytes())
+    algorithm = baseline.checksum_format if baseline is not None else sb.CHECKSUM_FORMAT
+    state = {
+        e.name: _state_of(e.dtype, e.shape, data, algorithm) for e, data in sb.iter_checkpoint_bytes(local)
+    }
+    marker = LocalState(version=version, state=state, checksum_format=algorithm)
+    if baseline is not None:
         diffs = [
             f"{n}: baseline {baseline.state[n].model_dump()} != local {state[n].model_dump()}"
             for n in sorted(baseline.state.keys() & state.keys())
@@ -500,7 +522,7 @@ def _decode_tensor(root: Path, index: DeltaIndex, name: str, base: np.ndarray) -
         codec.decode_into(out, raw, index.encoding)
     except codec.CorruptDeltaError as e:
         raise CorruptDeltaError(f"tensor {name!r} of version {index.version}: {e}") from e
-    got = sb.checksum(out)
+    got = sb.checksum(out, index.checksum_format)
     if got != want.checksum:
         raise CorruptDeltaError(
             f"tensor {name!r} of version {index.version}: patched checksum {got} != published {want.checksum}; "
@@ -525,7 +547,7 @@ def _apply_one(
     for name in sorted(index.tensors):
         e = entries[name]
         base = sb.read_entry(e)
-        if sb.checksum(base) != index.tensors[name].base_checksum:
+        if sb.checksum(base, index.checksum_format) != index.tensors[name].base_checksum:
             raise LineageError(
                 f"local tensor {name!r} does not have the base checksum of version {index.version}; "
                 f"{local} drifted from version {current.version}: re-sync it from a full copy"
@@ -549,7 +571,9 @@ def _apply_one(
         for tmp_name, _ in renames:
             (local / tmp_name).unlink(missing_ok=True)
         raise
-    new_state = LocalState(version=index.version, state=dict(index.state))
+    new_state = LocalState(
+        version=index.version, state=dict(index.state), checksum_format=index.checksum_format
+    )
     sb.write_durable(
         local / JOURNAL_NAME, Journal(renames=renames, local=new_state).model_dump_json().encode()
     )

@@ -5,7 +5,8 @@ not tensor values, so it needs each tensor's dtype, shape and exact byte range i
 the safetensors header ourselves (8-byte little-endian length, then a JSON header with `dtype`,
 `shape` and `data_offsets` per tensor) gives byte-exact, dtype-agnostic access (bf16 included) through
 numpy memory maps. Also holds the durable-write helpers (flush + fsync + atomic rename) and the
-xxh3-128 checksum every transport and the pre-flight check use.
+checksums every transport and the pre-flight check use (xxh3-128 by default; blake3 and adler32 for
+the disk-delta's `checksum` setting).
 
 Who calls it: disk_delta.py, preflight.py, the `lockstep delta` CLI and the benchmarks.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 import numpy as np
 import xxhash
@@ -26,8 +28,15 @@ import xxhash
 if TYPE_CHECKING:
     import torch
 
-CHECKSUM_FORMAT = "xxh3-128"
-"""The checksum format recorded in every delta index (seed §7.2.4)."""
+CHECKSUM_FORMAT: Final = "xxh3-128"
+"""The default checksum format (seed §7.2.4): fast, 128 bits, not cryptographic."""
+
+ChecksumAlgorithm = Literal["xxh3-128", "blake3", "adler32"]
+"""Checksums a delta index may record (lockstep.api Checksum): xxh3-128 (default), blake3 (a
+cryptographic 256-bit hash, for stores shared with parties you do not trust), adler32 (32 bits,
+cheapest, catches torn writes but not adversarial edits)."""
+
+CHECKSUM_ALGORITHMS: tuple[str, ...] = get_args(ChecksumAlgorithm)
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -43,9 +52,38 @@ TORCH_TO_ST = {
 """torch dtype (as str) -> safetensors dtype name."""
 
 
-def checksum(data: bytes | memoryview | np.ndarray) -> str:
-    """xxh3-128 of raw bytes, as 32 hex digits."""
-    return xxhash.xxh3_128_hexdigest(data)  # type: ignore[arg-type]  # ndarray exposes the buffer protocol
+def _byte_view(data: bytes | memoryview | np.ndarray) -> memoryview:
+    return memoryview(data).cast("B")  # type: ignore[arg-type]  # ndarray exposes the buffer protocol
+
+
+def _blake3(data: bytes | memoryview | np.ndarray) -> str:
+    try:
+        from blake3 import blake3
+    except ImportError as e:  # the runtime extra installs it; a bare install may not have it
+        raise RuntimeError(
+            "checksum blake3 needs the `blake3` package: pip install 'lockstep[runtime]'"
+        ) from e
+    return str(blake3(_byte_view(data)).hexdigest())
+
+
+def _adler32(data: bytes | memoryview | np.ndarray) -> str:
+    return f"{zlib.adler32(_byte_view(data)):08x}"
+
+
+_CHECKSUMS: dict[str, Callable[[bytes | memoryview | np.ndarray], str]] = {
+    "xxh3-128": lambda d: xxhash.xxh3_128_hexdigest(d),  # type: ignore[arg-type]  # buffer protocol
+    "blake3": _blake3,
+    "adler32": _adler32,
+}
+
+
+def checksum(data: bytes | memoryview | np.ndarray, algorithm: str = CHECKSUM_FORMAT) -> str:
+    """Checksum of raw bytes as lowercase hex: xxh3-128 (32 digits), blake3 (64) or adler32 (8)."""
+    try:
+        fn = _CHECKSUMS[algorithm]
+    except KeyError:
+        raise ValueError(f"checksum must be one of {CHECKSUM_ALGORITHMS}, got {algorithm!r}") from None
+    return fn(data)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:

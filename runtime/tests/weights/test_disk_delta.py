@@ -243,11 +243,14 @@ def test_cli_publish_apply_verify(tmp_path: Path, capsys: pytest.CaptureFixture[
                 str(root),
                 "--encoding",
                 "overwrite",
+                "--checksum",
+                "blake3",
             ]
         )
         == 0
     )
     assert "published version 1" in capsys.readouterr().out
+    assert dd.load_index(root, 1).checksum_format == "blake3"
     assert cli(["delta", "verify", "--root", str(root)]) == 0
     # Version 2 diffed against the wrong base (v0 instead of v1) is refused before anything is written.
     v2 = write_ckpt(tmp_path / "v2", step(v1, 2))
@@ -269,3 +272,41 @@ def test_cli_publish_apply_verify(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert cli(["delta", "apply", "--root", str(root), "--local", str(fresh)]) == 1
     assert files_bytes(fresh) == files_bytes(base)
     assert cli(["delta", "verify", "--root", str(tmp_path / "nope")]) == 1
+
+
+def test_checksum_algorithms_known_answers() -> None:
+    # Reference digests of b"abc": RFC 1950 adler32 and the BLAKE3 paper's test vector.
+    assert sb.checksum(b"abc", "adler32") == "024d0127"
+    assert sb.checksum(b"abc", "blake3") == "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
+    assert len(sb.checksum(b"abc")) == 32  # xxh3-128 by default
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        sb.checksum(b"abc", "md5")
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "adler32"])
+def test_publisher_checksum_choice_is_followed_by_subscribers(
+    tmp_path: Path, algorithm: sb.ChecksumAlgorithm
+) -> None:
+    v0 = model()
+    root = tmp_path / "root"
+    pub = dd.DeltaPublisher(root, write_ckpt(tmp_path / "base", v0), checksum=algorithm)
+    pub.start()
+    v1 = step(v0, 1)
+    pub.publish(v1.items(), 1)
+    index = dd.load_index(root, 1)
+    assert index.checksum_format == algorithm
+    name = sorted(index.tensors)[0]
+    assert index.state[name].checksum == sb.checksum(sb.tensor_bytes(v1[name]), algorithm)
+    local = write_ckpt(tmp_path / "local", v0)
+    assert dd.init_local(local, root).checksum_format == algorithm
+    dd.apply_delta(root, local)
+    got = loaded(local)
+    assert all(torch.equal(got[n], v1[n]) for n in v1)
+    assert dd.read_local_state(local).checksum_format == algorithm
+    # The algorithm is really used: a damaged target checksum in that format is caught.
+    index.state[name].checksum = "0" * len(index.state[name].checksum)
+    (dd.version_dir(root, 1) / dd.INDEX_NAME).write_text(index.model_dump_json())
+    other = write_ckpt(tmp_path / "other", v0)
+    dd.init_local(other, root)
+    with pytest.raises(dd.CorruptDeltaError, match="patched checksum"):
+        dd.apply_delta(root, other)
