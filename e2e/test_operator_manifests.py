@@ -65,7 +65,8 @@ def test_operator_service_account_may_do_what_it_does_and_no_more(
     needed = [("watch", rl, "rljobs"), ("patch", rl, "rljobs", "status"), ("patch", rl, "rolloutpools", "status"),
               ("create", "", "pods"), ("delete", "", "pods"), ("patch", "", "configmaps"),
               ("create", "rbac.authorization.k8s.io", "roles"), ("list", "", "nodes"),
-              ("create", "scheduling.volcano.sh", "podgroups"), ("create", "", "events")]  # fmt: skip
+              ("create", "scheduling.volcano.sh", "podgroups"), ("create", "", "events"),
+              ("patch", "networking.k8s.io", "networkpolicies")]  # fmt: skip
     for check in needed:
         assert can(*check), f"the operator cannot {check}"
     never = [("get", "", "secrets"), ("delete", "", "nodes"), ("create", "rbac.authorization.k8s.io", "clusterroles"),

@@ -204,8 +204,24 @@ def test_h100_example_children_nodes_gpus_and_columns(
     env = {e["name"]: e.get("value") for e in ranks[0]["spec"]["containers"][0]["env"]}
     assert env["MASTER_ADDR"] == f"{job}-trainer-0.{job}-trainer.{namespace}.svc"
     assert (env["WORLD_SIZE"], env["RANK"], env["NPROC_PER_NODE"]) == ("1", "0", "8")
+    # Trainer ranks take the RL steps: rank 0 serves the driver on `control`, ranks push to the router.
+    assert ranks[0]["spec"]["containers"][0]["command"][-1] == "--serve"
+    assert {"name": "control", "containerPort": 29600, "protocol": "TCP"} in ranks[0]["spec"]["containers"][
+        0
+    ]["ports"]
+    assert env["LOCKSTEP_ROUTER_URL"] == f"http://{job}-rollout-router:30000"
+    driver = pods(cluster, namespace, job, "driver")[0]
+    driver_env = {e["name"]: e.get("value") for e in driver["spec"]["containers"][0]["env"]}
+    assert driver_env["LOCKSTEP_TRAINER_URL"] == f"http://{job}-trainer-0.{job}-trainer.{namespace}.svc:29600"
     services = {s["metadata"]["name"]: s for s in cluster.get("services", "-n", namespace)["items"]}
     assert services[f"{job}-trainer"]["spec"]["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in services[f"{job}-trainer"]["spec"]["ports"]} == {
+        "rendezvous": 29500,
+        "control": 29600,
+    }
+    policy = cluster.get("networkpolicy", f"{job}-trainer", "-n", namespace)["spec"]
+    control = [r for r in policy["ingress"] if {"protocol": "TCP", "port": 29600} in r["ports"]]
+    assert [r["from"][0]["podSelector"]["matchLabels"]["rl.lockstep.dev/role"] for r in control] == ["driver"]
     assert services[f"{job}-rollout-router"]["spec"]["ports"][0]["port"] == 30000
     for kind in ("rolloutpool", "trainergroup", "weightchannel"):
         owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
@@ -284,8 +300,10 @@ def test_transport_choice_per_topology(
         spec: dict[str, Any] = {**two_by_two, "placement": {"gpuProduct": "GB300"}}
     elif case == "broadcast":  # Ethernet-only H100 nodes: one network, no RDMA
         spec = {
+            # Whole nodes each (two 8-GPU nodes): smaller engines may be spread over both nodes by
+            # the scheduler and leave no node with 8 free GPUs for the trainer.
             "trainer": {"device": "cuda", "nodes": 1, "gpusPerNode": 8},
-            "rollout": {"replicas": 2, "gpusPerEngine": 2},
+            "rollout": {"replicas": 1, "gpusPerEngine": 8},
             "placement": {
                 "gpuProduct": "H100",
                 "nodeSelector": {"node.kubernetes.io/instance-type": "hgx-h100-eth"},
@@ -561,7 +579,10 @@ def test_delete_removes_everything(cluster: ControlPlane, operator: Operator, na
     cluster.kubectl("delete", "rljob", job, "-n", namespace, "--wait=false")
 
     def nothing_left() -> bool:
-        kinds = "pods,services,configmaps,serviceaccounts,roles,rolebindings,rolloutpools,trainergroups,weightchannels"
+        kinds = (
+            "pods,services,configmaps,serviceaccounts,roles,rolebindings,networkpolicies,"
+            "rolloutpools,trainergroups,weightchannels"
+        )
         return not cluster.get(kinds, "-n", namespace, "-l", f"{JOB}={job}")["items"]
 
     cluster.wait_for(nothing_left, timeout=WAIT, what="every child garbage-collected")

@@ -156,11 +156,13 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
-    """Keep kopf's bookkeeping under rl.lockstep.dev annotations; open the API client."""
+    """Keep kopf's bookkeeping under rl.lockstep.dev annotations, set the peering lifetime; open the API client."""
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING
+    settings.peering.lifetime = SETTINGS.peering_lifetime_seconds
+    settings.peering.stealth = True  # keep-alives are not logged (pauses and resumes still are)
     settings.watching.server_timeout = 120
     settings.watching.connect_timeout = 10
     kube = KubeClient(load_credentials())

@@ -40,6 +40,10 @@ class OperatorSettings(BaseModel):
     """peering: several replicas, one active (kopf peering, highest priority wins); standalone: one replica."""
     peering_name: str = "lockstep-operator"
     """Name of the kopf ClusterKopfPeering/KopfPeering object used for HA."""
+    peering_lifetime_seconds: int = Field(default=60, ge=1, le=3600)
+    """How long a replica's peering record counts as alive (kopf settings.peering.lifetime). A replica
+    renews it slightly earlier (lifetime - 5..10 s, at least every second); when the active replica
+    dies, a standby takes over within about this long. Tests use a few seconds."""
     priority: int | None = None
     """This replica's peering priority (higher wins, lower ones pause). Unset: derived from $POD_NAME, so
     the replicas of one Deployment get distinct priorities and exactly one is active."""

@@ -15,12 +15,14 @@ import yaml
 from lockstep.api.rljob import Autoscaling, RLJob
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep.api.trainergroup import TrainerGroupSpec
-from lockstep_operator.reconcile.rljob import child_manifests, gang_min_member
+from lockstep_operator.reconcile.rljob import child_manifests, driver_manifest, gang_min_member
 from lockstep_operator.reconcile.rolloutpool import engine_manifest
 from lockstep_operator.reconcile.trainergroup import rank_manifest
 from lockstep_operator.resources import config, podgroups
 from lockstep_operator.resources.common import Owner
-from lockstep_operator.resources.pods import rank_env
+from lockstep_operator.resources.network import trainer_network_policy
+from lockstep_operator.resources.pods import rank_env, selector_labels
+from lockstep_operator.resources.services import headless_service
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example/lockstep-runtime:test"
@@ -79,6 +81,7 @@ def test_job_children(example: str) -> None:
         gang_min=gang_min_member(job.spec),
         clique=clique,
         image=IMAGE,
+        config_hash=trainer["metadata"]["annotations"]["rl.lockstep.dev/config-hash"],
     )
     check(
         f"{example}-children",
@@ -88,6 +91,19 @@ def test_job_children(example: str) -> None:
             "channel": _own(channel),
             "engine0": engine0,
             "rank0": rank0,
+            "driver": driver_manifest(own, job.spec, image=IMAGE),
+            "trainerService": headless_service(
+                owner("TrainerGroup", f"{name}-trainer"),
+                job=name,
+                name=f"{name}-trainer",
+                selector=selector_labels(name, trainer=f"{name}-trainer"),
+            ),
+            "trainerNetworkPolicy": trainer_network_policy(
+                owner("TrainerGroup", f"{name}-trainer"),
+                job=name,
+                trainer=f"{name}-trainer",
+                pool=f"{name}-rollout",
+            ),
         },
     )
     # The sections copied from the job are exactly the job's (kept out of the golden file, so new
@@ -145,3 +161,23 @@ def test_rank_env_is_torchrun_style() -> None:
     assert env["MASTER_ADDR"] == "j-trainer-0.j-trainer.ns.svc" and env["MASTER_PORT"] == "29500"
     assert (env["WORLD_SIZE"], env["RANK"], env["NODE_RANK"], env["NPROC_PER_NODE"]) == ("4", "3", "3", "8")
     assert (env["PET_NNODES"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("4", "3", "8")
+
+
+def test_trainer_control_port_is_reachable_from_the_driver_only() -> None:
+    policy = trainer_network_policy(
+        owner("TrainerGroup", "j-trainer"), job="j", trainer="j-trainer", pool="j-rollout"
+    )
+    rules = policy["spec"]["ingress"]
+    to_control = [
+        r for r in rules if any(p["port"] <= 29600 <= p.get("endPort", p["port"]) for p in r["ports"])
+    ]
+    assert [r["from"] for r in to_control] == [
+        [{"podSelector": {"matchLabels": {"rl.lockstep.dev/job": "j", "rl.lockstep.dev/role": "driver"}}}]
+    ]
+    peers = next(r for r in rules if r not in to_control)
+    assert {p["podSelector"]["matchLabels"]["rl.lockstep.dev/role"] for p in peers["from"]} == {
+        "trainer",
+        "engine",
+    }
+    covered = sum(p["endPort"] - p["port"] + 1 for p in peers["ports"])
+    assert covered == 65535 - 1  # every TCP port but the control port (NCCL picks ephemeral ports)

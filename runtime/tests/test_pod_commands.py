@@ -12,6 +12,7 @@ import pytest
 from lockstep.api import load_manifest
 from lockstep.cli import build_parser
 from lockstep_operator.resources.commands import driver_command, engine_command, trainer_command
+from lockstep_operator.resources.common import CONTROL_PORT
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -34,3 +35,6 @@ def test_pod_commands_parse_with_the_runtime_cli(path: Path) -> None:
     for cmd in commands:
         args = parser.parse_args(_lockstep_args(cmd))
         assert callable(args.func), cmd
+    # Trainer ranks take the RL steps for the driver pod (rank 0 serves them on the control port).
+    trainer = parser.parse_args(_lockstep_args(trainer_command()))
+    assert trainer.serve is True and trainer.port == CONTROL_PORT

@@ -42,6 +42,7 @@ KINDS: dict[str, tuple[str, bool]] = {
     "ServiceAccount": ("serviceaccounts", True),
     "Role": ("roles", True),
     "RoleBinding": ("rolebindings", True),
+    "NetworkPolicy": ("networkpolicies", True),
     "Event": ("events", True),
     "Node": ("nodes", False),
     "Namespace": ("namespaces", False),

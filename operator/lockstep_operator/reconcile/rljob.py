@@ -10,7 +10,7 @@ deterministic names), so a reconcile killed halfway and run again creates no dup
 4. RolloutPool, TrainerGroup, WeightChannel (annotations carry suspend/stop, gang size, restart limit,
    colocation); pool spec.replicas is written only at creation and when the job's
    rollout.replicas changes, so /scale (HPA, KEDA, the built-in autoscaler) keeps control;
-5. the driver pod (deleted while suspended);
+5. the driver pod (deleted while suspended; replaced when its pod-template hash changed);
 6. observe children + progress, compute the status (status.job_status), write it once if changed.
 
 Who calls it: lockstep_operator.handlers, for kopf events of the RLJob and of its children.
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
+import json
 from typing import Any
 
 from lockstep.api.rljob import Phase, RLJob, RLJobSpec, RLJobStatus
@@ -33,6 +35,7 @@ from lockstep_operator.reconcile.common import (
     ANN_AVOID_CLIQUE,
     ANN_CLIQUE,
     ANN_COLOCATE,
+    ANN_CONFIG_HASH,
     ANN_GANG_MIN,
     ANN_JOB_REPLICAS,
     ANN_RESTART_LIMIT,
@@ -57,10 +60,11 @@ from lockstep_operator.resources.common import (
     metadata,
     pool_name,
     progress_name,
-    router_name,
+    router_url,
     trainer_name,
+    trainer_url,
 )
-from lockstep_operator.resources.pods import Container, driver_pod
+from lockstep_operator.resources.pods import Container, driver_pod, template_hash_of, with_template_hash
 from lockstep_operator.settings import OperatorSettings
 
 
@@ -73,6 +77,25 @@ def min_replicas(spec: RLJobSpec) -> int:
 def gang_min_member(spec: RLJobSpec) -> int:
     """All trainer rank pods + the pool's minimum replicas (one PodGroup holds every member)."""
     return int(spec.trainer.nodes) + min_replicas(spec)
+
+
+NOT_ROLLED = ("suspend", "activeDeadlineSeconds", "backoffLimit")
+"""Top-level spec fields only the operator acts on: editing them never restarts a pod."""
+NOT_ROLLED_ROLLOUT = ("replicas", "autoscaling")
+"""spec.rollout fields that follow /scale: editing them never restarts a pod."""
+
+
+def run_config_hash(spec: RLJobSpec) -> str:
+    """16 hex digits of sha256 over the run config the driver and trainer ranks read (pure).
+
+    That is the spec as rendered into job.yaml minus what only the operator acts on (NOT_ROLLED,
+    NOT_ROLLED_ROLLOUT): scaling, suspend and limits change no running process. It is part of the
+    driver's and the ranks' pod-template hash; engines read no job.yaml (their pod spec says it all).
+    """
+    wire = {k: v for k, v in spec.wire().items() if k not in NOT_ROLLED}
+    wire["rollout"] = {k: v for k, v in wire.get("rollout", {}).items() if k not in NOT_ROLLED_ROLLOUT}
+    text = json.dumps(wire, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def child_manifests(
@@ -113,7 +136,12 @@ def child_manifests(
             owner,
             trainer_name(job),
             job_labels(job),
-            {**common_ann, ANN_RESTART_LIMIT: str(spec.backoff_limit), ANN_CLIQUE: clique},
+            {
+                **common_ann,
+                ANN_RESTART_LIMIT: str(spec.backoff_limit),
+                ANN_CLIQUE: clique,
+                ANN_CONFIG_HASH: run_config_hash(spec),
+            },
         ),
         "spec": {
             "job": job,
@@ -282,6 +310,24 @@ async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tu
     )
 
 
+def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
+    """The driver pod of the job (pure); `image` is used when spec.agent.image names none.
+
+    Annotated with its pod-template hash over the pod spec and the run config (run_config_hash).
+    """
+    job = owner.name
+    pod = driver_pod(
+        owner,
+        job=job,
+        container=Container(image=spec.agent.image or image, command=driver_command()),
+        router_url=router_url(job),
+        trainer=trainer_name(job),
+        trainer_url=trainer_url(trainer_name(job), owner.namespace),
+        progress_config_map=progress_name(job),
+    )
+    return with_template_hash(pod, {"config": run_config_hash(spec)})
+
+
 async def _ensure_driver(
     kube: KubeClient, owner: Owner, spec: RLJobSpec, settings: OperatorSettings, *, run: bool
 ) -> None:
@@ -291,19 +337,16 @@ async def _ensure_driver(
         if existing is not None and existing.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
             await kube.delete("v1", "Pod", owner.namespace, driver_name(job))
         return
-    image = spec.agent.image or settings.runtime_image
-    pod = driver_pod(
-        owner,
-        job=job,
-        container=Container(image=image, command=driver_command()),
-        router_url=f"http://{router_name(pool_name(job))}:30000",
-        trainer=trainer_name(job),
-        progress_config_map=progress_name(job),
-    )
+    pod = driver_manifest(owner, spec, image=settings.runtime_image)
     existing = await kube.get("v1", "Pod", owner.namespace, driver_name(job))
     if existing is None:
         await kube.apply(pod)
-    # Pod specs are immutable: an existing driver is left alone (a spec change restarts via suspend).
+    elif template_hash_of(existing) != template_hash_of(pod) and not existing["metadata"].get(
+        "deletionTimestamp"
+    ):
+        # Pod specs are immutable: a changed spec replaces the driver (it resumes from its last
+        # checkpoint); the next pass creates the new one once the old pod is gone.
+        await kube.delete("v1", "Pod", owner.namespace, driver_name(job))
 
 
 async def _observe(kube: KubeClient, namespace: str, job: str, gang_problem: str | None) -> JobObserved:

@@ -5,7 +5,8 @@ StatefulSet), so a reconcile that dies halfway and runs again finds and keeps wh
 1. router Service (ClusterIP over the pool's engine pods);
 2. replace failed engines (delete Failed pods; they are recreated below once gone);
 3. remove replicas above the desired count (0 while suspended or stopped), create missing ones;
-   replicas below the gang's minimum carry the gang-member keys;
+   replicas below the gang's minimum carry the gang-member keys; replace engines whose pod-template
+   hash differs from a fresh rendering (the spec changed) one at a time (lockstep_operator.roll);
 4. the built-in autoscaler (spec.autoscaling set, not handed to HPA/KEDA with the
    rl.lockstep.dev/autoscaler=external annotation): record the driver's queue sample once per step,
    ask lockstep_operator.autoscale.decide_replicas, patch spec.replicas (the /scale field);
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import Any
 
 from lockstep.api.rolloutpool import RolloutPool, RolloutPoolSpec, RolloutPoolStatus
@@ -39,7 +41,7 @@ from lockstep_operator.reconcile.common import (
     write_status,
 )
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
-from lockstep_operator.reconcile.status import pool_status
+from lockstep_operator.reconcile.status import engine_ready, pool_status
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import engine_command, product_label
 from lockstep_operator.resources.common import (
@@ -50,8 +52,16 @@ from lockstep_operator.resources.common import (
     router_name,
     selector,
 )
-from lockstep_operator.resources.pods import Container, Placement, engine_pod, selector_labels
+from lockstep_operator.resources.pods import (
+    Container,
+    Placement,
+    engine_pod,
+    selector_labels,
+    template_hash_of,
+    with_template_hash,
+)
 from lockstep_operator.resources.services import router_service
+from lockstep_operator.roll import EngineState, engines_to_roll
 from lockstep_operator.settings import OperatorSettings
 
 HISTORY = 32
@@ -80,7 +90,8 @@ def engine_manifest(
     shared_volume: str | None = None,
     avoid_clique: str | None = None,
 ) -> Manifest:
-    """Engine pod `replica` of the pool (pure)."""
+    """Engine pod `replica` of the pool (pure), annotated with its pod-template hash (the pod spec:
+    image, command with the engine arguments, resources, placement; never replicas or gang membership)."""
     gang = spec.placement.gang
     keys = podgroups.member_keys(
         job=spec.job,
@@ -94,7 +105,7 @@ def engine_manifest(
         command=engine_command(spec.engine, spec.model),
         shared_volume_claim=shared_volume or None,
     )
-    return engine_pod(
+    pod = engine_pod(
         owner,
         job=spec.job,
         pool=owner.name,
@@ -103,6 +114,7 @@ def engine_manifest(
         placement=engine_placement(spec, avoid_clique),
         gang=keys,
     )
+    return with_template_hash(pod)
 
 
 def _pool_min(spec: RolloutPoolSpec) -> int:
@@ -126,26 +138,34 @@ async def reconcile_pool(
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED))
     desired = 0 if stopped else spec.replicas
+    progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
+    version = progress.weight_version if progress else None
+    versions = progress.engine_versions if progress else {}
     live = await _converge_pods(
         kube,
         owner,
         spec,
         pods,
         desired,
-        gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
-        image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
-        shared_volume=ann.get(ANN_SHARED_VOLUME),
-        avoid_clique=ann.get(ANN_AVOID_CLIQUE),
+        ready=lambda pod: engine_ready(pod, version, versions),
+        render=lambda index: engine_manifest(
+            owner,
+            spec,
+            index,
+            gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
+            image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
+            shared_volume=ann.get(ANN_SHARED_VOLUME),
+            avoid_clique=ann.get(ANN_AVOID_CLIQUE),
+        ),
     )
-    progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
         await _autoscale(kube, body, spec, progress, now.timestamp(), settings)
     previous = previous_status(body, RolloutPoolStatus)
     status = pool_status(
         live,
         selector=selector(labels),
-        current_version=progress.weight_version if progress else None,
-        engine_versions=progress.engine_versions if progress else {},
+        current_version=version,
+        engine_versions=versions,
         min_replicas=0 if stopped else _pool_min(spec),
         previous=previous,
         generation=body["metadata"].get("generation"),
@@ -161,12 +181,13 @@ async def _converge_pods(
     pods: list[Manifest],
     desired: int,
     *,
-    gang_min: int,
-    image: str,
-    shared_volume: str | None,
-    avoid_clique: str | None,
+    ready: Callable[[Manifest], bool],
+    render: Callable[[int], Manifest],
 ) -> list[Manifest]:
-    """Delete failed and surplus engines, create missing ones; return the live (kept) pods."""
+    """Delete failed, surplus and (one at a time) stale engines, create missing ones; return the live pods.
+
+    `ready`: whether an engine counts as ready; `render`: engine pod `index` as it would be created now.
+    """
     by_index: dict[int, Manifest] = {}
     for pod in pods:
         index = int(pod["metadata"]["labels"].get(LABEL_REPLICA, "-1"))
@@ -178,20 +199,25 @@ async def _converge_pods(
             by_index[index] = pod  # the name is still taken until the pod is gone
             continue
         by_index[index] = pod
+    rendered = {index: render(index) for index in range(desired)}
+    states = [
+        EngineState(
+            name=pod["metadata"]["name"],
+            index=index,
+            stale=index in rendered and template_hash_of(pod) != template_hash_of(rendered[index]),
+            ready=ready(pod),
+            terminating=_dying(pod),
+        )
+        for index, pod in by_index.items()
+    ]
+    roll = engines_to_roll(states, desired=desired, min_ready=_pool_min(spec))
+    for name in roll:
+        await kube.delete("v1", "Pod", owner.namespace, name)
     live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
+    live = [p for p in live if p["metadata"]["name"] not in roll]
     for index in range(desired):
         if index not in by_index:
-            await kube.apply(
-                engine_manifest(
-                    owner,
-                    spec,
-                    index,
-                    gang_min=gang_min,
-                    image=image,
-                    shared_volume=shared_volume,
-                    avoid_clique=avoid_clique,
-                )
-            )
+            await kube.apply(rendered[index])
     return live
 
 

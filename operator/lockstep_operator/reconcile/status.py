@@ -263,6 +263,18 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
+def engine_ready(
+    pod: Mapping[str, Any], current_version: int | None, engine_versions: Mapping[str, int]
+) -> bool:
+    """An engine is ready when its pod is Ready and it holds `current_version`.
+
+    Without per-engine versions in the report (a driver behind the router) the pod's readiness stands.
+    """
+    version = engine_versions.get(pod["metadata"]["name"])
+    synced = current_version is None or not engine_versions or version == current_version
+    return pod_ready(pod) and synced
+
+
 def pool_status(
     pods: Sequence[Mapping[str, Any]],
     *,
@@ -285,12 +297,11 @@ def pool_status(
         name = pod["metadata"]["name"]
         ip = (pod.get("status") or {}).get("podIP")
         version = engine_versions.get(name)
-        synced = current_version is None or not engine_versions or version == current_version
         engines.append(
             EngineStatus(
                 name=name,
                 address=f"{ip}:{ENGINE_PORT}" if ip else None,
-                ready=pod_ready(pod) and synced,
+                ready=engine_ready(pod, current_version, engine_versions),
                 weight_version=version,
             )
         )
@@ -356,10 +367,41 @@ def trainer_status(
     step: int | None,
     generation: int | None,
     now: dt.datetime,
+    rolling: str | None = None,
 ) -> TrainerGroupStatus:
-    """Trainer status; `failed` is the reason message once the gang restart limit is exhausted."""
+    """Trainer status; `failed` is the reason message once the gang restart limit is exhausted.
+
+    `rolling`: the pod-template hash the gang is being restarted to after a spec change (None when
+    every rank runs the current template). Such restarts are recorded in condition UpToDate (reason
+    SpecChanged, kept after the roll finished) and never in `restarts`.
+    """
     ready_pods = sum(1 for p in pods if pod_ready(p))
     conds = list(previous.conditions) if previous else []
+    before = condition(conds, "UpToDate")
+    if rolling is not None:
+        conds = set_condition(
+            conds,
+            "UpToDate",
+            False,
+            "SpecChanged",
+            f"spec changed: restarting every rank with pod template {rolling} "
+            "(not counted against the restart limit)",
+            now=now,
+            generation=generation,
+        )
+    elif before is None or before.status != ConditionStatus.TRUE:
+        rolled = before is not None and before.reason == "SpecChanged"
+        conds = set_condition(
+            conds,
+            "UpToDate",
+            True,
+            "SpecChanged" if rolled else "Current",
+            "every rank restarted for a spec change (not counted in restarts)"
+            if rolled
+            else "every rank runs the current pod template",
+            now=now,
+            generation=generation,
+        )
     conds = set_condition(
         conds,
         "Available",

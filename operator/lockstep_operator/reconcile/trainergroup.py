@@ -2,13 +2,17 @@
 
 Why it exists: the trainer is one torch.distributed world; a single failed rank makes every other
 rank hang in a collective, so the group lives and restarts as a gang. Steps:
-1. headless Service named like the group (the rank pods' subdomain: stable DNS for MASTER_ADDR);
+1. headless Service named like the group (the rank pods' subdomain: stable DNS for MASTER_ADDR) and
+   the NetworkPolicy of the rank pods (control port from the driver only; resources.network);
 2. the gang generation is status.restarts; every rank pod carries its generation; pods of an older
    generation are deleted;
 3. a Failed rank pod of the current generation: while restarts < the restart limit, write
    restarts + 1 first (so a crash here cannot lose the count), then the next steps delete the old
    generation; at the limit, condition Failed=True with the rank and its exit reason (the RLJob then
    fails with it) and the pods are deleted to free the GPUs;
+   a rank whose pod-template hash differs from a fresh rendering (the spec changed) restarts the gang
+   the same way but is not counted: condition UpToDate=False, reason SpecChanged, until every rank
+   runs the new template;
 4. once no old pod is left, create the missing ranks of the current generation, packed into one
    NVLink domain when the product has them (the clique is picked once and kept in an annotation);
 5. status: world size, ready ranks, restarts, conditions.
@@ -27,6 +31,7 @@ from pydantic import ValidationError
 from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.reconcile.common import (
     ANN_CLIQUE,
+    ANN_CONFIG_HASH,
     ANN_GANG_MIN,
     ANN_RESTART_LIMIT,
     ANN_SHARED_VOLUME,
@@ -46,10 +51,20 @@ from lockstep_operator.resources.common import (
     API_VERSION,
     LABEL_RANK,
     Owner,
+    pool_name,
     progress_name,
+    router_url,
     selector,
 )
-from lockstep_operator.resources.pods import Container, Placement, rank_pod, selector_labels
+from lockstep_operator.resources.network import trainer_network_policy
+from lockstep_operator.resources.pods import (
+    Container,
+    Placement,
+    rank_pod,
+    selector_labels,
+    template_hash_of,
+    with_template_hash,
+)
 from lockstep_operator.resources.services import headless_service
 from lockstep_operator.settings import OperatorSettings
 
@@ -69,8 +84,13 @@ def rank_manifest(
     clique: str | None,
     image: str,
     shared_volume: str | None = None,
+    config_hash: str = "",
 ) -> Manifest:
-    """Rank pod `rank` of generation `generation` (pure)."""
+    """Rank pod `rank` of generation `generation` (pure), annotated with its pod-template hash.
+
+    The hash covers the pod spec, the group's spec and `config_hash` (the run config the ranks read
+    from job.yaml, set by the RLJob reconcile); never the generation or gang-membership metadata.
+    """
     place = spec.placement
     placement = Placement(
         gpus=gpus_per_pod(spec),
@@ -91,7 +111,7 @@ def rank_manifest(
         command=trainer_command(),
         shared_volume_claim=shared_volume or None,
     )
-    return rank_pod(
+    pod = rank_pod(
         owner,
         job=spec.job,
         trainer=owner.name,
@@ -101,7 +121,9 @@ def rank_manifest(
         container=container,
         placement=placement,
         gang=keys,
+        router_url=router_url(spec.job),
     )
+    return with_template_hash(pod, {"config": config_hash, "group": spec.wire()})
 
 
 def _generation(pod: Manifest) -> int:
@@ -137,6 +159,8 @@ async def reconcile_trainer(
     generation = body["metadata"].get("generation")
     labels = selector_labels(spec.job, trainer=name)
     await kube.apply(headless_service(owner, job=spec.job, name=name, selector=labels), cache=True)
+    policy = trainer_network_policy(owner, job=spec.job, trainer=name, pool=pool_name(spec.job))
+    await kube.apply(policy, cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     restarts = previous.restarts if previous else 0
     limit = int(ann.get(ANN_RESTART_LIMIT) or settings.gang_restart_limit_default)
@@ -147,23 +171,57 @@ async def reconcile_trainer(
     )
     failed = failed_before.message if failed_before else None
     stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED)) or failed is not None
-    broken = [
-        p for p in pods if _generation(p) == restarts and (p.get("status") or {}).get("phase") == "Failed"
+    expected = {r: template_hash_of(m) for r, m in _rendered(owner, spec, ann, restarts, settings).items()}
+    current = [
+        p for p in pods if _generation(p) == restarts and template_hash_of(p) == expected.get(_rank(p))
     ]
+    stale = [p for p in pods if _generation(p) == restarts and p not in current]
+    broken = [p for p in current if not _terminating(p) and (p.get("status") or {}).get("phase") == "Failed"]
     if broken and not stopped:
         if restarts < limit:
             restarts += 1  # written before any deletion: the count survives a crash of this reconcile
-            await _write(kube, body, previous, spec, [], restarts, None, now, generation)
+            await _write(kube, body, previous, spec, [], restarts, None, now, generation, None)
         else:
             failed, stopped = f"{_why(broken[0])}; gang restart limit {limit} reached", True
-    keep = [] if stopped else [p for p in pods if _generation(p) == restarts]
+    # A spec change (a rank whose pod-template hash differs) restarts the whole gang too, without
+    # counting against the limit: every rank is deleted, the new ones start once all are gone.
+    rolling = expected.get(0) if stale and not stopped else None
+    keep = [] if stopped or any(not _terminating(p) for p in stale) else current
+    keep = [p for p in keep if _generation(p) == restarts and not _terminating(p)]
     for pod in pods:
-        if pod not in keep and not pod["metadata"].get("deletionTimestamp"):
+        if pod not in keep and not _terminating(pod):
             await kube.delete("v1", "Pod", namespace, pod["metadata"]["name"])
-    if not stopped and len(keep) == len(pods):  # no older generation left: start the missing ranks
+    if not stopped and len(keep) == len(pods):  # nothing old or terminating left: start the missing ranks
         await _create_missing(kube, owner, spec, body, keep, restarts, settings)
-    live = [p for p in keep if not p["metadata"].get("deletionTimestamp")]
-    await _write(kube, body, previous, spec, live, restarts, failed, now, generation)
+    await _write(kube, body, previous, spec, keep, restarts, failed, now, generation, rolling)
+
+
+def _rendered(
+    owner: Owner, spec: TrainerGroupSpec, ann: dict[str, str], restarts: int, settings: OperatorSettings
+) -> dict[int, Manifest]:
+    """Every rank pod of generation `restarts` as it would be created now (their hashes are the target)."""
+    return {
+        rank: rank_manifest(
+            owner,
+            spec,
+            rank,
+            generation=restarts,
+            gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
+            clique=ann.get(ANN_CLIQUE),
+            shared_volume=ann.get(ANN_SHARED_VOLUME),
+            image=settings.runtime_image,
+            config_hash=ann.get(ANN_CONFIG_HASH, ""),
+        )
+        for rank in range(spec.trainer.nodes)
+    }
+
+
+def _rank(pod: Manifest) -> int:
+    return int(pod["metadata"]["labels"].get(LABEL_RANK, "-1"))
+
+
+def _terminating(pod: Manifest) -> bool:
+    return bool(pod["metadata"].get("deletionTimestamp"))
 
 
 async def _create_missing(
@@ -175,7 +233,7 @@ async def _create_missing(
     restarts: int,
     settings: OperatorSettings,
 ) -> None:
-    present = {int(p["metadata"]["labels"].get(LABEL_RANK, "-1")) for p in keep}
+    present = {_rank(p) for p in keep}
     missing = [r for r in range(spec.trainer.nodes) if r not in present]
     if not missing:
         return
@@ -191,20 +249,9 @@ async def _create_missing(
             meta["name"],
             {"metadata": {"annotations": {ANN_CLIQUE: clique}}},
         )
-    gang_min = int(ann.get(ANN_GANG_MIN, "0") or 0)
+    rendered = _rendered(owner, spec, {**ann, ANN_CLIQUE: clique}, restarts, settings)
     for rank in missing:
-        await kube.apply(
-            rank_manifest(
-                owner,
-                spec,
-                rank,
-                generation=restarts,
-                gang_min=gang_min,
-                clique=clique,
-                shared_volume=ann.get(ANN_SHARED_VOLUME),
-                image=settings.runtime_image,
-            )
-        )
+        await kube.apply(rendered[rank])
 
 
 async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec) -> str | None:
@@ -230,6 +277,7 @@ async def _write(
     failed: str | None,
     now: dt.datetime,
     generation: Any,
+    rolling: str | None,
 ) -> None:
     progress, _ = read_progress(
         await kube.get("v1", "ConfigMap", body["metadata"]["namespace"], progress_name(spec.job))
@@ -242,6 +290,7 @@ async def _write(
         failed=failed,
         previous=previous,
         step=progress.step if progress else None,
+        rolling=rolling,
         generation=generation,
         now=now,
     )

@@ -49,8 +49,12 @@ def engine_command(engine: EngineSpec, model: ModelSpec) -> list[str]:
 
 
 def trainer_command() -> list[str]:
-    """torchrun over the rank pod's GPUs; rendezvous from the PET_* env of the pod."""
-    return ["torchrun", "-m", "lockstep", "trainer", "--config", CONFIG_PATH]
+    """torchrun over the rank pod's GPUs (rendezvous from the PET_* env of the pod), serving the driver.
+
+    `--serve`: the ranks take the RL steps; rank 0 listens for the driver's commands on the control
+    port (the CLI's default, 29600 = resources.common.CONTROL_PORT).
+    """
+    return ["torchrun", "-m", "lockstep", "trainer", "--config", CONFIG_PATH, "--serve"]
 
 
 def driver_command() -> list[str]:

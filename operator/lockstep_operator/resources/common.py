@@ -23,6 +23,9 @@ LABEL_RANK = f"{GROUP}/rank"
 LABEL_REPLICA = f"{GROUP}/replica"
 ANNOTATION_GANG_GENERATION = f"{GROUP}/gang-generation"
 """On rank pods: the TrainerGroup restart count they belong to (a gang restart bumps it)."""
+ANNOTATION_POD_TEMPLATE_HASH = f"{GROUP}/pod-template-hash"
+"""On every pod: the hash of what it was rendered from (resources.pods.pod_template_hash); a pod whose
+hash differs from a fresh rendering is rolled (engines one at a time, ranks as a gang, the driver)."""
 
 Role = Literal["driver", "engine", "trainer"]
 Manifest = dict[str, Any]
@@ -36,6 +39,8 @@ ENGINE_PORT = 30000
 """SGLang's default HTTP port; the router Service targets it."""
 RENDEZVOUS_PORT = 29500
 """torch.distributed rendezvous port of rank 0 (MASTER_PORT)."""
+CONTROL_PORT = 29600
+"""Trainer rank 0's control endpoint (`lockstep trainer --serve`): the driver sends the RL steps there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +161,18 @@ def router_name(pool: str) -> str:
 def gang_name(job: str) -> str:
     """The pod group (Volcano / scheduler-plugins PodGroup, Kueue pod-group name) of the job."""
     return f"{job}-gang"
+
+
+def router_url(job: str) -> str:
+    """The URL of the job's engine router (same namespace): the driver and the trainer ranks use it."""
+    return f"http://{router_name(pool_name(job))}:{ENGINE_PORT}"
+
+
+def trainer_url(trainer: str, namespace: str) -> str:
+    """Trainer rank 0's control endpoint through the headless Service (stable per-pod DNS)."""
+    return f"http://{trainer}-0.{trainer}.{namespace}.svc:{CONTROL_PORT}"
+
+
+def network_policy_name(trainer: str) -> str:
+    """The NetworkPolicy guarding a trainer group's rank pods (named like the group)."""
+    return trainer

@@ -11,14 +11,19 @@ the TrainerGroup reconcile packed them into one NVLink domain (lockstep_operator
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep_operator.resources.common import (
     ANNOTATION_GANG_GENERATION,
+    ANNOTATION_POD_TEMPLATE_HASH,
     CONFIG_FILE,
     CONFIG_MOUNT,
+    CONTROL_PORT,
     ENGINE_PORT,
     LABEL_JOB,
     LABEL_POOL,
@@ -245,9 +250,13 @@ def rank_pod(
     container: Container,
     placement: Placement,
     gang: Gang,
+    router_url: str,
 ) -> Manifest:
     """Trainer rank pod `<trainer>-<rank>` with a stable hostname under the headless Service `<trainer>`.
 
+    The ranks take the RL steps: rank 0 serves the driver's commands on the `control` port (29600,
+    `lockstep trainer --serve`) and every rank pushes weights to the engines itself, hence
+    LOCKSTEP_ROUTER_URL (the pool's router, as the driver gets it).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
     restarts as a gang (all ranks deleted and recreated with `generation` + 1).
     """
@@ -255,12 +264,16 @@ def rank_pod(
     env = {
         **_base_env(job),
         "LOCKSTEP_ROLE": "trainer",
+        "LOCKSTEP_ROUTER_URL": router_url,
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
-    spec["containers"][0]["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
+    spec["containers"][0]["ports"] = [
+        {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+        {"name": "control", "containerPort": CONTROL_PORT},
+    ]
     labels = {**job_labels(job, "trainer", trainer=trainer, rank=str(rank)), **gang.labels}
     annotations = {**gang.annotations, ANNOTATION_GANG_GENERATION: str(generation)}
     return {
@@ -272,11 +285,20 @@ def rank_pod(
 
 
 def driver_pod(
-    owner: Owner, *, job: str, container: Container, router_url: str, trainer: str, progress_config_map: str
+    owner: Owner,
+    *,
+    job: str,
+    container: Container,
+    router_url: str,
+    trainer: str,
+    trainer_url: str,
+    progress_config_map: str,
 ) -> Manifest:
     """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
 
-    It runs as ServiceAccount `<job>-driver`, whose Role only allows get/patch on that ConfigMap.
+    It sends the RL steps to trainer rank 0 at LOCKSTEP_TRAINER_URL (the only pod the trainer's
+    NetworkPolicy lets reach that port) and runs as ServiceAccount `<job>-driver`, whose Role only
+    allows get/patch on that ConfigMap.
     restartPolicy OnFailure: a crashed driver resumes from its last checkpoint.
     """
     env = {
@@ -284,6 +306,7 @@ def driver_pod(
         "LOCKSTEP_ROLE": "driver",
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_TRAINER_SERVICE": trainer,
+        "LOCKSTEP_TRAINER_URL": trainer_url,
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
     }
     spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
@@ -296,8 +319,37 @@ def driver_pod(
     }
 
 
-def selector_labels(job: str, *, pool: str | None = None, trainer: str | None = None) -> dict[str, str]:
-    """The minimal labels selecting a pool's engines or a trainer group's ranks."""
+def pod_template_hash(pod: Manifest, inputs: Mapping[str, Any] | None = None) -> str:
+    """16 hex digits of sha256 over the rendered pod spec and `inputs` (canonical JSON; pure).
+
+    Only `spec` counts: metadata carries what must not roll a pod (gang membership labels and the
+    gang's total count, which follow /scale; the gang generation). `inputs` adds what the pod reads
+    besides its spec, e.g. the hash of the run config the driver and the ranks load from job.yaml.
+    """
+    doc = {"spec": pod["spec"], "inputs": dict(inputs or {})}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def with_template_hash(pod: Manifest, inputs: Mapping[str, Any] | None = None) -> Manifest:
+    """A copy of `pod` annotated with its pod_template_hash (rl.lockstep.dev/pod-template-hash)."""
+    out = copy.deepcopy(pod)
+    annotations = out["metadata"].setdefault("annotations", {})
+    annotations[ANNOTATION_POD_TEMPLATE_HASH] = pod_template_hash(pod, inputs)
+    return out
+
+
+def template_hash_of(pod: Mapping[str, Any]) -> str | None:
+    """The pod-template hash a live pod was created with (None: created without one)."""
+    return ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_POD_TEMPLATE_HASH)
+
+
+def selector_labels(
+    job: str, *, pool: str | None = None, trainer: str | None = None, driver: bool = False
+) -> dict[str, str]:
+    """The minimal labels selecting a pool's engines, a trainer group's ranks or the job's driver."""
+    if driver:
+        return {LABEL_JOB: job, LABEL_ROLE: "driver"}
     if pool is not None:
         return {LABEL_JOB: job, LABEL_ROLE: "engine", LABEL_POOL: pool}
     if trainer is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lockstep_operator.resources.common import (
+    CONTROL_PORT,
     ENGINE_PORT,
     RENDEZVOUS_PORT,
     Manifest,
@@ -35,7 +36,10 @@ def router_service(owner: Owner, *, job: str, name: str, selector: Mapping[str, 
 
 
 def headless_service(owner: Owner, *, job: str, name: str, selector: Mapping[str, str]) -> Manifest:
-    """Headless Service `name` (= the rank pods' subdomain); publishes not-ready pods for rendezvous."""
+    """Headless Service `name` (= the rank pods' subdomain); publishes not-ready pods for rendezvous.
+
+    Ports: rendezvous (29500, MASTER_PORT) and control (29600, rank 0's endpoint for the driver).
+    """
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -44,6 +48,9 @@ def headless_service(owner: Owner, *, job: str, name: str, selector: Mapping[str
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": dict(selector),
-            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
+            "ports": [
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+                {"name": "control", "port": CONTROL_PORT, "targetPort": CONTROL_PORT},
+            ],
         },
     }
