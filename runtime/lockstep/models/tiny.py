@@ -9,6 +9,8 @@ Built-in checkpoints (the strings manifests and the CLI accept as a model path):
 - `builtin:tiny`   -- `tiny_config()`: vocab 96, hidden 64, 2 layers, tied embeddings (~0.1M params).
 - `builtin:bigger` -- `bigger_config()`: Qwen3-0.6B-shaped (hidden 1024, 28 layers, vocab 151936,
   ~0.6B params), random-init, for GPU benchmarks only.
+- `builtin:tiny-moe` -- `lockstep.models.tiny_moe.tiny_moe_config()`: Qwen3-MoE (2 layers of 8
+  experts, top-2), same tokenizer and chat format as tiny; for R3 routing replay.
 `materialize_builtin(name, dir, seed)` writes a deterministic random-init checkpoint dir for them.
 
 Tokenizer: one token per character, IDs fixed forever (specials first, then the characters of
@@ -231,6 +233,7 @@ def bigger_config(**overrides: Any) -> Qwen3Config:
 BUILTIN_SPECS: dict[str, str] = {
     "tiny": "tiny_config(): vocab 96, hidden 64, 2 layers, tied embeddings; for CPU runs and tests",
     "bigger": "bigger_config(): Qwen3-0.6B-shaped random init; for GPU benchmarks",
+    "tiny-moe": "tiny_moe_config(): Qwen3-MoE, vocab 96, hidden 64, 2 layers of 8 experts top-2; for R3",
 }
 """Built-in checkpoint names (used as `builtin:<name>`) and what each is."""
 
@@ -253,13 +256,17 @@ def materialize_builtin(name: str, directory: str | os.PathLike[str], seed: int 
     short = name.removeprefix(BUILTIN_PREFIX)
     if short not in BUILTIN_SPECS:
         raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_SPECS)}")
-    cfg = tiny_config() if short == "tiny" else bigger_config()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     # Init on CPU under a private generator so the weights do not depend on the caller's RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(cfg)
+        if short == "tiny-moe":  # the MoE config lives in its own module (lockstep.models.tiny_moe)
+            from lockstep.models.tiny_moe import tiny_moe_model
+
+            model = tiny_moe_model()
+        else:
+            model = Qwen3ForCausalLM(tiny_config() if short == "tiny" else bigger_config())
     model.save_pretrained(d, safe_serialization=True)
     TinyTokenizer().save(d)
     return d
