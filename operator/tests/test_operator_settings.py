@@ -34,3 +34,12 @@ def test_kopf_arguments_and_peering_priority() -> None:
         one["priority"] != two["priority"] and one["priority"] == kopf_kwargs(peering, "op-abc")["priority"]
     )
     assert kopf_kwargs(settings_from_env({"LOCKSTEP_OPERATOR_PRIORITY": "7"}), "x")["priority"] == 7
+
+
+def test_peering_lifetime_is_a_setting() -> None:
+    assert settings_from_env({}).peering_lifetime_seconds == 60  # kopf's default
+    assert (
+        settings_from_env({"LOCKSTEP_OPERATOR_PEERING_LIFETIME_SECONDS": "4"}).peering_lifetime_seconds == 4
+    )
+    with pytest.raises(ValueError, match="LOCKSTEP_OPERATOR_PEERING_LIFETIME_SECONDS"):
+        settings_from_env({"LOCKSTEP_OPERATOR_PEERING_LIFETIME_SECONDS": "0"})
