@@ -2,11 +2,15 @@
 
 Why it exists: in a cluster the operator renders the RLJob into /etc/lockstep/job.yaml and starts a
 driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router. This command runs the
-same loop as `lockstep run` against that URL instead of starting engines, and resumes automatically
-from the run dir's latest checkpoint (the pod restarts OnFailure).
+same loop as `lockstep run` against that URL instead of starting engines. The driver owns the loop
+and the buffer (rollout, eval, progress, staleness); the policy lives where the trainer is:
 
-Minimal today: the trainer runs inside the driver process as one FSDP2 rank (the distributed
-trainer-driver channel to the TrainerGroup's rank pods is not built yet).
+- with --trainer-url or LOCKSTEP_TRAINER_URL (the driver pod: http://<trainer>-0.<trainer>.<ns>.svc:29600)
+  the TrainerGroup's ranks (`lockstep trainer --serve`) take every train step, push the weights to
+  the engines themselves and keep the checkpoints; the driver resumes from the trainer's latest
+  checkpoint (the pod restarts OnFailure) and tells the ranks to shut down when the job is done;
+- without it the trainer runs inside this process as one FSDP2 rank, resuming from the run dir's
+  latest checkpoint.
 
 Progress: in the pod (LOCKSTEP_PROGRESS_CONFIGMAP set by the operator, the ServiceAccount token
 mounted, KUBERNETES_SERVICE_HOST set) the loop patches its progress into that ConfigMap, which the
@@ -47,6 +51,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="override spec.schedule.steps")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("LOCKSTEP_METRICS_PORT", "0")))
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
+    p.add_argument(
+        "--trainer-url",
+        default=os.environ.get("LOCKSTEP_TRAINER_URL") or None,
+        help="rank 0 of the trainer group (default: $LOCKSTEP_TRAINER_URL; unset: train in this process)",
+    )
+    p.add_argument(
+        "--trainer-timeout", type=float, default=900.0, help="seconds to wait for the trainer group"
+    )
     p.set_defaults(func=main)
 
 
@@ -67,7 +79,10 @@ def main(args: argparse.Namespace) -> int:
     if not urls:
         print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
         return 2
-    args.resume = latest_checkpoint(args.run_dir) is not None
+    if args.trainer_url:
+        args.resume = None  # the trainer's latest checkpoint, if it has one
+    else:
+        args.resume = latest_checkpoint(args.run_dir) is not None
     _log_progress_channel()
     return execute(job, args.run_dir, args, urls, install_signal=True)
 

@@ -5,7 +5,7 @@ engine(s) in-process on 127.0.0.1, the FSDP2 trainer as one rank, the sync (or f
 progress bar, metrics.jsonl + metrics.png in the run dir and an optional Prometheus endpoint.
 
 Exit codes: 0 done (or stopped by Ctrl-C with a checkpoint), 2 bad manifest or settings, 3 engine
-unreachable, 4 non-finite loss (last good checkpoint intact), 5 pre-flight weight check failed,
+(or trainer group) unreachable, 4 non-finite loss (last good checkpoint intact), 5 pre-flight weight check failed,
 6 rollout failed (every trajectory failing, fully-async), 130 abandoned by a second Ctrl-C.
 
 Who calls it: users (`make run`), tests.
@@ -25,7 +25,7 @@ log = logging.getLogger("lockstep.run")
 EXIT_CODES = """exit codes:
   0    done, or stopped by Ctrl-C after the current step with a checkpoint (continue with --resume)
   2    bad manifest or unsupported settings (the message names the field)
-  3    a rollout engine is unreachable
+  3    a rollout engine (or the trainer group, `lockstep driver`) is unreachable
   4    non-finite loss: stopped, the last good checkpoint is intact
   5    pre-flight weight check (spec.weightSync.checkWeightUpdateEqual) failed; no step was trained
   6    rollout failed: trajectories kept failing (the last error is named; fully-async)
@@ -70,6 +70,7 @@ def execute(
     """Run `job` and map the known failures to exit codes with one clear line each."""
     from lockstep.driver import run
     from lockstep.driver.loop import install_sigint
+    from lockstep.driver.remote import TrainerUnreachable
     from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
     from lockstep.rollout.async_worker import RolloutFailed
     from lockstep.serving.client import EngineUnreachable
@@ -88,8 +89,9 @@ def execute(
             prometheus_port=args.metrics_port,
             cache_dir=getattr(args, "cache_dir", None),
             engine_ready_timeout_s=args.engine_timeout,
+            **_trainer_options(args),
         )
-    except EngineUnreachable as e:
+    except (EngineUnreachable, TrainerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except NonFiniteLoss as e:
@@ -118,6 +120,14 @@ def execute(
         f"run dir {run_dir} (metrics.jsonl, metrics.png)"
     )
     return 0
+
+
+def _trainer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The remote trainer's options (`lockstep driver --trainer-url`); none for `lockstep run`."""
+    url = getattr(args, "trainer_url", None)
+    if not url:
+        return {}
+    return {"trainer_url": url, "trainer_timeout_s": args.trainer_timeout}
 
 
 def _reward_summary(run_dir: Path) -> str:

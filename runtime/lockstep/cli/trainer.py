@@ -1,13 +1,20 @@
-"""`lockstep trainer --config job.yaml`: a trainer rank (run under torchrun on every rank pod).
+"""`lockstep trainer --config job.yaml [--serve]`: a trainer rank (run under torchrun on every rank pod).
 
-Why it exists: the operator starts `torchrun -m lockstep trainer --config /etc/lockstep/job.yaml` on
-each TrainerGroup rank pod. Each rank joins the process group from the torchrun env (gloo on CPU,
-NCCL on CUDA), loads the policy FSDP2-sharded, checks the world size against the manifest, runs the
-job's SFT warm start (spec.algorithm.sftWarmStart) if any, and writes an HF-layout
-checkpoint to --out (rank 0 writes the gathered weights). Run without torchrun it is one rank.
+Why it exists: the TrainerGroup's ranks own the policy of a cluster job. The operator starts
+`torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod. Each rank
+joins the process group from the torchrun env (gloo on CPU, NCCL on CUDA) and loads the policy
+FSDP2-sharded; rank 0 serves the driver's commands on --port (default 29600) and every rank runs
+each command collectively: SFT warm start, the first push (with the pre-flight check), RL train
+steps (data parallel over the ranks), weight pushes straight to the engines at --engine-url /
+LOCKSTEP_ROUTER_URL, and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
+driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
+every rank with exit 0. See docs/trainer.md and lockstep.driver.trainer_server.
 
-Minimal today: the RL steps themselves run in the driver (see `lockstep driver`); this command is
-the rank-side half that proves the sharded load / train / gather / save path on the real pods.
+Without --serve the command only proves the sharded load / SFT / gather / save path: it runs the
+job's SFT warm start (spec.algorithm.sftWarmStart) if any and writes an HF-layout checkpoint to --out.
+Run without torchrun it is one rank.
+
+Exit codes (--serve): 0 shut down by the driver, 2 bad manifest or settings, 3 no engine reachable.
 
 Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 """
@@ -51,6 +58,7 @@ def register(subparsers: Any) -> None:
         default=[],
         help="engine or router URL the ranks push weights to (default: $LOCKSTEP_ROUTER_URL)",
     )
+    p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
     p.set_defaults(func=main)
 
 
@@ -63,9 +71,44 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2
     if args.serve:
-        print("error: --serve is not built yet", file=sys.stderr)
-        return 2
+        return serve_rank(job, args)
     return run_rank(job, args)
+
+
+def serve_rank(job: Any, args: argparse.Namespace) -> int:
+    """This rank of a serving trainer group (see the module docstring); exit code."""
+    import logging
+
+    from lockstep.cli.run import configure_logging
+    from lockstep.driver.trainer_server import serve
+    from lockstep.serving.client import EngineUnreachable
+
+    configure_logging()
+    urls = list(args.engine_url) or (
+        [os.environ["LOCKSTEP_ROUTER_URL"]] if os.environ.get("LOCKSTEP_ROUTER_URL") else []
+    )
+    if not urls:
+        print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
+        return 2
+    try:
+        return serve(
+            job,
+            out=args.out,
+            engine_urls=urls,
+            host=args.host,
+            port=args.port,
+            cache_dir=args.cache_dir,
+            engine_timeout_s=args.engine_timeout,
+            on_listening=lambda port: logging.getLogger("lockstep.trainer").info(
+                "listening on %s:%d", args.host, port
+            ),
+        )
+    except (EngineUnreachable, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def run_rank(job: Any, args: argparse.Namespace) -> int:

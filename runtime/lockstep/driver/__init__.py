@@ -3,6 +3,8 @@
 Why it exists: `lockstep run` (one machine) and the driver pod (cluster) both call `run(job, ...)`:
 it builds the components (components.py) and runs the synchronous loop (loop.py) or, for
 spec.schedule.mode "fully-async", `lockstep.driver.fully_async.run_fully_async(job, components)`.
+The policy is behind the `Trainer` protocol (trainer.py): in this process (LocalTrainer) or the
+trainer group's ranks over HTTP (remote.py, served by trainer_server.py).
 
 Who calls it: lockstep.cli.run, lockstep.cli.driver.
 """
@@ -41,7 +43,11 @@ def run(
         if str(job.spec.schedule.mode) == "fully-async":
             from lockstep.driver.fully_async import run_fully_async  # type: ignore[attr-defined,unused-ignore]
 
-            return run_fully_async(job, components)
-        return run_sync(components)
+            state = run_fully_async(job, components)
+        else:
+            state = run_sync(components)
+        if state.step >= components.settings.steps:
+            components.trainer.shutdown()  # the job is done: a remote trainer group exits 0
+        return state
     finally:
         components.close()

@@ -4,8 +4,10 @@ Why it exists: the loops (sync in loop.py, fully-async in fully_async.py) should
 (seed §1); all construction happens here: the model checkpoint resolved, the reference engine(s)
 started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs used), one
 EngineClient per engine on the shared LoopThread loop, the trainer backend, the weight transport, the
-task and its rollout (plugins loaded and validated), and the metrics sink. The weight transport
-comes from lockstep.driver.transports (spec.weightSync.transport).
+task and its rollout (plugins loaded and validated), and the metrics sink. The trainer is either in
+this process (LocalTrainer: the FSDP2 backend as one rank and the weight transport of
+lockstep.driver.transports, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
+(RemoteTrainer, when a trainer URL is given: the driver pod of a cluster).
 
 `Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
 `run_fully_async(job, components)`.
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import RunSettings, settings_from_job
-from lockstep.driver.transports import build_transport, check_transport, needs_tensor_updates
+from lockstep.driver.transports import check_transport, needs_tensor_updates
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
@@ -37,12 +39,11 @@ from lockstep.train.common.mismatch import MismatchConfig
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
+    from lockstep.driver.trainer import Trainer
     from lockstep.models import TinyTokenizer
     from lockstep.serving.client import EngineClient
-    from lockstep.train.backend import TrainBackend
     from lockstep.train.fsdp import FSDPBackend
     from lockstep.types import Sample
-    from lockstep.weights.transport import WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,8 @@ class Components:
     """One client per engine replica."""
     engines: list[EngineServer]
     """Engines started in-process by this run (empty when external URLs were given)."""
-    backend: TrainBackend
-    """The trainer."""
-    transport: WeightTransport
-    """How versions reach the engines."""
+    trainer: Trainer
+    """The policy: train steps, pushes to the engines, checkpoints (local or remote)."""
     task: Task
     """Prompts and the default reward."""
     rollout: Rollout
@@ -84,8 +83,9 @@ class Components:
     """Injected monotonic clock."""
     closers: list[Callable[[], None]] = field(default_factory=list)
     """Extra clean-up callbacks, run in reverse order by close()."""
-    resume: bool = False
-    """Start from the latest checkpoint of run_dir (the --resume flag)."""
+    resume: bool | None = False
+    """Start from the trainer's latest checkpoint: True requires one (--resume), None uses one when
+    there is one (a driver pod, whose restarts resume), False starts fresh."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
     progress: DriverProgress = field(default_factory=DriverProgress)
@@ -105,7 +105,8 @@ class Components:
         self.closers.clear()
 
 
-def _loss_config(job: RLJob) -> PolicyLossConfig:
+def loss_config(job: RLJob) -> PolicyLossConfig:
+    """The RL loss settings of the manifest (spec.algorithm)."""
     alg = job.spec.algorithm
     return PolicyLossConfig(
         estimator=str(alg.advantage_estimator),
@@ -117,7 +118,8 @@ def _loss_config(job: RLJob) -> PolicyLossConfig:
     )
 
 
-def _check_supported(job: RLJob) -> None:
+def check_supported(job: RLJob) -> None:
+    """Refuse manifest features this runtime does not build yet; the error names the fields."""
     spec = job.spec
     problems = []
     if str(spec.trainer.backend) != "fsdp":
@@ -140,15 +142,22 @@ def build_components(
     cache_dir: Path | None = None,
     connect_retries: int = 5,
     engine_ready_timeout_s: float = 60.0,
-    resume: bool = False,
+    resume: bool | None = False,
     reporter: ProgressReporter | None = None,
+    trainer_url: str | None = None,
+    trainer_timeout_s: float = 600.0,
 ) -> Components:
-    """Build every part of a run; on any failure, what was already started is stopped again."""
+    """Build every part of a run; on any failure, what was already started is stopped again.
+
+    With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
+    transport is then the trainer's business and this process never loads the model's weights.
+    """
     from lockstep.models import TinyTokenizer, resolve_checkpoint
     from lockstep.serving.client import EngineClient
 
-    _check_supported(job)
-    check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
+    check_supported(job)
+    if trainer_url is None:
+        check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
     settings = settings_from_job(job, steps)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -166,10 +175,9 @@ def build_components(
         closers.append(lambda: _close_clients(runner, clients))
         for client in clients:
             runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
-        backend = _build_backend(job, settings, model_dir)
-        closers.append(backend.close)
-        transport = build_transport(job, run_dir, model_dir, runner, clients, backend.device_type)
-        closers.append(transport.close)
+        trainer = _build_trainer(
+            job, settings, run_dir, model_dir, runner, clients, closers, trainer_url, trainer_timeout_s
+        )
         rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
         closers.append(metrics.close)
@@ -188,11 +196,10 @@ def build_components(
         runner=runner,
         clients=clients,
         engines=engines,
-        backend=backend,
-        transport=transport,
+        trainer=trainer,
         task=task,
         rollout=rollout,
-        loss=_loss_config(job),
+        loss=loss_config(job),
         metrics=metrics,
         pad_id=tokenizer.pad_token_id,
         closers=closers,
@@ -217,7 +224,34 @@ def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]
     return engines
 
 
-def _build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> FSDPBackend:
+def _build_trainer(
+    job: RLJob,
+    settings: RunSettings,
+    run_dir: Path,
+    model_dir: Path,
+    runner: LoopThread,
+    clients: list[EngineClient],
+    closers: list[Callable[[], None]],
+    trainer_url: str | None,
+    trainer_timeout_s: float,
+) -> Trainer:
+    """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process."""
+    if trainer_url is not None:
+        from lockstep.driver.remote import RemoteTrainer
+
+        remote = RemoteTrainer(trainer_url)
+        closers.append(remote.close)
+        remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
+        return remote
+    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
+
+    backend = build_backend(job, settings, model_dir)
+    closers.append(backend.close)
+    parts = build_trainer_parts(job, settings, run_dir, model_dir, backend, runner, clients, closers)
+    return LocalTrainer(parts)
+
+
+def build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> FSDPBackend:
     """The FSDP2 trainer (one rank here; torchrun env makes it one of many)."""
     from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 

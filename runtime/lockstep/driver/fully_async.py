@@ -406,19 +406,15 @@ class ComponentHooks:
         """The trainer thread (weight export runs there, like training)."""
 
     def train(self, groups: list[Group], step: int) -> dict[str, float]:
-        from lockstep.driver.steps import train_on_groups
-
-        return train_on_groups(self.c, groups)
+        return self.c.trainer.train(groups)
 
     async def publish(self, version: int) -> dict[str, float]:
         """Retract in-flight requests on every engine, push `version`, continue (seed §5)."""
-        from lockstep.driver.steps import push_weights
-
         clients = self.c.clients
         await asyncio.gather(*(cl.pause_generation(self.pause_mode) for cl in clients))
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, push_weights, self.c, version)
+            return await loop.run_in_executor(self.executor, self.c.trainer.push, version)
         finally:
             await asyncio.gather(*(cl.continue_generation() for cl in clients))
 
@@ -445,9 +441,7 @@ class ComponentHooks:
         )
 
     def save(self, state: DriverState) -> None:
-        from lockstep.driver.state import save_checkpoint
-
-        save_checkpoint(self.c.backend, self.c.run_dir, state)
+        self.c.trainer.save(state)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         self.c.metrics.log(kind, step, metrics)
@@ -476,9 +470,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
 
 
 def _run_fully_async(job: RLJob, components: Components) -> DriverState:
-    from lockstep.driver.loop import evaluate_at
-    from lockstep.driver.state import load_checkpoint
-    from lockstep.driver.steps import first_push, sft_warm_start
+    from lockstep.driver.loop import start
     from lockstep.observability.plot import plot_metrics
 
     c = components
@@ -487,19 +479,8 @@ def _run_fully_async(job: RLJob, components: Components) -> DriverState:
     check_schedule(str(spec.schedule.mode), spec.schedule.colocate, pause_mode)
     settings = settings_for_job(job, c.settings)
     filters = filters_for_job(job)
-    state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
-    if not state.sft_done and c.settings.sft_steps > 0:
-        if settings.eval_interval:
-            c.metrics.log("eval_init", 0, evaluate_at(c, state))
-        for k, m in enumerate(sft_warm_start(c)):
-            c.metrics.log("sft", k + 1, m)
-    state.sft_done = True
-    # engines == trainer before step 1 (through the pre-flight check when asked)
-    pushed = first_push(c, state.version)
-    c.metrics.log("publish", state.step, pushed)
-    c.progress.init(pushed, c.run_dir, state.step)
-    if settings.eval_interval and state.step == 0:
-        c.metrics.log("eval", 0, evaluate_at(c, state))
+    # resume, SFT warm start once, engines == trainer before step 1 (pre-flight when asked)
+    state = start(c, settings.eval_interval)
     from tqdm import tqdm
 
     bar = tqdm(

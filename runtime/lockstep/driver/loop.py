@@ -19,17 +19,9 @@ from types import FrameType
 from typing import Any
 
 from lockstep.driver.components import Components
-from lockstep.driver.state import DriverState, load_checkpoint, save_checkpoint
-from lockstep.driver.steps import (
-    NonFiniteLoss,
-    PreflightFailed,
-    collect_batch,
-    evaluate,
-    first_push,
-    push_weights,
-    sft_warm_start,
-    train_on_groups,
-)
+from lockstep.driver.state import DriverState
+from lockstep.driver.steps import NonFiniteLoss, PreflightFailed, collect_batch, evaluate
+from lockstep.driver.trainer import describe
 from lockstep.observability.plot import plot_metrics
 
 log = logging.getLogger(__name__)
@@ -61,32 +53,41 @@ def run_sync(c: Components) -> DriverState:
     return run_reported(c, lambda: _run_sync(c))
 
 
-def _run_sync(c: Components) -> DriverState:
-    s = c.settings
-    state = load_checkpoint(c.backend, c.run_dir) if c.resume else DriverState()
-    if not state.sft_done and s.sft_steps > 0:
-        if s.eval_interval:
+def start(c: Components, eval_interval: int | None) -> DriverState:
+    """Before step 1 (both loops): resume, the SFT warm start once, then the first push."""
+    state = c.trainer.load_latest() if c.resume is not False else None
+    if state is None and c.resume:
+        raise FileNotFoundError(f"--resume: no checkpoint in {describe(c.trainer)}; run without --resume")
+    state = state or DriverState()
+    if not state.sft_done and c.settings.sft_steps > 0:
+        if eval_interval:
             c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
-        for k, m in enumerate(sft_warm_start(c)):
+        for k, m in enumerate(c.trainer.warm_start()):
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
     # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
-    pushed = first_push(c, state.version)
+    pushed = c.trainer.first_push(state.version)
     c.metrics.log("publish", state.step, pushed)
     c.progress.init(pushed, c.run_dir, state.step)
-    if s.eval_interval and state.step == 0:
+    if eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
+    return state
+
+
+def _run_sync(c: Components) -> DriverState:
+    s = c.settings
+    state = start(c, s.eval_interval)
     saved_at = state.step
     with _progress(state.step, s.steps) as bar:
         while state.step < s.steps and not c.stop.is_set():
             groups = collect_batch(c, state)
-            metrics = train_on_groups(c, groups)
+            metrics = c.trainer.train(groups)
             state.step += 1
             if state.step % s.update_interval == 0:
                 state.version += 1
-                metrics |= push_weights(c, state.version)
+                metrics |= c.trainer.push(state.version)
             if _due(s.save_interval, state.step):
-                save_checkpoint(c.backend, c.run_dir, state)
+                c.trainer.save(state)
                 saved_at = state.step
             c.metrics.log("train", state.step, metrics)
             c.progress.step(state.step, metrics)
@@ -98,7 +99,7 @@ def _run_sync(c: Components) -> DriverState:
                 lp_diff=f"{metrics.get('train_rollout_logprob_abs_diff', 0):.1e}",
             )
     if saved_at != state.step or state.step == 0:
-        save_checkpoint(c.backend, c.run_dir, state)
+        c.trainer.save(state)
     plot_metrics(c.metrics.path, c.run_dir / "metrics.png")
     return state
 

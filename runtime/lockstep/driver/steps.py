@@ -1,9 +1,12 @@
 """The loop's building blocks: collect a batch, train on it, push weights, evaluate, SFT warm start.
 
 Why it exists: loop.py should read like the seed's five-line loop; each line is one function here.
-They are public so the fully-async loop reuses the same training and publishing code.
+Driver-side steps (collect_batch, evaluate) take the run's Components; trainer-side steps
+(train_on_groups, push_weights, first_push, sft_warm_start) take TrainerParts, because in a cluster
+they run on the trainer ranks (lockstep.driver.trainer_server), not in the driver.
 
-Who calls it: lockstep.driver.loop, lockstep.driver.fully_async.
+Who calls it: lockstep.driver.loop and lockstep.driver.fully_async (driver side);
+lockstep.driver.trainer.LocalTrainer (trainer side, in the driver or on rank 0 of a trainer group).
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from lockstep.rollout.generate import Rollout
-from lockstep.train.common.losses import make_policy_loss, sft_loss
+from lockstep.train.common.losses import policy_loss, sft_loss
 from lockstep.train.common.mismatch import mismatch_weights
 from lockstep.train.common.packing import pack_groups, pack_sft, response_view
 from lockstep.types import Group, Sample, SampleStatus
@@ -23,6 +28,7 @@ from lockstep.types import Group, Sample, SampleStatus
 if TYPE_CHECKING:
     from lockstep.driver.components import Components
     from lockstep.driver.state import DriverState
+    from lockstep.driver.trainer import TrainerParts
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,7 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
     }
 
 
-def train_on_groups(c: Components, groups: list[Group]) -> dict[str, float]:
+def train_on_groups(c: TrainerParts, groups: list[Group]) -> dict[str, float]:
     """One RL optimizer step on complete groups; returns the step's metrics.
 
     Recomputes the trainer's logprobs of the exact rollout token IDs with the pre-update weights
@@ -90,7 +96,8 @@ def train_on_groups(c: Components, groups: list[Group]) -> dict[str, float]:
         batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, c.loss.mismatch
     )
     t1 = c.clock()
-    result = c.backend.train_step(batch, make_policy_loss(c.loss))
+    # A partial of a module-level function (not a closure) so rank 0 can send it to the other ranks.
+    result = c.backend.train_step(batch, partial(policy_loss, config=c.loss))
     if result.skipped:
         raise NonFiniteLoss(
             f"non-finite loss ({result.loss}) or gradient norm ({result.grad_norm}); the step was not applied"
@@ -107,7 +114,7 @@ def train_on_groups(c: Components, groups: list[Group]) -> dict[str, float]:
     }
 
 
-def push_weights(c: Components, version: int) -> dict[str, float]:
+def push_weights(c: TrainerParts, version: int) -> dict[str, float]:
     """Publish the trainer's current weights to every engine as `version`."""
     report = c.transport.push(c.backend.export_weights(), version)
     return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
@@ -117,7 +124,7 @@ PREFLIGHT_FILE = "preflight.json"
 """Where in the run dir the pre-flight's PreflightResult (pydantic JSON) is written, passed or not."""
 
 
-def first_push(c: Components, version: int) -> dict[str, float]:
+def first_push(c: TrainerParts, version: int) -> dict[str, float]:
     """The push before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
     if c.job.spec.weight_sync.check_weight_update_equal:
         return preflight_push(c, version)
@@ -129,7 +136,7 @@ class PreflightFailed(RuntimeError):
     """check-weight-update-equal found engines that do not hold the trainer's weights."""
 
 
-def preflight_push(c: Components, version: int) -> dict[str, float]:
+def preflight_push(c: TrainerParts, version: int) -> dict[str, float]:
     """The first push through the pre-flight check (seed §7.2.5): randomize engines, push, compare.
 
     Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
@@ -140,10 +147,10 @@ def preflight_push(c: Components, version: int) -> dict[str, float]:
         batch = pack_sft([(prompt, response)], c.pad_id)  # greedy probe: temperature 1 definition
         return response_view(batch, c.backend.compute_logprobs(batch), 0)
 
-    probe_prompt = c.rollout.render(c.task.item(0, "train").messages)
+    probe_prompt = c.render(c.task.item(0, "train").messages)
     t0 = c.clock()
     result = check_weight_update_equal(
-        [client.base_url for client in c.clients],
+        list(c.engine_urls),
         c.transport,
         c.backend.export_weights,
         version=version,
@@ -185,26 +192,24 @@ def evaluate(c: Components, first_group: int = EVAL_GROUP_BASE) -> dict[str, flo
     return {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(rewards))}
 
 
-def sft_warm_start(c: Components) -> list[dict[str, float]]:
+def sft_warm_start(c: TrainerParts) -> Iterator[dict[str, float]]:
     """The SFT warm start: `sft_steps` steps of NLL on the task's reference answers (assistant tokens only).
 
     Uses the same backend and optimizer as RL; items come from a train-split offset (SFT_ITEM_BASE) so
-    RL prompts are not the ones just imitated. Returns per-step metrics.
+    RL prompts are not the ones just imitated. Yields each step's metrics.
     """
     s = c.settings
     rows = s.batch_groups * s.samples_per_prompt
-    eos = c.rollout.ctx.encode("<|eos|>")
+    eos = c.encode("<|eos|>")
     if s.sft_learning_rate is not None:
         c.backend.set_learning_rate(s.sft_learning_rate)
-    out = []
     for k in range(s.sft_steps):
         pairs = []
         for j in range(rows):
             item = c.task.item(SFT_ITEM_BASE + k * rows + j, "train")
-            pairs.append((c.rollout.render(item.messages), c.rollout.ctx.encode(item.answer) + eos))
+            pairs.append((c.render(item.messages), c.encode(item.answer) + eos))
         result = c.backend.train_step(pack_sft(pairs, c.pad_id), sft_loss)
         if result.skipped:
             raise NonFiniteLoss(f"SFT warm start step {k}: non-finite loss {result.loss}")
-        out.append({"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics})
+        yield {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
     c.backend.set_learning_rate(s.learning_rate)
-    return out

@@ -1,0 +1,188 @@
+"""RemoteTrainer: the Trainer protocol over HTTP to rank 0 of the trainer group (`lockstep trainer --serve`).
+
+Why it exists: in a cluster the driver pod has no GPU; the TrainerGroup's ranks hold the policy. The
+driver sends one command per loop step (lockstep.driver.wire) to rank 0, which runs it on all ranks
+and replies. Errors raised on the trainer come back typed and are raised here as the same
+exceptions the in-process trainer raises, so `lockstep driver` keeps its exit codes:
+non-finite loss -> NonFiniteLoss (exit 4), pre-flight failure -> PreflightFailed (exit 5), bad
+settings -> ValueError (exit 2). A trainer that cannot be reached is retried with exponential
+backoff, then `TrainerUnreachable` (exit 3, like an unreachable engine); a connection lost while a
+command runs is not retried (the command may have run) and also raises TrainerUnreachable: the
+driver pod restarts and resumes from the trainer's latest checkpoint.
+
+Who calls it: lockstep.driver.components (when --trainer-url / LOCKSTEP_TRAINER_URL is set), tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from lockstep.driver.state import DriverState
+from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
+from lockstep.driver.wire import (
+    API_PREFIX,
+    DriverStateWire,
+    Empty,
+    ErrorReply,
+    GroupWire,
+    HealthReply,
+    LoadReply,
+    MetricsListReply,
+    MetricsReply,
+    OkReply,
+    SaveReply,
+    SaveRequest,
+    TrainRequest,
+    VersionRequest,
+)
+from lockstep.types import Group
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R", bound=BaseModel)
+
+
+class TrainerUnreachable(ConnectionError):
+    """No connection to the trainer group's rank 0; the message names the URL and the fix."""
+
+    def __init__(self, url: str, what: str, cause: BaseException | None = None) -> None:
+        detail = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        super().__init__(
+            f"trainer at {url} {what}{detail}; check that the trainer group's rank 0 runs "
+            "`lockstep trainer --serve` and that --trainer-url / LOCKSTEP_TRAINER_URL (host, port) is right"
+        )
+        self.url = url
+        """The trainer URL."""
+
+
+class TrainerCommandError(RuntimeError):
+    """The trainer failed a command for a reason the driver cannot fix (the message says which)."""
+
+
+def error_from_reply(command: str, err: ErrorReply) -> Exception:
+    """The driver-side exception for a typed trainer error (pure; golden-tested)."""
+    if err.kind == "non_finite_loss":
+        return NonFiniteLoss(err.message)
+    if err.kind == "preflight_failed":
+        return PreflightFailed(err.message)
+    if err.kind == "bad_settings":
+        return ValueError(err.message)
+    where = f" (field {err.field})" if err.field else ""
+    return TrainerCommandError(f"trainer command {command}: {err.kind}: {err.message}{where}")
+
+
+class RemoteTrainer:
+    """The Trainer protocol (lockstep.driver.trainer) served by a trainer group's rank 0."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        """Base URL of rank 0's command server, e.g. http://trainer-0.trainer.ns.svc:29600."""
+        self.retries = max(retries, 1)
+        """Connection attempts per command before TrainerUnreachable."""
+        self.backoff_s = backoff_s
+        """First retry delay; doubles per attempt."""
+        self.sleep = sleep
+        """Injected sleep (tests)."""
+        # A train step or a push may take minutes: no read timeout; connecting must be quick.
+        timeout = httpx.Timeout(None, connect=10.0)
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+        """The HTTP connection pool."""
+
+    # -- the Trainer protocol -------------------------------------------------------------------
+
+    def warm_start(self) -> Iterator[dict[str, float]]:
+        yield from self._call("warm_start", Empty(), MetricsListReply).steps
+
+    def first_push(self, version: int) -> dict[str, float]:
+        return self._call("first_push", VersionRequest(version=version), MetricsReply).metrics
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        body = TrainRequest(groups=[GroupWire.of(g) for g in groups])
+        return self._call("train", body, MetricsReply).metrics
+
+    def push(self, version: int) -> dict[str, float]:
+        return self._call("push", VersionRequest(version=version), MetricsReply).metrics
+
+    def save(self, state: DriverState) -> str:
+        return self._call("save", SaveRequest(state=DriverStateWire.of(state)), SaveReply).path
+
+    def load_latest(self) -> DriverState | None:
+        reply = self._call("load_latest", Empty(), LoadReply)
+        if reply.state is None:
+            return None
+        log.info("trainer restored %s", reply.path)
+        return reply.state.state()
+
+    def where(self) -> str:
+        """Named in errors: the trainer keeps the checkpoints."""
+        return f"the trainer at {self.url}"
+
+    def shutdown(self) -> None:
+        """End every trainer rank (exit 0): the job is done."""
+        self._call("shutdown", Empty(), OkReply)
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- transport --------------------------------------------------------------------------------
+
+    def wait_ready(self, job: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthReply:
+        """Poll GET /v1/health until every rank has loaded; refuse a trainer serving another job."""
+        deadline = time.monotonic() + timeout_s
+        last: BaseException | None = None
+        while True:
+            try:
+                r = self.http.get(f"{API_PREFIX}/health")
+                health = HealthReply.model_validate_json(r.content)
+                if health.job != job:
+                    raise ValueError(
+                        f"trainer at {self.url} serves job {health.job!r}, not {job!r}; "
+                        "point --trainer-url at this job's trainer group"
+                    )
+                if health.ready:
+                    return health
+            except (httpx.TransportError, ValidationError) as e:
+                last = e
+            if time.monotonic() + poll_s > deadline:
+                raise TrainerUnreachable(self.url, f"not ready within {timeout_s:.0f} s", last)
+            self.sleep(poll_s)
+
+    def _call(self, command: str, body: BaseModel, reply: type[_R]) -> _R:
+        path = f"{API_PREFIX}/{command}"
+        content = body.model_dump_json()
+        headers = {"content-type": "application/json"}
+        for attempt in range(self.retries):
+            try:
+                r = self.http.post(path, content=content, headers=headers)
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # not sent: safe to retry
+                if attempt + 1 == self.retries:
+                    raise TrainerUnreachable(self.url, f"unreachable after {self.retries} attempts", e) from e
+                delay = self.backoff_s * 2**attempt
+                log.warning("trainer at %s unreachable (%s); retrying in %.1f s", self.url, e, delay)
+                self.sleep(delay)
+            except httpx.TransportError as e:  # sent: the command may have run, so no retry
+                raise TrainerUnreachable(self.url, f"lost the connection during {command}", e) from e
+        if r.status_code == 200:
+            return reply.model_validate_json(r.content)
+        try:
+            err = ErrorReply.model_validate_json(r.content)
+        except ValidationError:
+            raise TrainerCommandError(
+                f"trainer command {command}: HTTP {r.status_code}: {r.text[:300]}"
+            ) from None
+        raise error_from_reply(command, err)

@@ -1,0 +1,274 @@
+"""The trainer group's command server: rank 0 serves the driver's commands, every rank runs them.
+
+Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight pushes to the
+engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
+every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
+of the run (LocalTrainer over a LeaderBackend: the weight transport to the engines at
+LOCKSTEP_ROUTER_URL, the task's text functions) and serves lockstep.driver.wire on an aiohttp server;
+ranks > 0 follow rank 0's backend calls (lockstep.driver.spmd). Weights go from the ranks to the
+engines directly; the driver only sends token IDs and receives metrics.
+
+HTTP semantics: a body that does not validate is a 400 naming the field; an unknown command a 404; a
+command while another runs a 409 (the driver is the only client and runs one at a time); a failure
+on the trainer a 500 with a typed ErrorReply (non_finite_loss, preflight_failed, bad_settings,
+internal) that the driver raises as its own exception. `shutdown` replies, then every rank exits 0.
+
+Who calls it: lockstep.cli.trainer (`--serve`), tests (2 gloo ranks on loopback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
+from lockstep.driver.wire import (
+    API_PREFIX,
+    DriverStateWire,
+    Empty,
+    ErrorKind,
+    ErrorReply,
+    HealthReply,
+    LoadReply,
+    MetricsListReply,
+    MetricsReply,
+    OkReply,
+    SaveReply,
+    SaveRequest,
+    TrainRequest,
+    VersionRequest,
+)
+
+if TYPE_CHECKING:
+    from lockstep.api import RLJob
+    from lockstep.driver.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Command:
+    """One command: its request model and what it does on the trainer (blocking, all ranks)."""
+
+    request: type[BaseModel]
+    """The body's model (validated before anything runs)."""
+    run: Callable[[Trainer, Any], BaseModel]
+    """(trainer, validated request) -> reply."""
+
+
+def _load(t: Trainer, _: Empty) -> LoadReply:
+    state = t.load_latest()
+    where = getattr(t, "where", None)
+    return LoadReply(
+        state=None if state is None else DriverStateWire.of(state),
+        path=None if state is None else (str(where()) if callable(where) else None),
+    )
+
+
+COMMANDS: dict[str, Command] = {
+    "warm_start": Command(Empty, lambda t, _: MetricsListReply(steps=list(t.warm_start()))),
+    "first_push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.first_push(r.version))),
+    "train": Command(TrainRequest, lambda t, r: MetricsReply(metrics=t.train([g.group() for g in r.groups]))),
+    "push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.push(r.version))),
+    "save": Command(SaveRequest, lambda t, r: SaveReply(path=t.save(r.state.state()))),
+    "load_latest": Command(Empty, _load),
+    "shutdown": Command(Empty, lambda t, _: OkReply()),
+}
+"""The wire's commands (lockstep.driver.wire documents them)."""
+
+
+def _error(status: int, kind: ErrorKind, message: str, field_path: str | None = None) -> web.Response:
+    body = ErrorReply(kind=kind, message=message, field=field_path).model_dump_json()
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+def _field_of(e: ValidationError) -> tuple[str, str]:
+    """(dotted path of the first bad field, one line naming it and the problem)."""
+    first = e.errors()[0]
+    path = ".".join(str(p) for p in first["loc"]) or "(body)"
+    return path, f"{path}: {first['msg']} ({e.error_count()} error(s) in the body)"
+
+
+def _failure_kind(e: BaseException) -> ErrorKind:
+    if isinstance(e, NonFiniteLoss):
+        return "non_finite_loss"
+    if isinstance(e, PreflightFailed):
+        return "preflight_failed"
+    if isinstance(e, ValueError | FileNotFoundError):
+        return "bad_settings"
+    return "internal"
+
+
+@dataclass(slots=True)
+class CommandServer:
+    """The aiohttp side of rank 0: validation, one command at a time, typed errors."""
+
+    trainer: Trainer | None
+    """Rank 0's trainer; None until every rank has loaded (health says not ready)."""
+    job: str
+    """metadata.name of the served job."""
+    world_size: int
+    """Number of ranks."""
+    busy: str | None = None
+    """The command running now."""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by `shutdown` after its reply."""
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer")
+    )
+    """The one thread commands run on (the collectives must not run on the event loop)."""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)  # a batch of long samples is large JSON
+        app.router.add_get(f"{API_PREFIX}/health", self.health)
+        app.router.add_post(f"{API_PREFIX}/{{name}}", self.command)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        reply = HealthReply(
+            ready=self.trainer is not None, job=self.job, world_size=self.world_size, busy=self.busy
+        )
+        return web.Response(text=reply.model_dump_json(), content_type="application/json")
+
+    async def command(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        cmd = COMMANDS.get(name)
+        if cmd is None:
+            return _error(404, "unknown_command", f"unknown command {name!r}; known: {', '.join(COMMANDS)}")
+        if self.busy is not None or self.trainer is None:
+            what = f"{self.busy!r} is running" if self.busy else "the ranks are still loading"
+            return _error(409, "busy", f"{what}; send one command at a time")
+        raw = await request.read()
+        try:
+            body = cmd.request.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            path, message = _field_of(e)
+            return _error(400, "bad_request", message, path)
+        self.busy = name
+        trainer = self.trainer
+        try:
+            reply = await asyncio.get_running_loop().run_in_executor(self.pool, cmd.run, trainer, body)
+        except Exception as e:
+            kind = _failure_kind(e)
+            log.log(
+                logging.ERROR if kind == "internal" else logging.WARNING,
+                "command %s failed: %s: %s", name, type(e).__name__, e, exc_info=kind == "internal",
+            )  # fmt: skip
+            return _error(500, kind, f"{type(e).__name__}: {e}" if kind == "internal" else str(e))
+        finally:
+            self.busy = None
+        if name == "shutdown":
+            asyncio.get_running_loop().call_later(0.05, self.done.set)  # after the reply is sent
+        return web.Response(text=reply.model_dump_json(), content_type="application/json")
+
+
+async def _serve_http(server: CommandServer, host: str, port: int, ready: Callable[[int], None]) -> None:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None) or []
+    ready(sockets[0].getsockname()[1] if sockets else port)
+    try:
+        await server.done.wait()
+    finally:
+        await runner.cleanup()
+        server.pool.shutdown(wait=True)
+
+
+def serve(
+    job: RLJob,
+    *,
+    out: Path,
+    engine_urls: list[str],
+    host: str = "0.0.0.0",
+    port: int = 29600,
+    cache_dir: Path | None = None,
+    engine_timeout_s: float = 300.0,
+    on_listening: Callable[[int], None] | None = None,
+) -> int:
+    """Run this rank of a serving trainer group until `shutdown`; returns the exit code (0).
+
+    Every rank: load the policy sharded. Rank 0: wait for the engines, build the trainer side, serve
+    on host:port (`on_listening(port)` once listening) until shutdown. Ranks > 0: follow rank 0.
+    """
+    from lockstep.driver.components import build_backend, check_supported
+    from lockstep.driver.settings import settings_from_job
+    from lockstep.driver.spmd import LeaderBackend, control_group, follow
+    from lockstep.models import resolve_checkpoint
+
+    check_supported(job)
+    settings = settings_from_job(job)
+    model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
+    backend = build_backend(job, settings, model_dir)
+    try:
+        group = control_group()
+        if backend.rank != 0:
+            follow(backend, group)
+            return 0
+        leader = LeaderBackend(backend, group)
+        try:
+            return _serve_rank0(
+                job, leader, model_dir, out, engine_urls, host, port, engine_timeout_s, on_listening
+            )
+        finally:
+            leader.release_followers()
+    finally:
+        backend.close()
+
+
+def _serve_rank0(
+    job: RLJob,
+    leader: Any,
+    model_dir: Path,
+    out: Path,
+    engine_urls: list[str],
+    host: str,
+    port: int,
+    engine_timeout_s: float,
+    on_listening: Callable[[int], None] | None,
+) -> int:
+    from lockstep.driver.settings import settings_from_job
+    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
+    from lockstep.driver.transports import check_transport
+    from lockstep.serving.client import EngineClient
+    from lockstep.serving.loop import LoopThread
+
+    settings = settings_from_job(job)
+    check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
+    out.mkdir(parents=True, exist_ok=True)
+    closers: list[Callable[[], None]] = []
+    runner = LoopThread()
+    closers.append(runner.close)
+    try:
+        clients = [EngineClient(u) for u in engine_urls]
+
+        def close_clients() -> None:
+            for client in clients:
+                runner.run(client.aclose())
+
+        closers.append(close_clients)
+        for client in clients:
+            runner.run(client.wait_ready(timeout_s=engine_timeout_s))
+        parts = build_trainer_parts(job, settings, out, model_dir, leader, runner, clients, closers)
+        server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
+        log.info(
+            "trainer group of %d ranks serves job %s on %s:%d (engines %s, checkpoints under %s)",
+            leader.world_size, job.metadata.name, host, port, ", ".join(engine_urls), out,
+        )  # fmt: skip
+        asyncio.run(_serve_http(server, host, port, on_listening or (lambda p: None)))
+    finally:
+        for fn in reversed(closers):
+            try:
+                fn()
+            except Exception as e:  # clean-up goes on; logged, not lost
+                log.warning("clean-up step failed: %s: %s", type(e).__name__, e)
+    return 0

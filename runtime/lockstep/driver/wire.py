@@ -1,0 +1,239 @@
+"""The driver <-> trainer command wire: one pydantic model per request and reply (extra="forbid").
+
+Why it exists: in a cluster the driver sends the trainer group's rank 0 one command per loop step
+(lockstep.driver.remote -> lockstep.driver.trainer_server). Everything that crosses is validated at
+the boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group
+carries every field the loss needs, token-exact: prompt and response token IDs, the loss mask, the
+engine's rollout logprobs, the reward, the status and the weight version of every token (staleness
+and the mismatch metrics read them); task metadata stays in the driver (the reward is already
+computed).
+
+Commands (POST /v1/<name>, JSON body -> JSON reply; GET /v1/health):
+  warm_start  {}                   -> MetricsListReply  SFT warm start, one metrics dict per step
+  first_push  VersionRequest       -> MetricsReply      push before step 1 (pre-flight when asked)
+  train       TrainRequest         -> MetricsReply      one RL optimizer step on complete groups
+  push        VersionRequest       -> MetricsReply      publish the current weights as a version
+  save        SaveRequest          -> SaveReply         checkpoint with the driver's state beside it
+  load_latest {}                   -> LoadReply         restore the latest checkpoint (state or null)
+  shutdown    {}                   -> OkReply           every rank exits 0 (the job is done)
+Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code).
+
+Who calls it: lockstep.driver.remote (client), lockstep.driver.trainer_server (server), tests.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from lockstep.driver.state import DriverState
+from lockstep.types import Group, Sample, SampleStatus
+
+API_PREFIX = "/v1"
+"""Every command path starts with this (a later incompatible wire gets /v2)."""
+
+COMMANDS = ("warm_start", "first_push", "train", "push", "save", "load_latest", "shutdown")
+"""The command names (POST /v1/<name>)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Empty(_Strict):
+    """The body of a command without arguments."""
+
+
+class SampleWire(_Strict):
+    """One trajectory as the trainer needs it (lockstep.types.Sample without its task metadata)."""
+
+    group_index: int
+    """Group the sample belongs to."""
+    index: int = Field(ge=0)
+    """Index within its group."""
+    prompt_ids: list[int] = Field(min_length=1)
+    """Prompt token IDs as sent to the engine, length P."""
+    response_ids: list[int]
+    """Token IDs after the prompt, length R."""
+    loss_mask: list[int]
+    """Length R: 1 on policy-sampled tokens that train, 0 on environment tokens."""
+    rollout_logprobs: list[float]
+    """Length R: the engine's logprob of each sampled token."""
+    token_versions: list[int | None]
+    """Length R: the weight version that generated each token (None: environment token or unknown)."""
+    reward: float | None = None
+    """Scalar reward (already computed by the driver)."""
+    status: SampleStatus = SampleStatus.COMPLETED
+    """How the trajectory ended."""
+    routed_experts_b64: str | None = None
+    """R3 routing replay data (base64 of Sample.routed_experts), None for dense models."""
+    label: str | None = None
+    """Free label of the sample (e.g. the OPD route)."""
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> SampleWire:
+        r = len(self.response_ids)
+        for name in ("loss_mask", "rollout_logprobs", "token_versions"):
+            n = len(getattr(self, name))
+            if n != r:
+                raise ValueError(f"{name} has {n} entries but response_ids has {r}; they must be equal")
+        return self
+
+    @classmethod
+    def of(cls, s: Sample) -> SampleWire:
+        experts = base64.b64encode(s.routed_experts).decode() if s.routed_experts is not None else None
+        return cls(
+            group_index=s.group_index,
+            index=s.index,
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            loss_mask=s.loss_mask,
+            rollout_logprobs=s.rollout_logprobs,
+            token_versions=s.token_versions,
+            reward=s.reward,
+            status=s.status,
+            routed_experts_b64=experts,
+            label=s.label,
+        )
+
+    def sample(self) -> Sample:
+        experts = base64.b64decode(self.routed_experts_b64) if self.routed_experts_b64 is not None else None
+        return Sample(
+            self.group_index,
+            self.index,
+            list(self.prompt_ids),
+            list(self.response_ids),
+            list(self.loss_mask),
+            list(self.rollout_logprobs),
+            list(self.token_versions),
+            reward=self.reward,
+            status=self.status,
+            routed_experts=experts,
+            label=self.label,
+        )
+
+
+class GroupWire(_Strict):
+    """The samples of one prompt."""
+
+    index: int
+    """Unique group index within the run."""
+    samples: list[SampleWire] = Field(min_length=1)
+    """The group's samples in sample-index order."""
+
+    @classmethod
+    def of(cls, g: Group) -> GroupWire:
+        return cls(index=g.index, samples=[SampleWire.of(s) for s in g.samples])
+
+    def group(self) -> Group:
+        return Group(self.index, [s.sample() for s in self.samples])
+
+
+class TrainRequest(_Strict):
+    """train: one RL optimizer step."""
+
+    groups: list[GroupWire] = Field(min_length=1)
+    """Complete groups (the batch)."""
+
+
+class VersionRequest(_Strict):
+    """first_push / push: the version the engines must hold afterwards."""
+
+    version: int = Field(ge=0)
+    """Weight version to publish."""
+
+
+class DriverStateWire(_Strict):
+    """lockstep.driver.state.DriverState on the wire (saved in the trainer's checkpoint)."""
+
+    step: int = Field(ge=0)
+    """RL optimizer steps done."""
+    version: int = Field(ge=0)
+    """The weight version the engines hold."""
+    prompts_consumed: int = Field(ge=0)
+    """Train-split prompts drawn so far."""
+    next_group_index: int = Field(ge=0)
+    """Index of the next group."""
+    sft_done: bool
+    """True once the SFT warm start ran."""
+
+    @classmethod
+    def of(cls, state: DriverState) -> DriverStateWire:
+        return cls.model_validate(state.as_dict())
+
+    def state(self) -> DriverState:
+        return DriverState.from_dict(self.model_dump())
+
+
+class SaveRequest(_Strict):
+    """save: checkpoint the policy with the driver's state."""
+
+    state: DriverStateWire
+    """The loop's position, stored under "extra" of trainer_state.json."""
+
+
+class MetricsReply(_Strict):
+    """A step's metrics (float values, as metrics.jsonl holds them)."""
+
+    metrics: dict[str, float]
+    """Metric name -> value."""
+
+
+class MetricsListReply(_Strict):
+    """warm_start: per-step metrics."""
+
+    steps: list[dict[str, float]]
+    """One metrics dict per SFT step."""
+
+
+class SaveReply(_Strict):
+    """save: where the checkpoint went (on the trainer's file system)."""
+
+    path: str
+    """Checkpoint directory."""
+
+
+class LoadReply(_Strict):
+    """load_latest: the restored driver state, or null when the trainer has no checkpoint."""
+
+    state: DriverStateWire | None
+    """The DriverState saved with the latest checkpoint."""
+    path: str | None = None
+    """The checkpoint restored (None when there was none)."""
+
+
+class OkReply(_Strict):
+    """A command with nothing to report."""
+
+    ok: Literal[True] = True
+    """Always true."""
+
+
+class HealthReply(_Strict):
+    """GET /v1/health: whether rank 0 accepts commands."""
+
+    ready: bool
+    """All ranks have loaded the policy."""
+    job: str
+    """metadata.name of the job the trainer serves (the driver checks it is its own)."""
+    world_size: int
+    """Number of trainer ranks."""
+    busy: str | None = None
+    """The command running now, if any."""
+
+
+ErrorKind = Literal["bad_request", "unknown_command", "busy", "non_finite_loss", "preflight_failed", "bad_settings", "internal"]  # fmt: skip
+"""What went wrong; the driver raises the matching exception (see lockstep.driver.remote)."""
+
+
+class ErrorReply(_Strict):
+    """Any failed command."""
+
+    kind: ErrorKind
+    """The error class."""
+    message: str
+    """One clear line; for bad_request it names the field."""
+    field: str | None = None
+    """The offending field path for bad_request (e.g. groups.0.samples.1.loss_mask)."""

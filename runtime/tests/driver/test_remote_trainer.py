@@ -1,0 +1,184 @@
+"""The cluster split for real: a 2-rank gloo trainer group takes the RL steps for `lockstep driver`.
+
+`torchrun -m lockstep trainer --serve` (two ranks on loopback) serves the driver's commands; a real
+reference engine on 127.0.0.1 receives the trainer's pushes; `lockstep driver --trainer-url` runs the
+loop with RemoteTrainer. Covers: the engine's weight version reaches the pushed version, the
+train-rollout logprob abs diff is reported and small, the trainer's checkpoint holds the driver's
+state, a second driver (and trainer group) resumes from it, `shutdown` ends both ranks with exit 0, a
+malformed command is a 400 naming the field, an unknown one a 404, and a trainer that is down is the
+clear unreachable error (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from lockstep.cli import main
+from lockstep.observability.metrics import read_jsonl
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def engine(cache: Path) -> Iterator[str]:
+    from lockstep.driver.engines import start_reference_engine
+    from lockstep.models import resolve_checkpoint
+
+    server = start_reference_engine(resolve_checkpoint("builtin:tiny", cache_dir=cache))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+class TrainerGroup:
+    """`torchrun --nproc-per-node 2 -m lockstep trainer --serve` on loopback (gloo, CPU)."""
+
+    def __init__(self, engine_url: str, out: Path, cache: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_ROUTER_URL": engine_url}
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "-m", "lockstep", "trainer", "--config", str(FIXTURE), "--serve",
+            "--host", "127.0.0.1", "--port", str(self.port), "--out", str(out), "--cache-dir", str(cache),
+        ]  # fmt: skip
+        self.log = log
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=2).json()["ready"]:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"trainer group not ready: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        """The exit code after the driver's shutdown (kills the group when it did not exit)."""
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"trainer group did not exit: {self.log.read_text()[-3000:]}") from None
+
+
+def _trainer_state(out: Path) -> dict[str, object]:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    state: dict[str, object] = json.loads((out / "checkpoints" / latest / "trainer_state.json").read_text())
+    return state
+
+
+def _engine_version(url: str) -> str:
+    return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+
+
+def _run_group(
+    engine: str, tmp_path: Path, cache: Path, name: str, steps: int, check_wire: bool = False
+) -> None:
+    """Start a trainer group, run `lockstep driver --trainer-url` for `steps`, expect both to exit 0."""
+    group = TrainerGroup(engine, tmp_path / "trainer", cache, tmp_path / f"{name}.log")
+    args = ["driver", "--config", str(FIXTURE), "--run-dir", str(tmp_path / "driver"), "--engine-url", engine]
+    try:
+        if check_wire:
+            group.wait_ready()
+            _check_wire(group.url)
+        assert main([*args, "--trainer-url", group.url, "--steps", str(steps)]) == 0
+        assert group.stop() == 0  # the driver's shutdown ended both ranks
+    finally:
+        if group.proc.poll() is None:
+            group.proc.kill()
+
+
+def _check_wire(url: str) -> None:
+    health = httpx.get(f"{url}/v1/health").json()
+    assert health["world_size"] == 2 and health["job"] == "tiny-fast"
+    # A bad payload never reaches the ranks: 400 naming the field; unknown commands are 404.
+    bad = {"groups": [{"index": 0, "samples": [{"group_index": 0, "index": 0, "prompt_ids": [1],
+           "response_ids": [5, 6], "loss_mask": [1], "rollout_logprobs": [-1.0, -1.0],
+           "token_versions": [0, 0]}]}]}  # fmt: skip
+    r = httpx.post(f"{url}/v1/train", json=bad)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == "groups.0.samples.0" and "loss_mask has 1 entries" in r.json()["message"]
+    r = httpx.post(f"{url}/v1/push", json={"version": -1})
+    assert r.status_code == 400 and r.json()["field"] == "version", r.text
+    r = httpx.post(f"{url}/v1/save", json={"state": {"step": 1}})
+    assert r.status_code == 400 and r.json()["field"].startswith("state."), r.text
+    r = httpx.post(f"{url}/v1/train_harder", json={})
+    assert r.status_code == 404 and "unknown command 'train_harder'" in r.json()["message"]
+
+
+def test_trainer_group_takes_the_rl_steps(tmp_path: Path, cache: Path, engine: str) -> None:
+    _run_group(engine, tmp_path, cache, "trainer", steps=2, check_wire=True)
+    rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
+    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "train"]
+    train = rows[3:]
+    assert [r["weight_version"] for r in train] == [1, 2]
+    for r in train:
+        # The engine samples with exactly the weights the ranks pushed: the mismatch is numerical noise.
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
+        assert r["train_tokens"] == 48 and r["mismatch_tokens"] == 48  # 2 groups x 4 samples x 6 tokens
+    assert _engine_version(engine) == "2"
+    out = tmp_path / "trainer"
+    assert (out / "checkpoints" / "latest").is_file() and not (tmp_path / "driver" / "checkpoints").exists()
+    assert sorted(p.name for p in (out / "checkpoints" / "step_000002").glob("rng_rank*.pt")) == [
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ]  # both ranks wrote their part
+    state = _trainer_state(out)
+    assert state["step"] == 2 + 2  # optimizer steps on the ranks: the SFT warm start's two, two RL steps
+    assert state["extra"] == {
+        "step": 2, "version": 2, "prompts_consumed": 4, "next_group_index": 4, "sft_done": True,
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_restarted_driver_resumes_from_the_trainer_checkpoint(
+    tmp_path: Path, cache: Path, engine: str
+) -> None:
+    _run_group(engine, tmp_path, cache, "trainer-1", steps=1)
+    _run_group(engine, tmp_path, cache, "trainer-2", steps=2)  # new group, restarted driver
+    rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
+    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "publish", "train"]
+    assert rows[4]["weight_version"] == 1  # the resumed version went out again before step 2
+    assert rows[5]["step"] == 2 and rows[5]["weight_version"] == 2
+    assert _engine_version(engine) == "2"
+    assert _trainer_state(tmp_path / "trainer")["extra"] == {
+        "step": 2, "version": 2, "prompts_consumed": 4, "next_group_index": 4, "sft_done": True,
+    }  # fmt: skip
+
+
+def test_a_trainer_that_is_down_fails_clearly(
+    tmp_path: Path, engine: str, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    args = ["driver", "--config", str(FIXTURE), "--run-dir", str(tmp_path), "--engine-url", engine]
+    assert main([*args, "--trainer-url", url, "--trainer-timeout", "1"]) == 3
+    err = capsys.readouterr().err
+    assert f"trainer at {url} not ready within 1 s" in err and "lockstep trainer --serve" in err
