@@ -16,6 +16,11 @@ How a step works (a scheduler task on the event loop; tensor work runs on one wo
    the context length; answer finished requests.
 A finished sequence's slot keeps its KV as prefix cache until the slot is needed (LRU).
 
+R3 (MoE models): a sequence submitted with return_routed_experts gets, when it finishes by stop or
+length, the expert IDs the runner recorded for its tokens 0..n-2 (`Sequence.routed_experts`, int32
+[n-1, layers, top-k]; n = prompt + output tokens). The last sampled token was never run through the
+model, so it has no routing, as in SGLang. Aborted sequences carry none.
+
 Pause modes (SGLang's): abort ends running and waiting requests; retract moves running sequences
 back to the waiting queue keeping their tokens (their KV is recomputed after continue, under the
 weights of that time, and later tokens carry the new version); in_place stops stepping and keeps KV.
@@ -93,6 +98,10 @@ class Sequence:
     """Set by /abort_request; handled between steps."""
     created: float = 0.0
     """time.monotonic() at submit, for e2e_latency."""
+    return_routed_experts: bool = False
+    """R3: record the routed expert IDs of this sequence's tokens (MoE models only)."""
+    routed_experts: bytes | None = None
+    """R3 payload once finished by stop or length: int32 [n-1, layers, top-k], little-endian."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -235,6 +244,11 @@ class ReferenceEngine:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
+    @property
+    def is_moe(self) -> bool:
+        """True when the model has sparse MoE layers (R3 routing data can be returned)."""
+        return self.runner.routes is not None
+
     async def start(self) -> None:
         """Start the scheduler task on the running event loop."""
         if self._task is None:
@@ -333,9 +347,14 @@ class ReferenceEngine:
         *,
         rid: str | None = None,
         logprob_start_len: int = -1,
+        return_routed_experts: bool = False,
     ) -> Sequence:
         """Validate a request and build its Sequence (raises EngineInputError)."""
         self._validate(input_ids, params, logprob_start_len)
+        if return_routed_experts and not self.is_moe:
+            raise EngineInputError(
+                "return_routed_experts: this is a dense model, there are no routed experts"
+            )
         stop = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop |= self._eos
@@ -354,6 +373,7 @@ class ReferenceEngine:
             generator=gen,
             input_logprob_start=logprob_start_len,
             created=time.monotonic(),
+            return_routed_experts=return_routed_experts,
         )
 
     def _validate(self, ids: list[int], p: SamplingParams, logprob_start_len: int) -> None:
@@ -619,6 +639,9 @@ class ReferenceEngine:
             if seq.slot >= 0:
                 self._slot_used[seq.slot] = next(self._clock)
             if seq.finish is not None:
+                if seq.return_routed_experts and seq.slot >= 0 and seq.finish.get("type") != "abort":
+                    # The worker is idle here (steps run under the lock), so the slot's routing is stable.
+                    seq.routed_experts = self.runner.read_routes(seq.slot, len(seq.tokens) - 1)
                 self._release(seq)
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:

@@ -15,6 +15,17 @@ p is written in the same step before it is read.
 Decode steps on CUDA can be captured into CUDA graphs, one per (batch bucket, kv-length bucket),
 since every step then has static shapes (the input buffers are copied into before replay).
 
+MoE models (Qwen3-MoE, e.g. builtin:tiny-moe): a layer whose MLP is a sparse MoE block runs the HF
+block's own router (`mlp.gate`: softmax in fp32, top-k, renormalised when the config's
+norm_topk_prob says so) and its own experts (`mlp.experts`), called separately so that the chosen
+expert IDs can be recorded. They go to a routing cache laid out like the KV cache, [S, M + 1, L, k]
+int32 (slots, positions, layers, top-k), written at (slot, position) in the same step as the K/V, so
+prefix-cache reuse carries the prompt's routing exactly as it carries its KV (SGLang indexes its
+routed-experts buffer by KV location for the same reason). `read_routes` returns a finished
+sequence's rows 0..n-2 for R3 (seed §4.1). Layers without a MoE block keep zeros, as in SGLang.
+CUDA graphs are switched off for MoE models: HF's expert dispatch selects experts with
+data-dependent shapes, which a graph cannot capture.
+
 Logprob definition (matches SGLang's default, SGLANG_RETURN_ORIGINAL_LOGPROB unset): for temperature
 T > 0 the returned logprob of the sampled token is log_softmax(logits / T)[token], taken before top-k
 / top-p truncation; for greedy (T == 0) it is log_softmax(logits)[token]. logits are computed in
@@ -98,14 +109,25 @@ class ModelRunner:
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.vocab_size = int(cfg.vocab_size)
+        self.moe_layers: tuple[bool, ...] = tuple(_is_moe_block(layer.mlp) for layer in model.model.layers)
+        """Per layer, whether its MLP is a sparse MoE block (routing is recorded for those)."""
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if any(self.moe_layers) else 0
+        """k of the MoE router (0 for a dense model)."""
+        self.routes: torch.Tensor | None = None
+        """[S, M+1, L, k] int32 expert IDs per (slot, position, layer); None for a dense model."""
+        if self.top_k:
+            self.routes = torch.zeros(
+                (max_slots, context_length + 1, self.num_layers, self.top_k), dtype=torch.int32, device=device
+            )
         shape = (self.num_layers, max_slots, self.num_kv_heads, context_length + 1, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
         self.generator = torch.Generator(device=device)
         """The engine's generator for rows without a sampling_seed."""
         self.generator.manual_seed(seed)
-        self.cuda_graphs = cuda_graphs
-        """Decode on static bucketed buffers, captured into CUDA graphs on CUDA (eager on CPU, for tests)."""
+        self.cuda_graphs = cuda_graphs and not (self.top_k and device.type == "cuda")
+        """Decode on static bucketed buffers, captured into CUDA graphs on CUDA (eager on CPU, for tests).
+        Off on CUDA for MoE models (see the module doc)."""
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]] = {}
         self._graph_pool: Any = None
 
@@ -153,9 +175,32 @@ class ModelRunner:
                 q, keys, values, attn_mask=mask, enable_gqa=True
             )  # [B, Hq, T, D]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if self.routes is not None and self.moe_layers[li]:
+                h = h + self._moe(layer.mlp, layer.post_attention_layernorm(h), li, slot_bt, positions)
+            else:
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         out: torch.Tensor = inner.norm(h)
         return out
+
+    def _moe(
+        self, mlp: Any, x: torch.Tensor, li: int, slot_bt: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The sparse MoE block on x [B, T, H], recording its top-k expert IDs at (slot, position, li)."""
+        b, t, hidden = x.shape
+        flat = x.reshape(b * t, hidden)  # [N, H], rows in (batch, position) order as HF's block does
+        _, weights, idx = mlp.gate(flat)  # [N, k] gate values and expert IDs, HF router semantics
+        assert self.routes is not None
+        self.routes[slot_bt, positions, li] = idx.view(b, t, -1).to(torch.int32)  # [B, T, k]
+        out: torch.Tensor = mlp.experts(flat, idx, weights)  # [N, H]
+        return out.view(b, t, hidden)
+
+    def read_routes(self, slot: int, num_tokens: int) -> bytes:
+        """R3 payload of a slot: int32 [num_tokens, L, k] of positions 0..num_tokens-1, C order,
+        little-endian (SGLang's meta_info.routed_experts before base64)."""
+        if self.routes is None:
+            raise ValueError("read_routes: this is a dense model, there are no routed experts")
+        rows = self.routes[slot, :num_tokens].to("cpu").contiguous()  # [n, L, k]
+        return bytes(rows.numpy().astype("<i4", copy=False).tobytes())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [..., H] -> fp32 logits [..., V]."""
@@ -253,6 +298,22 @@ class ModelRunner:
         """Copy the KV of positions [0, length) of slot src into slot dst (prefix-cache reuse)."""
         self.k_cache[:, dst, :, :length].copy_(self.k_cache[:, src, :, :length])
         self.v_cache[:, dst, :, :length].copy_(self.v_cache[:, src, :, :length])
+        if self.routes is not None:  # the prefix's routing travels with its KV
+            self.routes[dst, :length].copy_(self.routes[src, :length])
+
+
+def _is_moe_block(mlp: Any) -> bool:
+    """True for a sparse MoE block in transformers' (>= 5) layout: a router `gate` returning
+    (logits, gate values, expert IDs) and an `experts` module taking (hidden, IDs, gate values)."""
+    gate = getattr(mlp, "gate", None)
+    if gate is None or not hasattr(mlp, "experts"):
+        return False
+    if not hasattr(gate, "top_k"):
+        raise NotImplementedError(
+            f"{type(mlp).__name__}: this MoE block predates transformers 5's router/experts modules; "
+            "the reference engine needs transformers >= 5 for MoE models"
+        )
+    return True
 
 
 @torch.inference_mode()

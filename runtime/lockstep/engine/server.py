@@ -21,6 +21,7 @@ Who calls it: lockstep.cli.engine (serves it), tests (real server on 127.0.0.1).
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib
 import json
 import logging
@@ -91,14 +92,14 @@ def _result(success: bool, message: str, **extra: Any) -> web.Response:
 # -- generation ------------------------------------------------------------------------------
 
 
-def _unsupported(req: GenerateRequest) -> str | None:
+def _unsupported(req: GenerateRequest, engine: ReferenceEngine) -> str | None:
     if req.stream:
         return "stream=true is not supported by the reference engine"
     if req.top_logprobs_num:
         return "top_logprobs_num > 0 is not supported by the reference engine"
     if req.lora_path:
         return "lora_path is not supported by the reference engine"
-    if req.return_routed_experts:
+    if req.return_routed_experts and not engine.is_moe:
         return "return_routed_experts: this is a dense model, there are no routed experts"
     if req.routed_dp_rank not in (None, 0):
         return (
@@ -135,13 +136,16 @@ def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict
                 [lp, tok, dec([tok]) if dec else None]
                 for lp, tok in zip(seq.input_logprobs, ids, strict=True)
             ]
+    if req.return_routed_experts and seq.routed_experts is not None:
+        # SGLang's format: base64 of the int32 [prompt + output - 1, layers, top-k] array's bytes.
+        meta["routed_experts"] = base64.b64encode(seq.routed_experts).decode("ascii")
     return {"text": text, "output_ids": out, "meta_info": meta}
 
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     req: GenerateRequest = await _parse(request, GenerateRequest)
-    problem = _unsupported(req)
+    problem = _unsupported(req, engine)
     if problem:
         return _bad(problem)
     batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
@@ -156,7 +160,13 @@ async def generate(request: web.Request) -> web.Response:
         rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
     try:
         seqs = [
-            engine.new_sequence(p, sp, rid=r, logprob_start_len=req.logprob_start_len)
+            engine.new_sequence(
+                p,
+                sp,
+                rid=r,
+                logprob_start_len=req.logprob_start_len,
+                return_routed_experts=req.return_routed_experts,
+            )
             for p, sp, r in zip(prompts, params, rids, strict=True)
         ]
         done = await asyncio.gather(*(engine.submit(s) for s in seqs))

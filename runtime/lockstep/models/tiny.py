@@ -258,15 +258,16 @@ def materialize_builtin(name: str, directory: str | os.PathLike[str], seed: int 
         raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_SPECS)}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    if short == "tiny-moe":  # the MoE model lives in its own module
+        from lockstep.models.tiny_moe import write_tiny_moe
+
+        write_tiny_moe(d, seed)
+        TinyTokenizer().save(d)
+        return d
     # Init on CPU under a private generator so the weights do not depend on the caller's RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if short == "tiny-moe":  # the MoE config lives in its own module (lockstep.models.tiny_moe)
-            from lockstep.models.tiny_moe import tiny_moe_model
-
-            model = tiny_moe_model()
-        else:
-            model = Qwen3ForCausalLM(tiny_config() if short == "tiny" else bigger_config())
+        model = Qwen3ForCausalLM(tiny_config() if short == "tiny" else bigger_config())
     model.save_pretrained(d, safe_serialization=True)
     TinyTokenizer().save(d)
     return d

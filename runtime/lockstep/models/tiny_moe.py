@@ -10,11 +10,19 @@ renormalised over the chosen two because `norm_topk_prob` is true, as in the rel
 Built-in name: `builtin:tiny-moe` (see lockstep.models.tiny.BUILTIN_SPECS); same tokenizer, chat
 template and special-token IDs as `builtin:tiny`, so tasks and the session server work unchanged.
 
+Checkpoint layout: the safetensors file holds the parameters under the names the loaded model uses
+(`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I] per layer), the names
+the trainer exports and saves and the engine receives, so every weight path sees one set of names.
+(`save_pretrained` would write the hub's per-expert names, `mlp.experts.<e>.gate_proj.weight`;
+`from_pretrained` reads either.)
+
 Who calls it: lockstep.models.tiny.materialize_builtin (writes the checkpoint), tests.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.models.tiny import EOS_ID, PAD_ID
@@ -60,3 +68,28 @@ def tiny_moe_model(**overrides: Any) -> Any:
     from transformers import Qwen3MoeForCausalLM
 
     return Qwen3MoeForCausalLM(tiny_moe_config(**overrides))
+
+
+def write_tiny_moe(directory: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write config.json and model.safetensors of a deterministic random-init tiny MoE into `directory`.
+
+    The same seed gives bit-identical weights (init under a private RNG). A tied lm_head is left out,
+    as in HF checkpoints.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tiny_moe_model()
+    tied = bool(model.config.tie_word_embeddings)
+    weights = {
+        name: t.detach().contiguous()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(d)
+    return d

@@ -1,0 +1,119 @@
+"""R3 on the reference engine: routed_experts over real HTTP equal an independent HF Qwen3-MoE forward.
+
+The engine serves builtin:tiny-moe on 127.0.0.1; the runtime's EngineClient asks for
+return_routed_experts; the payload must decode to SGLang's [prompt + output - 1, layers, top-k] and
+hold, row i, the experts HF's own router picks for token i when the whole sequence is run at once
+(so prefill, decode and prefix-cache reuse all record the same routing a plain forward computes).
+A dense model refuses the request with a clear 400.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+from lockstep.engine import ReferenceEngine, create_app
+from lockstep.models.tiny import TinyTokenizer, materialize_builtin
+from lockstep.serving import EngineClient, SamplingParams
+from lockstep.train.common.r3 import decode_routed_experts
+from transformers import Qwen3MoeForCausalLM
+
+TOK = TinyTokenizer()
+LAYERS, TOP_K, EXPERTS = 2, 2, 8
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = materialize_builtin("builtin:tiny-moe", tmp_path_factory.mktemp("tinymoe"), seed=0)
+    return path
+
+
+async def _serve(path: Path) -> AsyncIterator[tuple[ReferenceEngine, EngineClient, str]]:
+    engine = ReferenceEngine.load(path, max_running_requests=8, context_length=128, seed=0)
+    server = TestServer(create_app(engine), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    client = EngineClient(url, retries=2, backoff_s=0.01)
+    try:
+        yield engine, client, url
+    finally:
+        await client.aclose()
+        await server.close()
+
+
+@pytest.fixture
+async def moe(moe_dir: Path) -> AsyncIterator[tuple[ReferenceEngine, EngineClient, str]]:
+    async for s in _serve(moe_dir):
+        yield s
+
+
+def _hf_topk(path: Path, tokens: list[int]) -> torch.Tensor:
+    """Independent reference: HF's full-sequence forward; top-k of each layer's router -> [n, L, k]."""
+    model: Any = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    per_layer = [torch.topk(torch.softmax(lg.float(), -1), TOP_K, dim=-1).indices for lg in out.router_logits]
+    return torch.stack(per_layer, dim=1)  # [n, L, k]
+
+
+async def test_routed_experts_over_http_equal_an_hf_forward(
+    moe: tuple[ReferenceEngine, EngineClient, str], moe_dir: Path
+) -> None:
+    engine, client, _ = moe
+    prompt = TOK.render([{"role": "user", "content": "what is 2+3?"}], add_generation_prompt=True)
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, sampling_seed=3)
+    first = await client.generate(prompt, sp, return_routed_experts=True)
+    # Same prompt again: its prompt KV (and so its routing) comes from the prefix cache.
+    again = await client.generate(
+        prompt, sp.model_copy(update={"sampling_seed": 4}), return_routed_experts=True
+    )
+    assert again.cached_tokens > 0
+    for res in (first, again):
+        tokens = prompt + res.output_ids
+        assert res.routed_experts is not None
+        assert len(res.routed_experts) == (len(tokens) - 1) * LAYERS * TOP_K * 4  # seed §4.1 cost formula
+        got = decode_routed_experts(res.routed_experts, len(tokens), LAYERS, TOP_K, num_experts=EXPERTS)
+        assert got.shape == (len(tokens) - 1, LAYERS, TOP_K)
+        want = _hf_topk(moe_dir, tokens)[:-1]  # the last token was sampled, never run: no row
+        assert torch.equal(got, want)
+    assert engine.is_moe
+
+
+async def test_payload_is_base64_int32_and_absent_unless_asked(
+    moe: tuple[ReferenceEngine, EngineClient, str],
+) -> None:
+    _, client, url = moe
+    body = {"input_ids": [2, 20, 21, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
+    plain = (await client._http.post(url + "/generate", json=body)).json()
+    assert "routed_experts" not in plain["meta_info"]
+    asked = (await client._http.post(url + "/generate", json={**body, "return_routed_experts": True})).json()
+    raw = base64.b64decode(asked["meta_info"]["routed_experts"])
+    n = 4 + len(asked["output_ids"])
+    assert len(raw) == (n - 1) * LAYERS * TOP_K * 4
+    ids = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+    assert int(ids.min()) >= 0 and int(ids.max()) < EXPERTS
+
+
+async def test_scoring_only_request_covers_the_prompt(
+    moe: tuple[ReferenceEngine, EngineClient, str], moe_dir: Path
+) -> None:
+    """max_new_tokens 0 (OPD-style scoring): rows for prompt tokens 0..P-2."""
+    _, client, _ = moe
+    prompt = [2, 30, 31, 32, 33, 34, 3]
+    res = await client.generate(prompt, SamplingParams(max_new_tokens=0), return_routed_experts=True)
+    assert res.output_ids == [] and res.routed_experts is not None
+    got = decode_routed_experts(res.routed_experts, len(prompt), LAYERS, TOP_K)
+    assert torch.equal(got, _hf_topk(moe_dir, prompt)[:-1])
+
+
+async def test_dense_model_refuses_return_routed_experts(tiny_dir: Path) -> None:
+    async for _engine, client, url in _serve(tiny_dir):
+        body = {"input_ids": [2, 20, 3], "return_routed_experts": True}
+        resp = await client._http.post(url + "/generate", json=body)
+        assert resp.status_code == 400
+        assert "return_routed_experts: this is a dense model" in resp.json()["error"]
