@@ -54,7 +54,8 @@ async def moe(moe_dir: Path) -> AsyncIterator[tuple[ReferenceEngine, EngineClien
 
 def _hf_topk(path: Path, tokens: list[int]) -> torch.Tensor:
     """Independent reference: HF's full-sequence forward; top-k of each layer's router -> [n, L, k]."""
-    model: Any = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model: Any = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
     per_layer = [torch.topk(torch.softmax(lg.float(), -1), TOP_K, dim=-1).indices for lg in out.router_logits]

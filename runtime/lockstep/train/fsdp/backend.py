@@ -5,6 +5,12 @@ are wrapped with `fully_shard`, so parameters are DTensors sharded over the rank
 gathers them to full tensors in HF names (the transformers state-dict names already are HF names).
 Logprobs use lockstep.train.common.logprobs, the same definition as the engine's.
 
+R3 (MoE models, seed §4.1): when a batch carries `routed_experts`, every forward (compute_logprobs
+and train_step) runs inside lockstep.train.common.r3.hf_routing, which replays the rollout's expert
+IDs in each MoE router (gate values stay the trainer's own scores at those IDs) and measures how
+often the trainer's own top-k differed. `FSDPConfig.r3_replay=False` only measures. train_step
+reports r3_routing_mismatch and r3_payload_bytes (summed over ranks) in StepResult.metrics.
+
 Who calls it: lockstep.driver.components (local runs) and `lockstep trainer` (rank pods).
 """
 
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lockstep.train.backend import StepResult
 from lockstep.train.common.logprobs import token_logprobs
+from lockstep.train.common.r3 import RoutingRecord, build_replay, hf_routing, routing_dims
 from lockstep.train.fsdp import checkpoint as ckpt
 from lockstep.train.fsdp.dist import init_distributed
 
@@ -53,6 +60,9 @@ class FSDPConfig:
     """Parameter dtype: float32 | bfloat16."""
     with_ref: bool = False
     """Keep a frozen copy of the initial policy for `compute_logprobs(role="ref")` (KL)."""
+    r3_replay: bool = True
+    """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
+    measures r3_routing_mismatch (what replay would fix)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -85,6 +95,10 @@ class FSDPBackend:
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.ref_model = self._build_model(frozen=True) if config.with_ref else None
+        self.routing_dims = routing_dims(self.model.config)
+        """(layers, top-k, experts) of the model; top-k 0 for a dense model."""
+        self.last_routing = RoutingRecord()
+        """R3 counts of the last compute_logprobs or train_step on this rank (summed over micro-batches)."""
 
     def _build_model(self, frozen: bool = False) -> Any:
         import torch
@@ -114,9 +128,24 @@ class FSDPBackend:
 
     # -- scoring and training -------------------------------------------------------------------
 
-    def _forward_logprobs(self, model: Any, batch: TrainBatch) -> torch.Tensor:
+    def _forward_logprobs(self, model: Any, batch: TrainBatch, row_offset: int = 0) -> torch.Tensor:
         ids = batch.input_ids.to(self.device)
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(self.device)).logits  # [B, T, V]
+        layers, top_k, experts = self.routing_dims
+        plan = build_replay(
+            batch.routed_experts,
+            batch.attention_mask,
+            num_layers=layers,
+            top_k=top_k,
+            num_experts=experts,
+            row_offset=row_offset,
+        )
+        with hf_routing(model, plan, replay=self.config.r3_replay) as record:
+            logits = model(
+                input_ids=ids, attention_mask=batch.attention_mask.to(self.device)
+            ).logits  # [B, T, V]
+        if plan is not None:
+            self.last_routing.pairs += record.pairs
+            self.last_routing.mismatched += record.mismatched
         return token_logprobs(logits, ids, batch.temperature)  # [B, T-1]
 
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
@@ -127,9 +156,10 @@ class FSDPBackend:
             raise ValueError("role='ref' needs FSDPConfig.with_ref=True (the manifest's kl_coef > 0)")
         mbs = self.config.micro_batch_size
         parts = []
+        self.last_routing = RoutingRecord()
         with torch.no_grad():
             for start in range(0, batch.size, mbs):
-                parts.append(self._forward_logprobs(model, batch.rows(start, start + mbs)).cpu())
+                parts.append(self._forward_logprobs(model, batch.rows(start, start + mbs), start).cpu())
         return torch.cat(parts) * batch.loss_mask
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> StepResult:
@@ -143,10 +173,11 @@ class FSDPBackend:
         loss_sum = 0.0
         sums: dict[str, float] = {}
         mbs = self.config.micro_batch_size
+        self.last_routing = RoutingRecord()
         for start in range(0, batch.size, mbs):
             mb = batch.rows(start, start + mbs)
             mb_dev = _to_device(mb, self.device)
-            per_token, metrics = loss_fn(self._forward_logprobs(self.model, mb_dev), mb_dev)
+            per_token, metrics = loss_fn(self._forward_logprobs(self.model, mb_dev, start), mb_dev)
             # FSDP averages gradients over ranks; scaling by world_size makes the result a global token mean.
             loss = per_token.sum() / denom * self.world_size
             loss.backward()  # type: ignore[no-untyped-call]
@@ -166,13 +197,37 @@ class FSDPBackend:
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         local = max(batch.num_tokens, 1)
+        metrics = {k: v / local for k, v in sums.items()}
+        metrics.update(self._r3_metrics(batch))
         return StepResult(
             loss=mean_loss,
             grad_norm=grad_norm,
             tokens=int(total.item()),
-            metrics={k: v / local for k, v in sums.items()},
+            metrics=metrics,
             skipped=skipped,
         )
+
+    def _r3_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        """r3_routing_mismatch and r3_payload_bytes over all ranks; {} for a dense model or no R3 data.
+
+        Collective on MoE models (every rank calls it, with or without routing data).
+        """
+        import torch
+        import torch.distributed as dist
+
+        if not self.routing_dims[1]:
+            return {}
+        nbytes = sum(len(p) for p in batch.routed_experts if p is not None)
+        counts = torch.tensor(
+            [self.last_routing.pairs, self.last_routing.mismatched, nbytes],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(counts)
+        pairs, mismatched, total_bytes = counts.tolist()
+        if pairs == 0:
+            return {}
+        return {"r3_routing_mismatch": mismatched / pairs, "r3_payload_bytes": total_bytes}
 
     def set_learning_rate(self, lr: float) -> None:
         if not lr > 0:
