@@ -10,6 +10,13 @@ with the chat format and runs n samples of it concurrently.
 Token-exactness (TITO): the response IDs, their logprobs and their weight versions are exactly what
 the engine returned; nothing is re-tokenised.
 
+R3 (MoE routing replay, seed §4.1): `RoutedExpertsClient` wraps the engine client so that every
+/generate asks for return_routed_experts, whatever the generate or agent function passes (capture
+options are the runtime's business, as in the TITO session server). The driver wraps the client in
+it when spec.algorithm.r3 is on; `single_turn` stores the payload in Sample.routed_experts. An engine
+that answers a finished request without routing data (SGLang started without
+--enable-return-routed-experts) is an error, never a silent run without replay.
+
 Who calls it: lockstep.driver (loop and components), lockstep.driver.fully_async.
 """
 
@@ -23,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lockstep.rollout.plugins import AgentContext, Plugins, RolloutContext, call_reward
+from lockstep.serving.client import GenerateBackend, GenerateResult
+from lockstep.serving.payloads import SamplingParams
 from lockstep.types import Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,54 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
     if result.routed_experts is not None:
         sample.routed_experts = result.routed_experts
     return sample
+
+
+class RoutedExpertsError(RuntimeError):
+    """R3 is on but the engine returned no routing data for a finished request."""
+
+
+@dataclass(slots=True)
+class RoutedExpertsClient:
+    """A GenerateBackend that requests routed experts (R3) on every /generate of the wrapped client.
+
+    Other attributes are the wrapped client's, so code that reaches for more than `generate` keeps
+    working.
+    """
+
+    inner: GenerateBackend
+    """The engine client (EngineClient, or any GenerateBackend)."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        return_logprob: bool = True,
+        logprob_start_len: int = -1,
+        return_routed_experts: bool = True,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """The wrapped generate with return_routed_experts forced on; raises RoutedExpertsError when a
+        request that did not abort comes back without routing data."""
+        result = await self.inner.generate(
+            input_ids,
+            sampling_params,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            return_routed_experts=True,
+            rid=rid,
+        )
+        if result.routed_experts is None and result.finish_reason != "abort":
+            raise RoutedExpertsError(
+                "R3 is on (spec.algorithm.r3) but the engine returned no meta_info.routed_experts; serve a "
+                "MoE model and start SGLang with --enable-return-routed-experts"
+            )
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ The engine serves builtin:tiny-moe on 127.0.0.1; the runtime's EngineClient asks
 return_routed_experts; the payload must decode to SGLang's [prompt + output - 1, layers, top-k] and
 hold, row i, the experts HF's own router picks for token i when the whole sequence is run at once
 (so prefill, decode and prefix-cache reuse all record the same routing a plain forward computes).
-A dense model refuses the request with a clear 400.
+A dense model refuses the request with a clear 400. The rollout's R3 client asks for routing on
+every request and refuses an engine that answers without it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.models.tiny import TinyTokenizer, materialize_builtin
-from lockstep.serving import EngineClient, SamplingParams
+from lockstep.rollout.generate import RoutedExpertsClient, RoutedExpertsError, single_turn
+from lockstep.rollout.plugins import RolloutContext
+from lockstep.serving import EngineClient, EngineError, GenerateResult, SamplingParams
 from lockstep.train.common.r3 import decode_routed_experts
+from lockstep.types import Sample
 from transformers import Qwen3MoeForCausalLM
 
 TOK = TinyTokenizer()
@@ -118,3 +122,39 @@ async def test_dense_model_refuses_return_routed_experts(tiny_dir: Path) -> None
         resp = await client._http.post(url + "/generate", json=body)
         assert resp.status_code == 400
         assert "return_routed_experts: this is a dense model" in resp.json()["error"]
+
+
+async def test_single_turn_through_the_r3_client_fills_the_sample(
+    moe: tuple[ReferenceEngine, EngineClient, str],
+) -> None:
+    _, client, _ = moe
+    ctx = RolloutContext(
+        client=RoutedExpertsClient(client),
+        sampling=SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True),
+        decode=lambda ids: TOK.decode(ids, skip_special_tokens=True),
+        encode=TOK.encode,
+    )
+    sample = await single_turn(ctx, Sample(group_index=0, index=0, prompt_ids=[2, 20, 21, 3]))
+    assert sample.routed_experts is not None
+    assert len(sample.routed_experts) == (4 + len(sample.response_ids) - 1) * LAYERS * TOP_K * 4
+
+
+async def test_r3_client_refuses_an_engine_without_routing_data(tiny_dir: Path) -> None:
+    async for _engine, client, _url in _serve(tiny_dir):
+        with pytest.raises(EngineError, match="dense model"):  # our engine: 400 naming the field
+            await RoutedExpertsClient(client).generate([2, 20, 3], SamplingParams(max_new_tokens=2))
+
+    class NoRouting:  # an SGLang started without --enable-return-routed-experts ignores the flag
+        async def generate(self, input_ids: Any, sampling_params: Any = None, **kw: Any) -> GenerateResult:
+            return GenerateResult(
+                output_ids=[5],
+                output_logprobs=[-0.1],
+                finish_reason="length",
+                weight_version=0,
+                token_versions=[0],
+                prompt_tokens=len(input_ids),
+                cached_tokens=0,
+            )
+
+    with pytest.raises(RoutedExpertsError, match="--enable-return-routed-experts"):
+        await RoutedExpertsClient(NoRouting()).generate([2, 20, 3])
