@@ -46,8 +46,9 @@ def run(
             state = run_fully_async(job, components)
         else:
             state = run_sync(components)
-        if state.step >= components.settings.steps:
-            components.trainer.shutdown()  # the job is done: a remote trainer group exits 0
+        if state.step >= job.spec.schedule.steps:
+            # The job is done (not just a --steps override): a remote trainer group exits 0.
+            components.trainer.shutdown()
         return state
     finally:
         components.close()

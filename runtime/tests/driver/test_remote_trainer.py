@@ -99,21 +99,27 @@ def _engine_version(url: str) -> str:
     return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
 
 
-def _run_group(
-    engine: str, tmp_path: Path, cache: Path, name: str, steps: int, check_wire: bool = False
-) -> None:
-    """Start a trainer group, run `lockstep driver --trainer-url` for `steps`, expect both to exit 0."""
-    group = TrainerGroup(engine, tmp_path / "trainer", cache, tmp_path / f"{name}.log")
-    args = ["driver", "--config", str(FIXTURE), "--run-dir", str(tmp_path / "driver"), "--engine-url", engine]
-    try:
-        if check_wire:
-            group.wait_ready()
-            _check_wire(group.url)
-        assert main([*args, "--trainer-url", group.url, "--steps", str(steps)]) == 0
-        assert group.stop() == 0  # the driver's shutdown ended both ranks
-    finally:
-        if group.proc.poll() is None:
-            group.proc.kill()
+class Group:
+    """A running trainer group and the `lockstep driver` command line that talks to it."""
+
+    def __init__(self, engine: str, tmp_path: Path, cache: Path, name: str) -> None:
+        self.trainers = TrainerGroup(engine, tmp_path / "trainer", cache, tmp_path / f"{name}.log")
+        self.args = [
+            "driver", "--config", str(FIXTURE), "--run-dir", str(tmp_path / "driver"),
+            "--engine-url", engine, "--trainer-url", self.trainers.url,
+        ]  # fmt: skip
+
+    def drive(self, *extra: str) -> int:
+        code: int = main([*self.args, *extra])
+        return code
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.trainers.proc.poll() is None:
+            self.trainers.proc.kill()
+            self.trainers.proc.wait()
 
 
 def _check_wire(url: str) -> None:
@@ -134,44 +140,56 @@ def _check_wire(url: str) -> None:
     assert r.status_code == 404 and "unknown command 'train_harder'" in r.json()["message"]
 
 
-def test_trainer_group_takes_the_rl_steps(tmp_path: Path, cache: Path, engine: str) -> None:
-    _run_group(engine, tmp_path, cache, "trainer", steps=2, check_wire=True)
+def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
+    tmp_path: Path, cache: Path, engine: str
+) -> None:
+    out = tmp_path / "trainer"
+    with Group(engine, tmp_path, cache, "trainer") as group:
+        group.trainers.wait_ready()
+        _check_wire(group.trainers.url)
+        assert group.drive("--steps", "1") == 0  # stops before the job's 3 steps: the ranks keep serving
+        state = _trainer_state(out)
+        assert state["step"] == 2 + 1  # optimizer steps on the ranks: the SFT warm start's two, one RL step
+        assert state["extra"] == {
+            "step": 1, "version": 1, "prompts_consumed": 2, "next_group_index": 2, "sft_done": True,
+        }  # fmt: skip
+        assert group.drive() == 0  # a restarted driver resumes from the trainer's checkpoint, to the end
+        assert group.trainers.stop() == 0  # the job is done: the driver's shutdown ended both ranks
     rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
-    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "train"]
-    train = rows[3:]
-    assert [r["weight_version"] for r in train] == [1, 2]
+    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "publish", "train", "train"]
+    assert rows[4]["weight_version"] == 1  # the resumed version went out again, no second warm start
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
     for r in train:
         # The engine samples with exactly the weights the ranks pushed: the mismatch is numerical noise.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
-        assert r["train_tokens"] == 48 and r["mismatch_tokens"] == 48  # 2 groups x 4 samples x 6 tokens
-    assert _engine_version(engine) == "2"
-    out = tmp_path / "trainer"
-    assert (out / "checkpoints" / "latest").is_file() and not (tmp_path / "driver" / "checkpoints").exists()
-    assert sorted(p.name for p in (out / "checkpoints" / "step_000002").glob("rng_rank*.pt")) == [
+        # Every sampled token counted once over the two ranks' slices (2 groups x 4 samples).
+        assert r["train_tokens"] == r["mismatch_tokens"] == r["response_len_mean"] * 8 > 0
+    assert _engine_version(engine) == "3"
+    assert not (tmp_path / "driver" / "checkpoints").exists()  # the policy's checkpoints live on the ranks
+    assert sorted(p.name for p in (out / "checkpoints" / "step_000003").glob("rng_rank*.pt")) == [
         "rng_rank0.pt",
         "rng_rank1.pt",
     ]  # both ranks wrote their part
-    state = _trainer_state(out)
-    assert state["step"] == 2 + 2  # optimizer steps on the ranks: the SFT warm start's two, two RL steps
-    assert state["extra"] == {
-        "step": 2, "version": 2, "prompts_consumed": 4, "next_group_index": 4, "sft_done": True,
+    assert _trainer_state(out)["extra"] == {
+        "step": 3, "version": 3, "prompts_consumed": 6, "next_group_index": 6, "sft_done": True,
     }  # fmt: skip
 
 
 @pytest.mark.slow
-def test_a_restarted_driver_resumes_from_the_trainer_checkpoint(
-    tmp_path: Path, cache: Path, engine: str
-) -> None:
-    _run_group(engine, tmp_path, cache, "trainer-1", steps=1)
-    _run_group(engine, tmp_path, cache, "trainer-2", steps=2)  # new group, restarted driver
-    rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
-    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "publish", "train"]
-    assert rows[4]["weight_version"] == 1  # the resumed version went out again before step 2
-    assert rows[5]["step"] == 2 and rows[5]["weight_version"] == 2
-    assert _engine_version(engine) == "2"
-    assert _trainer_state(tmp_path / "trainer")["extra"] == {
-        "step": 2, "version": 2, "prompts_consumed": 4, "next_group_index": 4, "sft_done": True,
-    }  # fmt: skip
+def test_a_new_trainer_group_resumes_from_the_checkpoint(tmp_path: Path, cache: Path, engine: str) -> None:
+    """Gang restart: the whole group is replaced; the new ranks load the checkpoint, the driver resumes."""
+    with Group(engine, tmp_path, cache, "trainer-1") as group:
+        assert group.drive("--steps", "1") == 0
+        group.trainers.proc.terminate()  # the group fails as a whole (the operator restarts it)
+        group.trainers.proc.wait(60)
+    with Group(engine, tmp_path, cache, "trainer-2") as group:
+        assert group.drive() == 0
+        assert group.trainers.stop() == 0
+    train = read_jsonl(tmp_path / "driver" / "metrics.jsonl", "train")
+    assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
+    assert _engine_version(engine) == "3"
+    assert _trainer_state(tmp_path / "trainer")["extra"]["step"] == 3  # type: ignore[index]
 
 
 def test_a_trainer_that_is_down_fails_clearly(
