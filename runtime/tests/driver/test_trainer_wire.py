@@ -1,0 +1,167 @@
+"""The driver <-> trainer wire: RemoteTrainer against the real command server on 127.0.0.1.
+
+The server side runs a small Trainer (the protocol is the swap point) that records what arrives and
+fails on demand, so the semantics the driver relies on are checked without a model: groups arrive
+token-exact (every field the loss needs, per-token versions included), trainer-side errors come back
+as the driver's own exceptions (NonFiniteLoss -> exit 4, PreflightFailed -> exit 5, ValueError -> exit
+2), a command while another runs is a 409, and an unreachable trainer is retried with backoff, then
+TrainerUnreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from lockstep.driver.remote import RemoteTrainer, TrainerCommandError, TrainerUnreachable
+from lockstep.driver.state import DriverState
+from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
+from lockstep.driver.trainer_server import CommandServer, _serve_http
+from lockstep.types import Group, Sample, SampleStatus
+
+
+class ScriptedTrainer:
+    """A Trainer that records its calls and raises what the test asks for."""
+
+    def __init__(self) -> None:
+        self.groups: list[Group] = []
+        self.saved: list[DriverState] = []
+        self.fail: dict[str, Exception] = {}
+        self.release = threading.Event()
+
+    def _maybe_fail(self, name: str) -> None:
+        if name in self.fail:
+            raise self.fail[name]
+
+    def warm_start(self) -> Iterator[dict[str, float]]:
+        yield {"loss": 2.0}
+        yield {"loss": 1.0}
+
+    def first_push(self, version: int) -> dict[str, float]:
+        self._maybe_fail("first_push")
+        return {"weight_version": float(version)}
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        self._maybe_fail("train")
+        self.groups = groups
+        return {"loss": 0.5}
+
+    def push(self, version: int) -> dict[str, float]:
+        self.release.wait(30)
+        return {"weight_version": float(version)}
+
+    def save(self, state: DriverState) -> str:
+        self._maybe_fail("save")
+        self.saved.append(state)
+        return f"/ckpt/step_{state.step:06d}"
+
+    def load_latest(self) -> DriverState | None:
+        return self.saved[-1] if self.saved else None
+
+    def shutdown(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ScriptedTrainer, str]]:
+    trainer = ScriptedTrainer()
+    server = CommandServer(trainer, "job-a", world_size=2)
+    port: list[int] = []
+    listening = threading.Event()
+
+    def ready(p: int) -> None:
+        port.append(p)
+        listening.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(_serve_http(server, "127.0.0.1", 0, ready)))
+    thread.start()
+    assert listening.wait(30)
+    url = f"http://127.0.0.1:{port[0]}"
+    try:
+        yield trainer, url
+    finally:
+        trainer.release.set()
+        httpx.post(f"{url}/v1/shutdown", json={})
+        thread.join(30)
+
+
+def _groups() -> list[Group]:
+    s0 = Sample(7, 0, [1, 2, 3], [4, 5, 6], [1, 0, 1], [-0.5, 0.0, -1.25], [3, None, 4], reward=1.0)
+    s1 = Sample(7, 1, [1, 2, 3], [9], [1], [-2.0], [4], reward=0.0, status=SampleStatus.TRUNCATED,
+                routed_experts=b"\x00\x01\xff", label="teacher")  # fmt: skip
+    return [Group(7, [s0, s1])]
+
+
+def test_commands_round_trip_token_exact(served: tuple[ScriptedTrainer, str]) -> None:
+    trainer, url = served
+    remote = RemoteTrainer(url)
+    try:
+        assert remote.wait_ready("job-a", timeout_s=10).world_size == 2
+        assert list(remote.warm_start()) == [{"loss": 2.0}, {"loss": 1.0}]
+        assert remote.first_push(0) == {"weight_version": 0.0}
+        assert remote.train(_groups()) == {"loss": 0.5}
+        assert trainer.groups == _groups()  # every field the loss and staleness read, per token
+        assert remote.load_latest() is None
+        state = DriverState(step=4, version=3, prompts_consumed=8, next_group_index=9, sft_done=True)
+        assert remote.save(state) == "/ckpt/step_000004"
+        assert remote.load_latest() == state
+        with pytest.raises(ValueError, match="serves job 'job-a', not 'job-b'"):
+            remote.wait_ready("job-b", timeout_s=10)
+    finally:
+        remote.close()
+
+
+def test_trainer_errors_come_back_as_the_drivers_exceptions(served: tuple[ScriptedTrainer, str]) -> None:
+    trainer, url = served
+    remote = RemoteTrainer(url)
+    trainer.fail = {
+        "train": NonFiniteLoss("non-finite loss (nan); the step was not applied"),
+        "first_push": PreflightFailed("spec.weightSync.checkWeightUpdateEqual: 2 tensors differ"),
+        "save": ValueError("spec.schedule.saveInterval: broken"),
+    }
+    try:
+        with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(nan\)"):
+            remote.train(_groups())
+        with pytest.raises(PreflightFailed, match="2 tensors differ"):
+            remote.first_push(0)
+        with pytest.raises(ValueError, match="saveInterval: broken"):
+            remote.save(DriverState())
+        trainer.fail["train"] = RuntimeError("CUDA out of memory")
+        with pytest.raises(TrainerCommandError, match="train: internal: RuntimeError: CUDA out of memory"):
+            remote.train(_groups())
+    finally:
+        remote.close()
+
+
+def test_one_command_at_a_time(served: tuple[ScriptedTrainer, str]) -> None:
+    trainer, url = served
+    pushed: list[dict[str, float]] = []
+    first = threading.Thread(target=lambda: pushed.append(RemoteTrainer(url).push(5)))
+    first.start()
+    for _ in range(600):  # until the push is running on the trainer
+        if httpx.get(f"{url}/v1/health").json()["busy"] == "push":
+            break
+        threading.Event().wait(0.01)
+    r = httpx.post(f"{url}/v1/push", json={"version": 6})
+    assert r.status_code == 409 and r.json()["kind"] == "busy" and "'push' is running" in r.json()["message"]
+    trainer.release.set()
+    first.join(30)
+    assert pushed == [{"weight_version": 5.0}]
+
+
+def test_unreachable_trainer_is_retried_with_backoff_then_fails_clearly() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connection refused
+        slept: list[float] = []
+        remote = RemoteTrainer(url, retries=4, backoff_s=0.25, sleep=slept.append)
+        with pytest.raises(TrainerUnreachable, match="unreachable after 4 attempts") as e:
+            remote.push(1)
+        remote.close()
+    assert slept == [0.25, 0.5, 1.0]
+    assert f"trainer at {url}" in str(e.value) and "LOCKSTEP_TRAINER_URL" in str(e.value)
