@@ -9,6 +9,7 @@ no-op when the replayed experts are the model's own, and must force other expert
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,3 +119,16 @@ def test_replaying_own_routing_is_a_no_op_and_foreign_routing_is_forced() -> Non
         used = forced.used[li].view(2, 6, 2)[:, :-1]  # [B, T-1, k]
         assert (used[plan.valid] == torch.tensor([6, 7])).all()
     assert forced.mismatched > 0 and not torch.equal(other, base)
+
+
+def test_routing_shape_from_config_json(tmp_path: Path) -> None:
+    from lockstep.models.moe import routing_shape
+    from lockstep.models.tiny import tiny_config
+    from lockstep.models.tiny_moe import tiny_moe_config
+
+    tiny_moe_config().save_pretrained(tmp_path / "moe")
+    tiny_config().save_pretrained(tmp_path / "dense")
+    shape = routing_shape(tmp_path / "moe")
+    assert shape is not None and (shape.num_layers, shape.top_k, shape.num_experts) == (2, 2, 8)
+    assert shape.payload_bytes(4096) == payload_nbytes(4096, 2, 2) == 4095 * 2 * 2 * 4
+    assert routing_shape(tmp_path / "dense") is None
