@@ -66,7 +66,7 @@ def test_operator_service_account_may_do_what_it_does_and_no_more(
               ("create", "", "pods"), ("delete", "", "pods"), ("patch", "", "configmaps"),
               ("create", "rbac.authorization.k8s.io", "roles"), ("list", "", "nodes"),
               ("create", "scheduling.volcano.sh", "podgroups"), ("create", "", "events"),
-              ("patch", "networking.k8s.io", "networkpolicies")]  # fmt: skip
+              ("patch", "networking.k8s.io", "networkpolicies"), ("patch", "", "pods", "status")]  # fmt: skip
     for check in needed:
         assert can(*check), f"the operator cannot {check}"
     never = [("get", "", "secrets"), ("delete", "", "nodes"), ("create", "rbac.authorization.k8s.io", "clusterroles"),

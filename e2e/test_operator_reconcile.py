@@ -461,6 +461,37 @@ def test_engine_version_gates_readiness(cluster: ControlPlane, operator: Operato
         timeout=WAIT,
         what="both engines ready at version 2",
     )
+    # The driver knows addresses, not pod names: it asks every address of the headless engines
+    # Service (not-ready engines included) and reports `<pod IP>:30000`.
+    engines_svc = cluster.get("service", f"{job}-rollout-engines", "-n", namespace)["spec"]
+    assert engines_svc["clusterIP"] == "None" and engines_svc["publishNotReadyAddresses"] is True
+    ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in running(cluster, namespace, job, "engine", 2)}
+    report(
+        cluster,
+        namespace,
+        job,
+        step=3,
+        weightVersion=3,
+        engineAddressVersions={f"{ips[names[0]]}:30000": 3, f"{ips[names[1]]}:30000": 2},
+        preflight="passed",
+    )
+
+    def gate(pod: str) -> str | None:
+        """The readiness-gate condition the operator sets on the engine pod."""
+        got = cluster.get("pod", pod, "-n", namespace)
+        assert got["spec"]["readinessGates"] == [{"conditionType": "rl.lockstep.dev/weights-current"}]
+        return cond(got["status"], "rl.lockstep.dev/weights-current").get("status")
+
+    cluster.wait_for(
+        lambda: gate(names[1]) == "False" and gate(names[0]) == "True",
+        timeout=WAIT,
+        what="the lagging engine's readiness gate False, the current one's True",
+    )
+    cluster.wait_for(  # written by the same pass, after the gate
+        lambda: status(cluster, namespace, "rolloutpool", f"{job}-rollout").get("readyReplicas") == 1,
+        timeout=WAIT,
+        what="one engine ready (the other lags, reported by address)",
+    )
 
 
 def test_engine_failure_is_replaced(cluster: ControlPlane, operator: Operator, namespace: str) -> None:

@@ -22,7 +22,7 @@ from lockstep_operator.resources import config, podgroups
 from lockstep_operator.resources.common import Owner
 from lockstep_operator.resources.network import trainer_network_policy
 from lockstep_operator.resources.pods import rank_env, selector_labels
-from lockstep_operator.resources.services import headless_service
+from lockstep_operator.resources.services import engines_service, headless_service
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example/lockstep-runtime:test"
@@ -97,6 +97,12 @@ def test_job_children(example: str) -> None:
                 job=name,
                 name=f"{name}-trainer",
                 selector=selector_labels(name, trainer=f"{name}-trainer"),
+            ),
+            "enginesService": engines_service(
+                owner("RolloutPool", f"{name}-rollout"),
+                job=name,
+                name=f"{name}-rollout-engines",
+                selector=selector_labels(name, pool=f"{name}-rollout"),
             ),
             "trainerNetworkPolicy": trainer_network_policy(
                 owner("TrainerGroup", f"{name}-trainer"),

@@ -21,6 +21,7 @@ from lockstep_operator.reconcile.status import (
     pool_status,
     set_condition,
     trainer_status,
+    weights_current,
 )
 from lockstep_operator.topology import Decision
 
@@ -254,3 +255,18 @@ def test_active_deadline_fails_a_running_job() -> None:
     )
     failed = condition(st.conditions, "Failed")
     assert st.phase == Phase.FAILED and failed is not None and failed.reason == "DeadlineExceeded"
+
+
+def test_engine_versions_keyed_by_address_gate_the_engines() -> None:
+    """The driver reports `<pod IP>:30000` -> version (it resolves the headless engines Service)."""
+    pods = [pod("p-0", True, 0, "10.0.0.1"), pod("p-1", True, 1, "10.0.0.2"), pod("p-2", True, 2, "10.0.0.3")]
+    addresses = {"10.0.0.1:30000": 5, "10.0.0.2:30000": 4}
+    verdicts = [weights_current(p, 5, {}, addresses) for p in pods]
+    assert [v[0] for v in verdicts] == [True, False, False]
+    assert "holds 4" in verdicts[1][1] and "not reported" in verdicts[2][1]  # p-2: new or unreachable
+    st = pool_status(pods, selector="a=b", current_version=5, engine_versions={}, min_replicas=1,
+                     previous=None, generation=1, now=T0, address_versions=addresses)  # fmt: skip
+    assert st.ready_replicas == 1 and [e.weight_version for e in st.engines] == [5, 4, None]
+    # A name-keyed entry wins over the address (both are the driver's word for the same engine).
+    assert weights_current(pods[1], 5, {"p-1": 5}, addresses)[0] is True
+    assert weights_current(pods[0], None, {}, {})[0] is True  # nothing published yet

@@ -56,6 +56,7 @@ from lockstep_operator.resources.common import (
     Owner,
     channel_name,
     driver_name,
+    engines_service_name,
     job_labels,
     metadata,
     pool_name,
@@ -324,6 +325,7 @@ def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
         trainer=trainer_name(job),
         trainer_url=trainer_url(trainer_name(job), owner.namespace),
         progress_config_map=progress_name(job),
+        engines_service=engines_service_name(pool_name(job)),
     )
     return with_template_hash(pod, {"config": run_config_hash(spec)})
 

@@ -2,7 +2,8 @@
 
 Why it exists: the pool is the scaling unit of rollout. Its pods have stable names (like a
 StatefulSet), so a reconcile that dies halfway and runs again finds and keeps what exists. Steps:
-1. router Service (ClusterIP over the pool's engine pods);
+1. router Service (ClusterIP over the pool's Ready engine pods) and the headless engines Service (every
+   engine, ready or not: the driver asks each for its weight version);
 2. replace failed engines (delete Failed pods; they are recreated below once gone);
 3. remove replicas above the desired count (0 while suspended or stopped), create missing ones;
    replicas below the gang's minimum carry the gang-member keys; replace engines whose pod-template
@@ -10,7 +11,9 @@ StatefulSet), so a reconcile that dies halfway and runs again finds and keeps wh
 4. the built-in autoscaler (spec.autoscaling set, not handed to HPA/KEDA with the
    rl.lockstep.dev/autoscaler=external annotation): record the driver's queue sample once per step,
    ask lockstep_operator.autoscale.decide_replicas, patch spec.replicas (the /scale field);
-5. status: per-engine readiness and weight version (from the progress channel), selector for /scale.
+5. the readiness gate of each engine pod (condition rl.lockstep.dev/weights-current: the driver reports
+   it at the current weight version, status.weights_current), then the status: per-engine readiness
+   and weight version (from the progress channel), selector for /scale.
 
 Who calls it: lockstep_operator.handlers (pool events, engine pod events, the periodic re-check).
 """
@@ -41,13 +44,15 @@ from lockstep_operator.reconcile.common import (
     write_status,
 )
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
-from lockstep_operator.reconcile.status import engine_ready, pool_status
+from lockstep_operator.reconcile.status import engine_ready, pool_status, weights_current
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import engine_command, product_label
 from lockstep_operator.resources.common import (
     API_VERSION,
     LABEL_REPLICA,
+    WEIGHTS_CURRENT,
     Owner,
+    engines_service_name,
     progress_name,
     router_name,
     selector,
@@ -60,7 +65,7 @@ from lockstep_operator.resources.pods import (
     template_hash_of,
     with_template_hash,
 )
-from lockstep_operator.resources.services import router_service
+from lockstep_operator.resources.services import engines_service, router_service
 from lockstep_operator.roll import EngineState, engines_to_roll
 from lockstep_operator.settings import OperatorSettings
 
@@ -135,19 +140,22 @@ async def reconcile_pool(
     owner, ann = Owner.of(body), annotations_of(body)
     labels = selector_labels(spec.job, pool=name)
     await kube.apply(router_service(owner, job=spec.job, name=router_name(name), selector=labels), cache=True)
+    engines = engines_service(owner, job=spec.job, name=engines_service_name(name), selector=labels)
+    await kube.apply(engines, cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED))
     desired = 0 if stopped else spec.replicas
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     version = progress.weight_version if progress else None
     versions = progress.engine_versions if progress else {}
+    addresses = (progress.engine_address_versions if progress else None) or {}
     live = await _converge_pods(
         kube,
         owner,
         spec,
         pods,
         desired,
-        ready=lambda pod: engine_ready(pod, version, versions),
+        ready=lambda pod: engine_ready(pod, version, versions, addresses),
         render=lambda index: engine_manifest(
             owner,
             spec,
@@ -158,6 +166,8 @@ async def reconcile_pool(
             avoid_clique=ann.get(ANN_AVOID_CLIQUE),
         ),
     )
+    for pod in live:
+        await _set_weights_gate(kube, pod, weights_current(pod, version, versions, addresses), now)
     if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
         await _autoscale(kube, body, spec, progress, now.timestamp(), settings)
     previous = previous_status(body, RolloutPoolStatus)
@@ -166,6 +176,7 @@ async def reconcile_pool(
         selector=selector(labels),
         current_version=version,
         engine_versions=versions,
+        address_versions=addresses,
         min_replicas=0 if stopped else _pool_min(spec),
         previous=previous,
         generation=body["metadata"].get("generation"),
@@ -219,6 +230,42 @@ async def _converge_pods(
         if index not in by_index:
             await kube.apply(rendered[index])
     return live
+
+
+async def _set_weights_gate(
+    kube: KubeClient, pod: Manifest, verdict: tuple[bool, str], now: dt.datetime
+) -> None:
+    """Set the engine pod's readiness-gate condition (rl.lockstep.dev/weights-current) when it changed.
+
+    Server-side apply of that one condition on pods/status (conditions merge by type), so the kubelet's
+    own conditions are untouched; the kubelet then counts the pod Ready only while it is True.
+    """
+    current, message = verdict
+    value = "True" if current else "False"
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    old = next((c for c in conditions if c.get("type") == WEIGHTS_CURRENT), None)
+    if old is not None and old.get("status") == value and old.get("message") == message:
+        return
+    changed = old is None or old.get("status") != value
+    condition = {
+        "type": WEIGHTS_CURRENT,
+        "status": value,
+        "reason": "WeightsCurrent" if current else "WeightsBehind",
+        "message": message,
+        "lastTransitionTime": now.isoformat().replace("+00:00", "Z")
+        if changed
+        else old.get("lastTransitionTime")
+        if old
+        else None,
+    }
+    meta = pod["metadata"]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "status": {"conditions": [condition]},
+    }
+    await kube.apply(body, subresource="status")
 
 
 def _dying(pod: Manifest) -> bool:

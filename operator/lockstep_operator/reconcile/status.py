@@ -263,16 +263,50 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def engine_ready(
-    pod: Mapping[str, Any], current_version: int | None, engine_versions: Mapping[str, int]
-) -> bool:
-    """An engine is ready when its pod is Ready and it holds `current_version`.
-
-    Without per-engine versions in the report (a driver behind the router) the pod's readiness stands.
-    """
+def engine_version(
+    pod: Mapping[str, Any], engine_versions: Mapping[str, int], address_versions: Mapping[str, int]
+) -> int | None:
+    """The weight version the driver reported for this engine: by pod name, else by `<pod IP>:<port>`."""
     version = engine_versions.get(pod["metadata"]["name"])
-    synced = current_version is None or not engine_versions or version == current_version
-    return pod_ready(pod) and synced
+    ip = (pod.get("status") or {}).get("podIP")
+    if version is None and ip:
+        version = address_versions.get(f"{ip}:{ENGINE_PORT}")
+    return version
+
+
+def weights_current(
+    pod: Mapping[str, Any],
+    current_version: int | None,
+    engine_versions: Mapping[str, int],
+    address_versions: Mapping[str, int] | None = None,
+) -> tuple[bool, str]:
+    """Whether the engine holds `current_version` (the readiness gate's status), and why (pure).
+
+    True before any version is published (every engine starts from the same checkpoint). A report
+    without any per-engine version (a driver that cannot reach the engines one by one) leaves the
+    push's own guarantee standing (a weight update reaches every engine or fails the run): True. An
+    engine missing from a report that has per-engine versions (new, replaced, unreachable) is False.
+    """
+    addresses = address_versions or {}
+    if current_version is None:
+        return True, "no weight version published yet"
+    if not engine_versions and not addresses:
+        return True, f"version {current_version} pushed; the driver reports no per-engine versions"
+    version = engine_version(pod, engine_versions, addresses)
+    if version == current_version:
+        return True, f"holds the current weight version {current_version}"
+    held = "not reported" if version is None else f"holds {version}"
+    return False, f"{held}; the current weight version is {current_version}"
+
+
+def engine_ready(
+    pod: Mapping[str, Any],
+    current_version: int | None,
+    engine_versions: Mapping[str, int],
+    address_versions: Mapping[str, int] | None = None,
+) -> bool:
+    """An engine is ready when its pod is Ready and it holds `current_version` (weights_current)."""
+    return pod_ready(pod) and weights_current(pod, current_version, engine_versions, address_versions)[0]
 
 
 def pool_status(
@@ -283,25 +317,25 @@ def pool_status(
     engine_versions: Mapping[str, int],
     min_replicas: int,
     previous: RolloutPoolStatus | None,
+    address_versions: Mapping[str, int] | None = None,
     generation: int | None,
     now: dt.datetime,
 ) -> RolloutPoolStatus:
     """Pool status: an engine is ready only when its pod is Ready and it holds `current_version`.
 
-    Per-engine versions come from the driver's progress report. A driver that reaches the engines only
-    through the router reports none; then the push's own guarantee stands in (a weight update reaches
-    every engine or raises and fails the run), and readiness is the pod's.
+    Per-engine versions come from the driver's progress report, keyed by pod name or by pod address
+    (weights_current says how a missing or empty report counts).
     """
     engines: list[EngineStatus] = []
     for pod in sorted(pods, key=lambda p: int(p["metadata"]["labels"].get(LABEL_REPLICA, "0"))):
         name = pod["metadata"]["name"]
         ip = (pod.get("status") or {}).get("podIP")
-        version = engine_versions.get(name)
+        version = engine_version(pod, engine_versions, address_versions or {})
         engines.append(
             EngineStatus(
                 name=name,
                 address=f"{ip}:{ENGINE_PORT}" if ip else None,
-                ready=engine_ready(pod, current_version, engine_versions),
+                ready=engine_ready(pod, current_version, engine_versions, address_versions),
                 weight_version=version,
             )
         )
@@ -488,8 +522,9 @@ def channel_status(
         )
     version = prev.weight_version
     current = progress.weight_version if progress is not None else None
-    if progress is not None and current is not None and progress.engine_versions:
-        version = current if all(v >= current for v in progress.engine_versions.values()) else version
+    reported = {**progress.engine_versions, **(progress.engine_address_versions or {})} if progress else {}
+    if current is not None and reported:
+        version = current if all(v >= current for v in reported.values()) else version
     return WeightChannelStatus(
         transport=transport,
         reason=reason,

@@ -51,6 +51,7 @@ from lockstep_operator.resources.common import (
     API_VERSION,
     LABEL_RANK,
     Owner,
+    engines_service_name,
     pool_name,
     progress_name,
     router_url,
@@ -122,6 +123,7 @@ def rank_manifest(
         placement=placement,
         gang=keys,
         router_url=router_url(spec.job),
+        engines_service=engines_service_name(pool_name(spec.job)),
     )
     return with_template_hash(pod, {"config": config_hash, "group": spec.wire()})
 

@@ -39,6 +39,9 @@ ENGINE_PORT = 30000
 """SGLang's default HTTP port; the router Service targets it."""
 RENDEZVOUS_PORT = 29500
 """torch.distributed rendezvous port of rank 0 (MASTER_PORT)."""
+WEIGHTS_CURRENT = f"{GROUP}/weights-current"
+"""Readiness gate of engine pods: the pod condition the pool reconcile sets True once the driver reports
+the engine at the current weight version (the kubelet counts a pod Ready only with it True)."""
 CONTROL_PORT = 29600
 """Trainer rank 0's control endpoint (`lockstep trainer --serve`): the driver sends the RL steps there."""
 
@@ -176,3 +179,9 @@ def trainer_url(trainer: str, namespace: str) -> str:
 def network_policy_name(trainer: str) -> str:
     """The NetworkPolicy guarding a trainer group's rank pods (named like the group)."""
     return trainer
+
+
+def engines_service_name(pool: str) -> str:
+    """The headless Service listing every engine of a pool, ready or not (the driver asks each one
+    for its weight version; the ranks can address each engine)."""
+    return f"{pool}-engines"

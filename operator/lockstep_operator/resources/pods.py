@@ -31,6 +31,7 @@ from lockstep_operator.resources.common import (
     LABEL_TRAINER,
     RENDEZVOUS_PORT,
     SHARED_MOUNT,
+    WEIGHTS_CURRENT,
     Manifest,
     Owner,
     config_name,
@@ -183,8 +184,9 @@ def engine_pod(
 ) -> Manifest:
     """Rollout engine replica `replica` of pool `pool`: `<pool>-<replica>`, serving on port 30000.
 
-    Ready means the engine's /health answers; whether it holds the current weight version is a
-    separate fact (the driver reports per-engine versions) folded into the RolloutPool status.
+    Ready means the engine's /health answers AND it holds the current weight version: the readiness
+    gate rl.lockstep.dev/weights-current is a pod condition the pool reconcile sets from the driver's
+    per-engine report, so the router Service only sends rollouts to engines on the current policy.
     restartPolicy Never: a failed engine is replaced by the pool reconcile (the driver re-syncs it).
     """
     env = {
@@ -201,6 +203,7 @@ def engine_pod(
         "periodSeconds": 5,
         "failureThreshold": 3,
     }
+    spec["readinessGates"] = [{"conditionType": WEIGHTS_CURRENT}]
     labels = {**job_labels(job, "engine", pool=pool, replica=str(replica)), **gang.labels}
     return {
         "apiVersion": "v1",
@@ -251,6 +254,7 @@ def rank_pod(
     placement: Placement,
     gang: Gang,
     router_url: str,
+    engines_service: str,
 ) -> Manifest:
     """Trainer rank pod `<trainer>-<rank>` with a stable hostname under the headless Service `<trainer>`.
 
@@ -265,6 +269,7 @@ def rank_pod(
         **_base_env(job),
         "LOCKSTEP_ROLE": "trainer",
         "LOCKSTEP_ROUTER_URL": router_url,
+        "LOCKSTEP_ENGINES_SERVICE": engines_service,
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
@@ -293,6 +298,7 @@ def driver_pod(
     trainer: str,
     trainer_url: str,
     progress_config_map: str,
+    engines_service: str,
 ) -> Manifest:
     """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
 
@@ -308,6 +314,7 @@ def driver_pod(
         "LOCKSTEP_TRAINER_SERVICE": trainer,
         "LOCKSTEP_TRAINER_URL": trainer_url,
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
+        "LOCKSTEP_ENGINES_SERVICE": engines_service,
     }
     spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
     spec["serviceAccountName"] = driver_name(job)

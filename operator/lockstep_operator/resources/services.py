@@ -54,3 +54,23 @@ def headless_service(owner: Owner, *, job: str, name: str, selector: Mapping[str
             ],
         },
     }
+
+
+def engines_service(owner: Owner, *, job: str, name: str, selector: Mapping[str, str]) -> Manifest:
+    """Headless Service `name` over every engine of the pool, not-ready ones included.
+
+    The router Service only has Ready engines behind it, and an engine is Ready only once it holds the
+    current weight version; so whoever must reach the others (the driver asking each engine for its
+    version, weight pushes to a new engine) resolves this name to every engine's pod IP.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, name, job_labels(job, "engine")),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": dict(selector),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": ENGINE_PORT, "protocol": "TCP"}],
+        },
+    }

@@ -42,6 +42,10 @@ class ProgressReport(BaseModel):
     """The buffer's capacity in groups (the autoscaler compares queueSize with it)."""
     engine_versions: dict[str, int] = Field(default_factory=dict, alias="engineVersions")
     """Engine pod name -> the weight version that engine reports (SGLang `weight_version`)."""
+    engine_address_versions: dict[str, int] | None = Field(default=None, alias="engineAddressVersions")
+    """Engine address `<pod IP>:<port>` -> the weight version that engine reports; unset when the
+    driver did not ask. The driver asks every address of the pool's headless Service (it knows
+    addresses, not pod names); the operator maps them to pods by pod IP."""
     preflight: Literal["passed", "failed"] | None = None
     """Result of the weight-equality pre-flight check; None while it has not run."""
     preflight_mismatched: list[str] = Field(default_factory=list, alias="preflightMismatched")

@@ -5,7 +5,8 @@ queue size only from the ConfigMap `<job>-progress`, the one object the driver p
 may get/patch. `ProgressTracker` turns the loop's per-step metrics into a `ProgressReport` (pure, no
 I/O); a `ProgressReporter` delivers it: `NullReporter` for a local `lockstep run`,
 `ConfigMapReporter` in a pod (a JSON merge patch on the API server with the pod's ServiceAccount
-token, no kubernetes client). A failed report is logged and counted, never raised: a flaky API server
+token, no kubernetes client), which adds every engine's weight version by address
+(`EngineVersionProbe` over the pool's headless Service) so the operator can gate engine readiness. A failed report is logged and counted, never raised: a flaky API server
 must not stop training.
 
 Who calls it: lockstep.driver.loop and lockstep.driver.fully_async (through Components.reporter),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +40,10 @@ JOB_ENV = "LOCKSTEP_JOB"
 """Env var naming the RLJob (fallback for the ConfigMap name `<job>-progress`)."""
 NAMESPACE_ENV = "LOCKSTEP_NAMESPACE"
 """Optional env var overriding the namespace file of the ServiceAccount."""
+ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
+"""Env var the operator sets on the driver pod: the pool's headless Service listing every engine."""
+ENGINE_PORT = 30000
+"""The engines' HTTP port (SGLang's default; the operator's engine pods listen on it)."""
 REWARD_EMA = 0.9
 """Weight of the previous reward average in the moving average (0.9: about the last 10 steps)."""
 
@@ -189,6 +195,58 @@ def _preflight_fields(result: PreflightResult) -> dict[str, object]:
     return {"preflight": "passed" if result.passed else "failed", "preflight_mismatched": names}
 
 
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every IP address `host` resolves to (a headless Service's name: one per engine pod), sorted."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+@dataclass(slots=True)
+class EngineVersionProbe:
+    """Asks every engine behind a headless Service which weight version it holds.
+
+    The driver reaches the pool through its router and knows no pod names; the operator needs each
+    engine's version to gate its readiness. So each report resolves the headless Service `host` (every
+    engine pod's IP, ready or not) and asks each address the SGLang contract's question (GET
+    /model_info, else /get_weight_version on servers without it; `weight_version`, as
+    lockstep.serving.client.EngineClient.get_weight_version reads it). An engine that does not answer
+    or reports no integer version is left out: the operator counts it as not holding the current one.
+    """
+
+    host: str
+    """DNS name of the pool's headless engines Service (LOCKSTEP_ENGINES_SERVICE)."""
+    port: int = ENGINE_PORT
+    """The engines' HTTP port."""
+    timeout_s: float = 2.0
+    """HTTP timeout per engine."""
+    resolve: Callable[[str, int], list[str]] = resolve_addresses
+    """host, port -> IP addresses (DNS by default)."""
+
+    def versions(self) -> dict[str, int] | None:
+        """`<IP>:<port>` -> weight version of each engine that answered; None when the name does not
+        resolve (unknown, not "no engine holds it": the operator then keeps the pods' readiness)."""
+        import httpx
+
+        try:
+            addresses = self.resolve(self.host, self.port)
+        except OSError as e:
+            log.warning("engine versions not reported: %s does not resolve: %s", self.host, e)
+            return None
+        out: dict[str, int] = {}
+        with httpx.Client(timeout=self.timeout_s) as http:
+            for ip in addresses:
+                base = f"http://[{ip}]:{self.port}" if ":" in ip else f"http://{ip}:{self.port}"
+                try:
+                    r = http.get(f"{base}/model_info")
+                    if r.status_code == 404:
+                        r = http.get(f"{base}/get_weight_version")
+                    r.raise_for_status()
+                    out[f"{ip}:{self.port}"] = int(r.json()["weight_version"])
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                    log.info("engine %s:%d: no weight version (%s)", ip, self.port, type(e).__name__)
+        return out
+
+
 @dataclass(slots=True)
 class ConfigMapReporter:
     """Patches the progress document into ConfigMap `name` in `namespace` on the API server.
@@ -219,6 +277,9 @@ class ConfigMapReporter:
     """Reports dropped after all tries."""
     last_error: str = ""
     """Why the last failed report failed (status code and API server message; no token)."""
+    probe: EngineVersionProbe | None = None
+    """Asks every engine for its version; each report with a weight version then carries
+    engineAddressVersions (in a driver pod: the pool's headless Service, LOCKSTEP_ENGINES_SERVICE)."""
 
     @property
     def path(self) -> str:
@@ -227,6 +288,9 @@ class ConfigMapReporter:
     def report(self, report: ProgressReport) -> bool:
         import httpx
 
+        if self.probe is not None and report.weight_version is not None:
+            fields = {**report.model_dump(), "engine_address_versions": self.probe.versions()}
+            report = ProgressReport.model_validate(fields)
         body = progress_patch(report)
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
@@ -279,8 +343,9 @@ def reporter_from_env(
 ) -> ProgressReporter:
     """ConfigMapReporter inside a driver pod, else NullReporter.
 
-    In a pod: the operator sets LOCKSTEP_PROGRESS_CONFIGMAP (else LOCKSTEP_JOB gives `<job>-progress`),
-    Kubernetes sets KUBERNETES_SERVICE_HOST/PORT and mounts the ServiceAccount files in `sa_dir`.
+    In a pod: the operator sets LOCKSTEP_PROGRESS_CONFIGMAP (else LOCKSTEP_JOB gives `<job>-progress`)
+    and LOCKSTEP_ENGINES_SERVICE (each report then carries every engine's version), Kubernetes sets
+    KUBERNETES_SERVICE_HOST/PORT and mounts the ServiceAccount files in `sa_dir`.
     """
     env = os.environ if env is None else env
     name = env.get(CONFIGMAP_ENV) or (progress_config_map_name(env[JOB_ENV]) if env.get(JOB_ENV) else "")
@@ -300,10 +365,12 @@ def reporter_from_env(
     port = env.get("KUBERNETES_SERVICE_PORT", "443")
     host = f"[{host}]" if ":" in host else host  # an IPv6 service address
     ca = sa_dir / "ca.crt"
+    engines = env.get(ENGINES_SERVICE_ENV)
     return ConfigMapReporter(
         api_url=f"https://{host}:{port}",
         namespace=namespace,
         name=name,
         token_path=token,
         ca_path=ca if ca.exists() else None,
+        probe=EngineVersionProbe(engines) if engines else None,
     )
