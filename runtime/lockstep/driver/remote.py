@@ -27,6 +27,7 @@ from lockstep.driver.state import DriverState
 from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
 from lockstep.driver.wire import (
     API_PREFIX,
+    INSTANCE_HEADER,
     DriverStateWire,
     Empty,
     ErrorReply,
@@ -65,8 +66,10 @@ class TrainerCommandError(RuntimeError):
     """The trainer failed a command for a reason the driver cannot fix (the message says which)."""
 
 
-def error_from_reply(command: str, err: ErrorReply) -> Exception:
-    """The driver-side exception for a typed trainer error (pure; golden-tested)."""
+def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
+    """The driver-side exception for a typed trainer error (pure)."""
+    if err.kind == "restarted":  # exit 3: the driver pod restarts and resumes from the checkpoint
+        return TrainerUnreachable(url, f"refused {command}: {err.message}")
     if err.kind == "non_finite_loss":
         return NonFiniteLoss(err.message)
     if err.kind == "preflight_failed":
@@ -101,6 +104,8 @@ class RemoteTrainer:
         timeout = httpx.Timeout(None, connect=10.0)
         self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
         """The HTTP connection pool."""
+        self.instance: str | None = None
+        """The trainer group's instance ID seen by wait_ready, sent with every command."""
 
     # -- the Trainer protocol -------------------------------------------------------------------
 
@@ -154,6 +159,7 @@ class RemoteTrainer:
                         "point --trainer-url at this job's trainer group"
                     )
                 if health.ready:
+                    self.instance = health.instance
                     return health
             except (httpx.TransportError, ValidationError) as e:
                 last = e
@@ -165,6 +171,8 @@ class RemoteTrainer:
         path = f"{API_PREFIX}/{command}"
         content = body.model_dump_json()
         headers = {"content-type": "application/json"}
+        if self.instance is not None:
+            headers[INSTANCE_HEADER] = self.instance
         for attempt in range(self.retries):
             try:
                 r = self.http.post(path, content=content, headers=headers)
@@ -185,4 +193,4 @@ class RemoteTrainer:
             raise TrainerCommandError(
                 f"trainer command {command}: HTTP {r.status_code}: {r.text[:300]}"
             ) from None
-        raise error_from_reply(command, err)
+        raise error_from_reply(self.url, command, err)

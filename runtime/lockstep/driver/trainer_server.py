@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ValidationError
 from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
 from lockstep.driver.wire import (
     API_PREFIX,
+    INSTANCE_HEADER,
     DriverStateWire,
     Empty,
     ErrorKind,
@@ -119,6 +121,8 @@ class CommandServer:
     """Number of ranks."""
     busy: str | None = None
     """The command running now."""
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This start's ID (HealthReply.instance)."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by `shutdown` after its reply."""
     pool: ThreadPoolExecutor = field(
@@ -134,7 +138,11 @@ class CommandServer:
 
     async def health(self, request: web.Request) -> web.Response:
         reply = HealthReply(
-            ready=self.trainer is not None, job=self.job, world_size=self.world_size, busy=self.busy
+            ready=self.trainer is not None,
+            job=self.job,
+            world_size=self.world_size,
+            busy=self.busy,
+            instance=self.instance,
         )
         return web.Response(text=reply.model_dump_json(), content_type="application/json")
 
@@ -143,6 +151,14 @@ class CommandServer:
         cmd = COMMANDS.get(name)
         if cmd is None:
             return _error(404, "unknown_command", f"unknown command {name!r}; known: {', '.join(COMMANDS)}")
+        sent = request.headers.get(INSTANCE_HEADER)
+        if sent is not None and sent != self.instance:
+            return _error(
+                409,
+                "restarted",
+                f"this trainer group started again (instance {self.instance}, the driver attached to {sent}); "
+                "its policy is the last checkpoint's: restart the driver to resume from it",
+            )
         if self.busy is not None or self.trainer is None:
             what = f"{self.busy!r} is running" if self.busy else "the ranks are still loading"
             return _error(409, "busy", f"{what}; send one command at a time")

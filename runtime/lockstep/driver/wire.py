@@ -16,7 +16,10 @@ Commands (POST /v1/<name>, JSON body -> JSON reply; GET /v1/health):
   save        SaveRequest          -> SaveReply         checkpoint with the driver's state beside it
   load_latest {}                   -> LoadReply         restore the latest checkpoint (state or null)
   shutdown    {}                   -> OkReply           every rank exits 0 (the job is done)
-Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code).
+Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code). Every
+command carries the group's instance ID (INSTANCE_HEADER): a group that restarted since the driver
+attached holds the last checkpoint's policy, not the one the driver trained, and refuses (409
+`restarted`); the driver then restarts and resumes.
 
 Who calls it: lockstep.driver.remote (client), lockstep.driver.trainer_server (server), tests.
 """
@@ -222,9 +225,16 @@ class HealthReply(_Strict):
     """Number of trainer ranks."""
     busy: str | None = None
     """The command running now, if any."""
+    instance: str
+    """Random ID of this start of the trainer group; the driver sends it back with every command
+    (INSTANCE_HEADER), so commands meant for a group that has since restarted are refused."""
 
 
-ErrorKind = Literal["bad_request", "unknown_command", "busy", "non_finite_loss", "preflight_failed", "bad_settings", "internal"]  # fmt: skip
+INSTANCE_HEADER = "X-Lockstep-Trainer-Instance"
+"""Request header carrying HealthReply.instance; a mismatch is a 409 `restarted`."""
+
+
+ErrorKind = Literal["bad_request", "unknown_command", "busy", "restarted", "non_finite_loss", "preflight_failed", "bad_settings", "internal"]  # fmt: skip
 """What went wrong; the driver raises the matching exception (see lockstep.driver.remote)."""
 
 

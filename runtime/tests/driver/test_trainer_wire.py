@@ -165,3 +165,19 @@ def test_unreachable_trainer_is_retried_with_backoff_then_fails_clearly() -> Non
         remote.close()
     assert slept == [0.25, 0.5, 1.0]
     assert f"trainer at {url}" in str(e.value) and "LOCKSTEP_TRAINER_URL" in str(e.value)
+
+
+def test_a_restarted_trainer_group_refuses_the_old_drivers_commands(
+    served: tuple[ScriptedTrainer, str],
+) -> None:
+    _, url = served
+    remote = RemoteTrainer(url)
+    try:
+        remote.wait_ready("job-a", timeout_s=10)
+        assert remote.first_push(0) == {"weight_version": 0.0}
+        remote.instance = "0" * 32  # what the driver saw before the group restarted at the same URL
+        with pytest.raises(TrainerUnreachable, match="started again") as e:
+            remote.train(_groups())
+        assert "restart the driver to resume" in str(e.value)
+    finally:
+        remote.close()
