@@ -313,6 +313,12 @@ def _is_moe_block(mlp: Any) -> bool:
             f"{type(mlp).__name__}: this MoE block predates transformers 5's router/experts modules; "
             "the reference engine needs transformers >= 5 for MoE models"
         )
+    if any(hasattr(mlp, a) for a in ("shared_expert", "shared_experts", "shared_expert_gate")):
+        # _moe runs router + routed experts only; a shared-expert path would be silently dropped.
+        raise NotImplementedError(
+            f"{type(mlp).__name__}: MoE blocks with shared experts are not run by the reference engine yet "
+            "(Qwen3-MoE-style blocks are: router + routed experts)"
+        )
     return True
 
 

@@ -233,6 +233,11 @@ def _make_hook(
     li: int, plan: ReplayPlan | None, record: RoutingRecord, *, replay: bool, capture: bool
 ) -> Any:
     def hook(module: Any, args: Any, output: Any) -> Any:
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise NotImplementedError(
+                f"R3 replay: layer {li}'s router {type(module).__name__} does not return (logits, gate "
+                "values, expert IDs) like transformers' Qwen3-MoE router; this model is not supported yet"
+            )
         logits, _weights, own = output  # [N, E], [N, k], [N, k]: HF router semantics
         if plan is None:
             if capture:
