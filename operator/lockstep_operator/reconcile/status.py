@@ -390,6 +390,30 @@ def pool_status(
 # ----------------------------------------------------------------------------------- TrainerGroup
 
 
+def _up_to_date(
+    conds: list[Condition], rolling: str | None, *, now: dt.datetime, generation: int | None
+) -> list[Condition]:
+    """Condition UpToDate: False (SpecChanged) while the gang restarts for a spec change; True after,
+    keeping reason SpecChanged as the record of that restart (Current when there never was one)."""
+    before = condition(conds, "UpToDate")
+    if rolling is not None:
+        message = (
+            f"spec changed: restarting every rank with pod template {rolling} "
+            "(not counted against the restart limit)"
+        )
+        return set_condition(conds, "UpToDate", False, "SpecChanged", message, now=now, generation=generation)
+    if before is not None and before.status == ConditionStatus.TRUE:
+        return conds
+    rolled = before is not None and before.reason == "SpecChanged"
+    reason = "SpecChanged" if rolled else "Current"
+    message = (
+        "every rank restarted for a spec change (not counted in restarts)"
+        if rolled
+        else "every rank runs the current pod template"
+    )
+    return set_condition(conds, "UpToDate", True, reason, message, now=now, generation=generation)
+
+
 def trainer_status(
     pods: Sequence[Mapping[str, Any]],
     *,
@@ -411,31 +435,7 @@ def trainer_status(
     """
     ready_pods = sum(1 for p in pods if pod_ready(p))
     conds = list(previous.conditions) if previous else []
-    before = condition(conds, "UpToDate")
-    if rolling is not None:
-        conds = set_condition(
-            conds,
-            "UpToDate",
-            False,
-            "SpecChanged",
-            f"spec changed: restarting every rank with pod template {rolling} "
-            "(not counted against the restart limit)",
-            now=now,
-            generation=generation,
-        )
-    elif before is None or before.status != ConditionStatus.TRUE:
-        rolled = before is not None and before.reason == "SpecChanged"
-        conds = set_condition(
-            conds,
-            "UpToDate",
-            True,
-            "SpecChanged" if rolled else "Current",
-            "every rank restarted for a spec change (not counted in restarts)"
-            if rolled
-            else "every rank runs the current pod template",
-            now=now,
-            generation=generation,
-        )
+    conds = _up_to_date(conds, rolling, now=now, generation=generation)
     conds = set_condition(
         conds,
         "Available",
