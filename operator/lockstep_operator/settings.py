@@ -64,12 +64,16 @@ class OperatorSettings(BaseModel):
 
 
 def effective_priority(settings: OperatorSettings, pod_name: str | None) -> int:
-    """The peering priority: the setting, else a stable number in [1, 1000) from the pod name."""
+    """The peering priority: the setting, else a stable number in [1, 2**32] from the pod name.
+
+    Two replicas of equal priority both pause (kopf's rule), so the range is the whole crc32 space:
+    two pod names collide with a chance of about 1 in 4e9.
+    """
     if settings.priority is not None:
         return settings.priority
     if not pod_name:
         return 0
-    return 1 + zlib.crc32(pod_name.encode()) % 999
+    return 1 + zlib.crc32(pod_name.encode())
 
 
 @lru_cache(maxsize=1)
