@@ -10,6 +10,7 @@ every request and refuses an engine that answers without it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -72,13 +73,20 @@ async def test_routed_experts_over_http_equal_an_hf_forward(
     engine, client, _ = moe
     prompt = TOK.render([{"role": "user", "content": "what is 2+3?"}], add_generation_prompt=True)
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, sampling_seed=3)
-    first = await client.generate(prompt, sp, return_routed_experts=True)
-    # Same prompt again: its prompt KV (and so its routing) comes from the prefix cache.
-    again = await client.generate(
-        prompt, sp.model_copy(update={"sampling_seed": 4}), return_routed_experts=True
+    # A group sharing the prompt: later members reuse the first one's prompt KV while it runs
+    # (prefix copy between slots), so their prompt routing must come along with that KV.
+    group = await asyncio.gather(
+        *(
+            client.generate(prompt, sp.model_copy(update={"sampling_seed": i}), return_routed_experts=True)
+            for i in range(3)
+        )
     )
-    assert again.cached_tokens > 0
-    for res in (first, again):
+    # Same prompt again after they finished: the prompt comes from a free slot's cached KV.
+    again = await client.generate(
+        prompt, sp.model_copy(update={"sampling_seed": 9}), return_routed_experts=True
+    )
+    assert again.cached_tokens > 0 and any(r.cached_tokens > 0 for r in group)
+    for res in [*group, again]:
         tokens = prompt + res.output_ids
         assert res.routed_experts is not None
         assert len(res.routed_experts) == (len(tokens) - 1) * LAYERS * TOP_K * 4  # seed §4.1 cost formula
