@@ -2,10 +2,10 @@
 
 Why it exists: trainer rank 0 serves the RL steps on its control port (29600, `lockstep trainer
 --serve`); anything that reaches it can drive the optimizer. So only the job's driver pod may reach
-that port. The ranks still need each other (torch.distributed's TCPStore on the rendezvous port 29500,
-then NCCL/gloo on ports the OS picks: NCCL has no setting that pins them), and the job's engines join
-the trainer's weight-update group (TCPStore on a free port of trainer rank 0, then NCCL), so both get
-every TCP port except the control port. Traffic from anything else is refused once a policy selects
+that port. The ranks still need each other (torch.distributed's TCPStore on the rendezvous port
+29500, then NCCL/gloo on ports the OS picks: NCCL has no setting that pins them, NVIDIA/nccl#388),
+and the job's engines join the trainer's weight-update group (TCPStore on a free port of trainer
+rank 0, then NCCL), so both get every TCP port except the control port. Traffic from anything else is refused once a policy selects
 the pods. Egress is not restricted (ranks pull checkpoints and push weights to the engines).
 RDMA (InfiniBand verbs, EFA) does not go through the pod network and is not governed by it.
 
