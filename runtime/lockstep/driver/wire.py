@@ -42,7 +42,9 @@ COMMANDS = ("warm_start", "first_push", "train", "push", "save", "load_latest", 
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and inf cross as NaN / Infinity (pydantic's default writes null, which would turn a NaN
+    # reward into "no reward" and hide the non-finite loss it must cause).
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
 
 class Empty(_Strict):

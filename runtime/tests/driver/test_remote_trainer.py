@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from lockstep.cli import main
 from lockstep.observability.metrics import read_jsonl
 
@@ -109,8 +110,10 @@ class Group:
             "--engine-url", engine, "--trainer-url", self.trainers.url,
         ]  # fmt: skip
 
-    def drive(self, *extra: str) -> int:
-        code: int = main([*self.args, *extra])
+    def drive(self, *extra: str, manifest: Path = FIXTURE) -> int:
+        """`lockstep driver` against this group (`manifest`: the driver's job.yaml; same job name)."""
+        args = [manifest if a == str(FIXTURE) else a for a in self.args]
+        code: int = main([*map(str, args), *extra])
         return code
 
     def __enter__(self) -> Group:
@@ -140,10 +143,31 @@ def _check_wire(url: str) -> None:
     assert r.status_code == 404 and "unknown command 'train_harder'" in r.json()["message"]
 
 
+def _edited(tmp_path: Path, name: str, edit: dict[str, object]) -> Path:
+    """The fixture with dotted-path edits (a driver-side manifest of the same job)."""
+    doc = yaml.safe_load(FIXTURE.read_text())
+    for dotted, value in edit.items():
+        node = doc
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
 def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
-    tmp_path: Path, cache: Path, engine: str
+    tmp_path: Path,
+    cache: Path,
+    engine: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "trainer"
+    (tmp_path / "remote_nan_reward.py").write_text("def nan(sample, response):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    nan_job = _edited(tmp_path, "nan.yaml", {"spec.agent": {"rewardFunction": "remote_nan_reward:nan"}})
     with Group(engine, tmp_path, cache, "trainer") as group:
         group.trainers.wait_ready()
         _check_wire(group.trainers.url)
@@ -153,11 +177,17 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
         assert state["extra"] == {
             "step": 1, "version": 1, "prompts_consumed": 2, "next_group_index": 2, "sft_done": True,
         }  # fmt: skip
+        # A NaN loss on the ranks is the driver's exit 4; the trainer's checkpoint stays the good one.
+        capsys.readouterr()
+        assert group.drive(manifest=nan_job) == 4
+        assert "non-finite loss" in capsys.readouterr().err
+        assert _trainer_state(out)["extra"] == state["extra"]
         assert group.drive() == 0  # a restarted driver resumes from the trainer's checkpoint, to the end
         assert group.trainers.stop() == 0  # the job is done: the driver's shutdown ended both ranks
     rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
-    assert [r["kind"] for r in rows] == ["sft", "sft", "publish", "train", "publish", "train", "train"]
-    assert rows[4]["weight_version"] == 1  # the resumed version went out again, no second warm start
+    kinds = ["sft", "sft", "publish", "train", "publish", "publish", "train", "train"]
+    assert [r["kind"] for r in rows] == kinds  # the NaN run published, then stopped in its step
+    assert rows[5]["weight_version"] == 1  # the resumed version went out again, no second warm start
     train = [r for r in rows if r["kind"] == "train"]
     assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
     for r in train:
@@ -178,13 +208,23 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
 
 @pytest.mark.slow
 def test_a_new_trainer_group_resumes_from_the_checkpoint(tmp_path: Path, cache: Path, engine: str) -> None:
-    """Gang restart: the whole group is replaced; the new ranks load the checkpoint, the driver resumes."""
+    """Gang restart: the whole group is replaced; the new ranks load the checkpoint, the driver resumes
+    (in fully-async mode: the same commands, the engines paused by the driver around each push)."""
+    fully_async = _edited(
+        tmp_path,
+        "async.yaml",
+        {
+            "spec.schedule.mode": "fully-async",
+            "spec.schedule.colocate": False,
+            "spec.schedule.maxWeightStaleness": 2,
+        },
+    )
     with Group(engine, tmp_path, cache, "trainer-1") as group:
         assert group.drive("--steps", "1") == 0
         group.trainers.proc.terminate()  # the group fails as a whole (the operator restarts it)
         group.trainers.proc.wait(60)
     with Group(engine, tmp_path, cache, "trainer-2") as group:
-        assert group.drive() == 0
+        assert group.drive(manifest=fully_async) == 0
         assert group.trainers.stop() == 0
     train = read_jsonl(tmp_path / "driver" / "metrics.jsonl", "train")
     assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]

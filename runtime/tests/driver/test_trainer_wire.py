@@ -181,3 +181,21 @@ def test_a_restarted_trainer_group_refuses_the_old_drivers_commands(
         assert "restart the driver to resume" in str(e.value)
     finally:
         remote.close()
+
+
+def test_non_finite_values_cross_as_such(served: tuple[ScriptedTrainer, str]) -> None:
+    """A NaN reward must reach the loss as NaN (and stop the run there), never as "no reward"."""
+    import math
+
+    trainer, url = served
+    groups = _groups()
+    groups[0].samples[0].reward = float("nan")
+    groups[0].samples[1].rollout_logprobs = [float("-inf")]
+    remote = RemoteTrainer(url)
+    try:
+        remote.train(groups)
+    finally:
+        remote.close()
+    got = trainer.groups[0].samples
+    assert got[0].reward is not None and math.isnan(got[0].reward)
+    assert got[1].rollout_logprobs == [float("-inf")]
