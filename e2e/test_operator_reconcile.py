@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,9 @@ def running(cluster: ControlPlane, ns: str, job: str, role: str, count: int) -> 
         return live if ok else None
 
     try:
-        return cluster.wait_for(check, timeout=WAIT, what=f"{count} running {role} pods of {job}")
+        live = cluster.wait_for(check, timeout=WAIT, what=f"{count} running {role} pods of {job}")
+        assert live is not None
+        return live
     except TimeoutError as err:
         seen = [(p["metadata"]["name"], p["status"].get("phase"), [c.get("message") for c in p["status"].get("conditions", [])])
                 for p in pods(cluster, ns, job, role)]  # fmt: skip
@@ -136,11 +138,23 @@ def status(cluster: ControlPlane, ns: str, kind: str, name: str) -> dict[str, An
     return result
 
 
+def wait_status(
+    cluster: ControlPlane, ns: str, kind: str, name: str, pred: Callable[[dict[str, Any]], Any], what: str
+) -> dict[str, Any]:
+    """Wait until `pred(status)` holds for the object's status; return that status."""
+
+    def check() -> dict[str, Any] | None:
+        st = status(cluster, ns, kind, name)
+        return st if pred(st) else None
+
+    got = cluster.wait_for(check, timeout=WAIT, what=what)
+    assert got is not None
+    return got
+
+
 def phase_is(cluster: ControlPlane, ns: str, job: str, phase: str) -> dict[str, Any]:
-    return cluster.wait_for(
-        lambda: (s := status(cluster, ns, "rljob", job)).get("phase") == phase and s,
-        timeout=WAIT,
-        what=f"rljob {job} phase {phase}",
+    return wait_status(
+        cluster, ns, "rljob", job, lambda s: s.get("phase") == phase, f"rljob {job} phase {phase}"
     )
 
 
@@ -339,12 +353,13 @@ def test_transport_choice_per_topology(
         shared_volume(cluster, namespace, "shared-ckpt")
     cluster.apply(tiny(job, **spec), namespace=namespace)
     try:
-        st = cluster.wait_for(
-            lambda: (
-                (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s
-            ),
-            timeout=WAIT,
-            what=f"transport of {job}",
+        st = wait_status(
+            cluster,
+            namespace,
+            "weightchannel",
+            f"{job}-weights",
+            lambda s: s.get("transport"),
+            f"transport of {job}",
         )
     except TimeoutError as err:
         seen = [
@@ -355,10 +370,8 @@ def test_transport_choice_per_topology(
         raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
     assert st["transport"] == expected, st["reason"]
     assert st["reason"]
-    job_status = cluster.wait_for(
-        lambda: (s := status(cluster, namespace, "rljob", job)).get("transport") and s,
-        timeout=WAIT,
-        what="transport folded into the job",
+    job_status = wait_status(
+        cluster, namespace, "rljob", job, lambda s: s.get("transport"), "transport folded into the job"
     )
     assert job_status["transport"] == expected and job_status["transportReason"] == st["reason"]
     delete_and_wait(cluster, namespace, job)
@@ -373,10 +386,13 @@ def test_infeasible_requested_transport_is_a_condition(
     cluster.apply(
         tiny(job, weightSync={"transport": "p2p", "checkWeightUpdateEqual": False}), namespace=namespace
     )
-    st = cluster.wait_for(
-        lambda: (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("transport") and s,
-        timeout=WAIT,
-        what="transport chosen",
+    st = wait_status(
+        cluster,
+        namespace,
+        "weightchannel",
+        f"{job}-weights",
+        lambda s: s.get("transport"),
+        "transport chosen",
     )
     feasible = cond(st, "RequestedTransportFeasible")
     assert feasible["status"] == "False" and "p2p" in feasible["message"]
@@ -403,14 +419,13 @@ def test_preflight_failure_fails_the_job_naming_tensors(
     failed = cond(st, "Failed")
     assert failed["reason"] == "PreflightFailed" and "model.layers.0.mlp.up_proj.weight" in failed["message"]
     # The channel's status is written by its own reconcile, which may land after the job's.
-    channel = cluster.wait_for(
-        lambda: (
-            (s := status(cluster, namespace, "weightchannel", f"{job}-weights")).get("preflightPassed")
-            is not None
-            and s
-        ),
-        timeout=WAIT,
-        what="preflight folded into the weight channel",
+    channel = wait_status(
+        cluster,
+        namespace,
+        "weightchannel",
+        f"{job}-weights",
+        lambda s: s.get("preflightPassed") is not None,
+        "preflight folded into the weight channel",
     )
     assert channel["preflightPassed"] is False and cond(channel, "PreflightPassed")["status"] == "False"
     # A failed job frees its GPUs: engine and trainer pods go away.
@@ -435,12 +450,13 @@ def test_engine_version_gates_readiness(cluster: ControlPlane, operator: Operato
         engineVersions={names[0]: 2, names[1]: 1},
         preflight="passed",
     )
-    pool = cluster.wait_for(
-        lambda: (
-            (s := status(cluster, namespace, "rolloutpool", f"{job}-rollout")).get("readyReplicas") == 1 and s
-        ),
-        timeout=WAIT,
-        what="one engine ready (the other lags a version)",
+    pool = wait_status(
+        cluster,
+        namespace,
+        "rolloutpool",
+        f"{job}-rollout",
+        lambda s: s.get("readyReplicas") == 1,
+        "one engine ready (the other lags a version)",
     )
     assert (
         cond(pool, "WeightsSynced")["status"] == "False"
@@ -576,10 +592,13 @@ def test_scale_subresource_is_honoured(cluster: ControlPlane, operator: Operator
     running(cluster, namespace, job, "engine", 1)
     cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", namespace, "--replicas=3")
     running(cluster, namespace, job, "engine", 3)
-    pool = cluster.wait_for(
-        lambda: (s := status(cluster, namespace, "rolloutpool", f"{job}-rollout")).get("replicas") == 3 and s,
-        timeout=WAIT,
-        what="status.replicas 3",
+    pool = wait_status(
+        cluster,
+        namespace,
+        "rolloutpool",
+        f"{job}-rollout",
+        lambda s: s.get("replicas") == 3,
+        "status.replicas 3",
     )
     assert pool["selector"] and f"{JOB}={job}" in pool["selector"]
 
@@ -644,11 +663,7 @@ def test_missing_gang_scheduler_is_a_condition_and_installed_one_gets_a_pod_grou
 ) -> None:
     job = "gang-missing"
     cluster.apply(tiny(job, placement={"gang": {"scheduler": "scheduler-plugins"}}), namespace=namespace)
-    st = cluster.wait_for(
-        lambda: (s := status(cluster, namespace, "rljob", job)).get("conditions") and s,
-        timeout=WAIT,
-        what="status",
-    )
+    st = wait_status(cluster, namespace, "rljob", job, lambda s: s.get("conditions"), "status")
     admitted = cond(st, "Admitted")
     assert admitted["status"] == "False" and "scheduler-plugins" in admitted["message"]
     assert st["phase"] == "Pending" and not pods(cluster, namespace, job)
@@ -689,20 +704,13 @@ def test_pool_autoscales_from_the_queue_within_bounds(
                        weightSync={"checkWeightUpdateEqual": False}), namespace=namespace)  # fmt: skip
     running(cluster, namespace, job, "engine", 1)
 
+    steps = [0]
+
     def starving() -> bool:  # the driver reports an empty queue, one step per poll
-        starving.step += 1  # type: ignore[attr-defined]
-        report(
-            cluster,
-            namespace,
-            job,
-            step=starving.step,
-            weightVersion=starving.step,
-            queueSize=0,
-            queueCapacity=8,
-        )  # type: ignore[attr-defined]
+        steps[0] += 1
+        report(cluster, namespace, job, step=steps[0], weightVersion=steps[0], queueSize=0, queueCapacity=8)
         return bool(cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)["spec"]["replicas"] == 2)
 
-    starving.step = 0  # type: ignore[attr-defined]
     try:
         cluster.wait_for(starving, timeout=WAIT, what="pool scaled up to maxReplicas", interval=1.0)
     except TimeoutError as err:
