@@ -46,7 +46,7 @@ class TrainerGroupStatus(ApiModel):
         max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Conditions: Available, Degraded."""
+    """Conditions: Available, Degraded, Failed, UpToDate (reason SpecChanged while ranks restart for an edited spec)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation the status describes."""
 
