@@ -239,7 +239,7 @@ def _build_trainer(
     if trainer_url is not None:
         from lockstep.driver.remote import RemoteTrainer
 
-        remote = RemoteTrainer(trainer_url)
+        remote = RemoteTrainer(trainer_url, run_dir=run_dir)
         closers.append(remote.close)
         remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
         return remote

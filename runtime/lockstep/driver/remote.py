@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -37,12 +38,14 @@ from lockstep.driver.wire import (
     MetricsListReply,
     MetricsReply,
     OkReply,
+    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
     VersionRequest,
 )
 from lockstep.types import Group
+from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
     if err.kind == "non_finite_loss":
         return NonFiniteLoss(err.message)
     if err.kind == "preflight_failed":
-        return PreflightFailed(err.message)
+        return PreflightFailed(err.message, err.preflight)
     if err.kind == "bad_settings":
         return ValueError(err.message)
     where = f" (field {err.field})" if err.field else ""
@@ -91,6 +94,7 @@ class RemoteTrainer:
         backoff_s: float = 0.5,
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
+        run_dir: Path | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         """Base URL of rank 0's command server, e.g. http://trainer-0.trainer.ns.svc:29600."""
@@ -104,6 +108,9 @@ class RemoteTrainer:
         timeout = httpx.Timeout(None, connect=10.0)
         self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
         """The HTTP connection pool."""
+        self.run_dir = run_dir
+        """The driver's run dir: the trainer's pre-flight result is mirrored there (PREFLIGHT_FILE), where
+        the progress channel reads it, as with an in-process trainer."""
         self.instance: str | None = None
         """The trainer group's instance ID seen by wait_ready, sent with every command."""
 
@@ -113,7 +120,25 @@ class RemoteTrainer:
         yield from self._call("warm_start", Empty(), MetricsListReply).steps
 
     def first_push(self, version: int) -> dict[str, float]:
-        return self._call("first_push", VersionRequest(version=version), MetricsReply).metrics
+        try:
+            reply = self._call("first_push", VersionRequest(version=version), PushReply)
+        except PreflightFailed as e:
+            self._mirror_preflight(e.result)
+            raise
+        self._mirror_preflight(reply.preflight)
+        return reply.metrics
+
+    def _mirror_preflight(self, result: PreflightResult | None) -> None:
+        from lockstep.driver.steps import PREFLIGHT_FILE
+
+        if self.run_dir is None:
+            return
+        path = Path(self.run_dir) / PREFLIGHT_FILE
+        if result is None:
+            path.unlink(missing_ok=True)  # a result of an earlier start is not this one's
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(result.model_dump_json(indent=2) + "\n")
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         body = TrainRequest(groups=[GroupWire.of(g) for g in groups])

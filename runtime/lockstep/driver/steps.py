@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from lockstep.driver.components import Components
     from lockstep.driver.state import DriverState
     from lockstep.driver.trainer import TrainerParts
+    from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,11 @@ def first_push(c: TrainerParts, version: int) -> dict[str, float]:
 class PreflightFailed(RuntimeError):
     """check-weight-update-equal found engines that do not hold the trainer's weights."""
 
+    def __init__(self, message: str, result: PreflightResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        """The full result (differing tensors), carried to the driver when the check ran elsewhere."""
+
 
 def preflight_push(c: TrainerParts, version: int) -> dict[str, float]:
     """The first push through the pre-flight check (seed §7.2.5): randomize engines, push, compare.
@@ -164,7 +170,7 @@ def preflight_push(c: TrainerParts, version: int) -> dict[str, float]:
     (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
     log.info("pre-flight %s: %s", "passed" if result.passed else "FAILED", result.message)
     if not result.passed:
-        raise PreflightFailed(f"spec.weightSync.checkWeightUpdateEqual: {result.message}")
+        raise PreflightFailed(f"spec.weightSync.checkWeightUpdateEqual: {result.message}", result)
     return {
         "weight_version": float(version),
         "update_weights_s": c.clock() - t0,

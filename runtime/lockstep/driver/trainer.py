@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from lockstep.train.backend import TrainBackend
     from lockstep.train.common.losses import PolicyLossConfig
     from lockstep.types import Group
+    from lockstep.weights.preflight import PreflightResult
     from lockstep.weights.transport import WeightTransport
 
 
@@ -144,6 +145,14 @@ class LocalTrainer:
         if path is None:
             return None
         return DriverState.from_dict(self.parts.backend.load(path))
+
+    def preflight_result(self) -> PreflightResult | None:
+        """The pre-flight result the last first_push wrote (None when the check did not run)."""
+        from lockstep.driver.steps import PREFLIGHT_FILE
+        from lockstep.weights.preflight import PreflightResult
+
+        path = self.parts.run_dir / PREFLIGHT_FILE
+        return PreflightResult.model_validate_json(path.read_text()) if path.is_file() else None
 
     def where(self) -> str:
         """Where checkpoints live (named in errors)."""

@@ -43,6 +43,7 @@ from lockstep.driver.wire import (
     MetricsListReply,
     MetricsReply,
     OkReply,
+    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
@@ -52,6 +53,7 @@ from lockstep.driver.wire import (
 if TYPE_CHECKING:
     from lockstep.api import RLJob
     from lockstep.driver.trainer import Trainer
+    from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +77,19 @@ def _load(t: Trainer, _: Empty) -> LoadReply:
     )
 
 
+def _preflight(t: Trainer) -> PreflightResult | None:
+    """The trainer's pre-flight result, when it keeps one (LocalTrainer.preflight_result)."""
+    read = getattr(t, "preflight_result", None)
+    return read() if callable(read) else None
+
+
+def _first_push(t: Trainer, r: VersionRequest) -> PushReply:
+    return PushReply(metrics=t.first_push(r.version), preflight=_preflight(t))
+
+
 COMMANDS: dict[str, Command] = {
     "warm_start": Command(Empty, lambda t, _: MetricsListReply(steps=list(t.warm_start()))),
-    "first_push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.first_push(r.version))),
+    "first_push": Command(VersionRequest, _first_push),
     "train": Command(TrainRequest, lambda t, r: MetricsReply(metrics=t.train([g.group() for g in r.groups]))),
     "push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.push(r.version))),
     "save": Command(SaveRequest, lambda t, r: SaveReply(path=t.save(r.state.state()))),
@@ -87,8 +99,14 @@ COMMANDS: dict[str, Command] = {
 """The wire's commands (lockstep.driver.wire documents them)."""
 
 
-def _error(status: int, kind: ErrorKind, message: str, field_path: str | None = None) -> web.Response:
-    body = ErrorReply(kind=kind, message=message, field=field_path).model_dump_json()
+def _error(
+    status: int,
+    kind: ErrorKind,
+    message: str,
+    field_path: str | None = None,
+    preflight: PreflightResult | None = None,
+) -> web.Response:
+    body = ErrorReply(kind=kind, message=message, field=field_path, preflight=preflight).model_dump_json()
     return web.Response(status=status, text=body, content_type="application/json")
 
 
@@ -178,7 +196,9 @@ class CommandServer:
                 logging.ERROR if kind == "internal" else logging.WARNING,
                 "command %s failed: %s: %s", name, type(e).__name__, e, exc_info=kind == "internal",
             )  # fmt: skip
-            return _error(500, kind, f"{type(e).__name__}: {e}" if kind == "internal" else str(e))
+            message = f"{type(e).__name__}: {e}" if kind == "internal" else str(e)
+            preflight = e.result if isinstance(e, PreflightFailed) else None
+            return _error(500, kind, message, preflight=preflight)
         finally:
             self.busy = None
         if name == "shutdown":

@@ -10,7 +10,7 @@ computed).
 
 Commands (POST /v1/<name>, JSON body -> JSON reply; GET /v1/health):
   warm_start  {}                   -> MetricsListReply  SFT warm start, one metrics dict per step
-  first_push  VersionRequest       -> MetricsReply      push before step 1 (pre-flight when asked)
+  first_push  VersionRequest       -> PushReply         push before step 1 (pre-flight when asked)
   train       TrainRequest         -> MetricsReply      one RL optimizer step on complete groups
   push        VersionRequest       -> MetricsReply      publish the current weights as a version
   save        SaveRequest          -> SaveReply         checkpoint with the driver's state beside it
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lockstep.driver.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
+from lockstep.weights.preflight import PreflightResult
 
 API_PREFIX = "/v1"
 """Every command path starts with this (a later incompatible wire gets /v2)."""
@@ -186,6 +187,15 @@ class MetricsReply(_Strict):
     """Metric name -> value."""
 
 
+class PushReply(_Strict):
+    """first_push: the push's metrics and, when the manifest asked for it, the pre-flight result."""
+
+    metrics: dict[str, float]
+    """Metric name -> value."""
+    preflight: PreflightResult | None = None
+    """spec.weightSync.checkWeightUpdateEqual's outcome (the driver reports it as the job's pre-flight)."""
+
+
 class MetricsListReply(_Strict):
     """warm_start: per-step metrics."""
 
@@ -249,3 +259,5 @@ class ErrorReply(_Strict):
     """One clear line; for bad_request it names the field."""
     field: str | None = None
     """The offending field path for bad_request (e.g. groups.0.samples.1.loss_mask)."""
+    preflight: PreflightResult | None = None
+    """For preflight_failed: the result naming the differing tensors."""

@@ -55,14 +55,14 @@ def engine(cache: Path) -> Iterator[str]:
 class TrainerGroup:
     """`torchrun --nproc-per-node 2 -m lockstep trainer --serve` on loopback (gloo, CPU)."""
 
-    def __init__(self, engine_url: str, out: Path, cache: Path, log: Path) -> None:
+    def __init__(self, engine_url: str, out: Path, cache: Path, log: Path, manifest: Path = FIXTURE) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_ROUTER_URL": engine_url}
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-            "-m", "lockstep", "trainer", "--config", str(FIXTURE), "--serve",
+            "-m", "lockstep", "trainer", "--config", str(manifest), "--serve",
             "--host", "127.0.0.1", "--port", str(self.port), "--out", str(out), "--cache-dir", str(cache),
         ]  # fmt: skip
         self.log = log
@@ -103,17 +103,17 @@ def _engine_version(url: str) -> str:
 class Group:
     """A running trainer group and the `lockstep driver` command line that talks to it."""
 
-    def __init__(self, engine: str, tmp_path: Path, cache: Path, name: str) -> None:
-        self.trainers = TrainerGroup(engine, tmp_path / "trainer", cache, tmp_path / f"{name}.log")
+    def __init__(self, engine: str, tmp_path: Path, cache: Path, name: str, manifest: Path = FIXTURE) -> None:
+        self.trainers = TrainerGroup(engine, tmp_path / "trainer", cache, tmp_path / f"{name}.log", manifest)
+        self.manifest = manifest
         self.args = [
-            "driver", "--config", str(FIXTURE), "--run-dir", str(tmp_path / "driver"),
-            "--engine-url", engine, "--trainer-url", self.trainers.url,
+            "driver", "--run-dir", str(tmp_path / "driver"), "--engine-url", engine,
+            "--trainer-url", self.trainers.url,
         ]  # fmt: skip
 
-    def drive(self, *extra: str, manifest: Path = FIXTURE) -> int:
+    def drive(self, *extra: str, manifest: Path | None = None) -> int:
         """`lockstep driver` against this group (`manifest`: the driver's job.yaml; same job name)."""
-        args = [manifest if a == str(FIXTURE) else a for a in self.args]
-        code: int = main([*map(str, args), *extra])
+        code: int = main([*self.args, "--config", str(manifest or self.manifest), *extra])
         return code
 
     def __enter__(self) -> Group:
@@ -167,8 +167,12 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
     out = tmp_path / "trainer"
     (tmp_path / "remote_nan_reward.py").write_text("def nan(sample, response):\n    return float('nan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    nan_job = _edited(tmp_path, "nan.yaml", {"spec.agent": {"rewardFunction": "remote_nan_reward:nan"}})
-    with Group(engine, tmp_path, cache, "trainer") as group:
+    preflight: dict[str, object] = {"spec.weightSync.checkWeightUpdateEqual": True}
+    job = _edited(tmp_path, "job.yaml", preflight)
+    nan_job = _edited(
+        tmp_path, "nan.yaml", {**preflight, "spec.agent": {"rewardFunction": "remote_nan_reward:nan"}}
+    )
+    with Group(engine, tmp_path, cache, "trainer", job) as group:
         group.trainers.wait_ready()
         _check_wire(group.trainers.url)
         assert group.drive("--steps", "1") == 0  # stops before the job's 3 steps: the ranks keep serving
@@ -188,6 +192,10 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
     kinds = ["sft", "sft", "publish", "train", "publish", "publish", "train", "train"]
     assert [r["kind"] for r in rows] == kinds  # the NaN run published, then stopped in its step
     assert rows[5]["weight_version"] == 1  # the resumed version went out again, no second warm start
+    # The pre-flight ran on the ranks (its probe's logprobs data parallel) and reached the driver's run dir.
+    assert all(r["preflight_tensors"] > 0 for r in rows if r["kind"] == "publish")
+    result = json.loads((tmp_path / "driver" / "preflight.json").read_text())
+    assert result["passed"] and result["logprob_max_abs_diff"] < 1e-3
     train = [r for r in rows if r["kind"] == "train"]
     assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
     for r in train:

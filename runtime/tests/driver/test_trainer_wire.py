@@ -14,6 +14,7 @@ import asyncio
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from lockstep.driver.state import DriverState
 from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
 from lockstep.driver.trainer_server import CommandServer, _serve_http
 from lockstep.types import Group, Sample, SampleStatus
+from lockstep.weights.preflight import PreflightResult, TensorMismatch
 
 
 class ScriptedTrainer:
@@ -32,6 +34,7 @@ class ScriptedTrainer:
         self.saved: list[DriverState] = []
         self.fail: dict[str, Exception] = {}
         self.release = threading.Event()
+        self.preflight: PreflightResult | None = None
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -44,6 +47,9 @@ class ScriptedTrainer:
     def first_push(self, version: int) -> dict[str, float]:
         self._maybe_fail("first_push")
         return {"weight_version": float(version)}
+
+    def preflight_result(self) -> PreflightResult | None:
+        return self.preflight
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         self._maybe_fail("train")
@@ -199,3 +205,37 @@ def test_non_finite_values_cross_as_such(served: tuple[ScriptedTrainer, str]) ->
     got = trainer.groups[0].samples
     assert got[0].reward is not None and math.isnan(got[0].reward)
     assert got[1].rollout_logprobs == [float("-inf")]
+
+
+def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
+    served: tuple[ScriptedTrainer, str], tmp_path: Path
+) -> None:
+    """The progress channel reads preflight.json from the driver's run dir, as with a local trainer."""
+    from lockstep.driver.steps import PREFLIGHT_FILE
+
+    trainer, url = served
+    remote = RemoteTrainer(url, run_dir=tmp_path)
+    written = tmp_path / PREFLIGHT_FILE
+    try:
+        trainer.preflight = PreflightResult(
+            passed=True, engines=1, checked_tensors=24, message="24 tensors equal"
+        )
+        remote.first_push(0)
+        assert PreflightResult.model_validate_json(written.read_text()) == trainer.preflight
+        trainer.preflight = None  # a start without the check: an earlier result is not this one's
+        remote.first_push(0)
+        assert not written.exists()
+        bad = PreflightResult(
+            passed=False,
+            engines=1,
+            checked_tensors=24,
+            mismatches=[TensorMismatch(engine="http://e:1", name="model.norm.weight", reason="checksum")],
+            message="1 tensors differ after the first update: model.norm.weight",
+        )
+        trainer.fail["first_push"] = PreflightFailed("spec.weightSync.checkWeightUpdateEqual: differ", bad)
+        with pytest.raises(PreflightFailed) as e:
+            remote.first_push(0)
+        assert e.value.result == bad
+        assert PreflightResult.model_validate_json(written.read_text()) == bad
+    finally:
+        remote.close()
