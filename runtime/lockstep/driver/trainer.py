@@ -174,10 +174,12 @@ def build_trainer_parts(
     runner: LoopThread,
     clients: Sequence[EngineClient],
     closers: list[Callable[[], None]],
+    master_address: str = "127.0.0.1",
 ) -> TrainerParts:
     """The trainer side of a run: transport to `clients`' engines, the loss, the task's text functions.
 
-    `closers` receives the transport's close (the caller already owns the backend's).
+    `closers` receives the transport's close (the caller already owns the backend's);
+    `master_address` is where engines reach this process (broadcast's weight-update group).
     """
     from lockstep.driver.components import loss_config
     from lockstep.driver.transports import build_transport
@@ -187,7 +189,7 @@ def build_trainer_parts(
     tokenizer = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
-    transport = build_transport(job, run_dir, model_dir, runner, clients, device)
+    transport = build_transport(job, run_dir, model_dir, runner, clients, device, master_address)
     closers.append(transport.close)
     return TrainerParts(
         job=job,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -294,7 +295,10 @@ def _serve_rank0(
         closers.append(close_clients)
         for client in clients:
             runner.run(client.wait_ready(timeout_s=engine_timeout_s))
-        parts = build_trainer_parts(job, settings, out, model_dir, leader, runner, clients, closers)
+        # Engines join the broadcast weight-update group at rank 0's address: MASTER_ADDR under torchrun
+        # (the headless Service's DNS name of rank 0 in a pod).
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        parts = build_trainer_parts(job, settings, out, model_dir, leader, runner, clients, closers, master)
         server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
         log.info(
             "trainer group of %d ranks serves job %s on %s:%d (engines %s, checkpoints under %s)",

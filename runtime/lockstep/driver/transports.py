@@ -93,8 +93,13 @@ def build_transport(
     runner: LoopThread,
     clients: Sequence[EngineClient],
     device: str,
+    master_address: str = "127.0.0.1",
 ) -> WeightTransport:
-    """The transport named by spec.weightSync.transport for `clients` (see the module docstring)."""
+    """The transport named by spec.weightSync.transport for `clients` (see the module docstring).
+
+    `master_address`: where the engines reach this process for the broadcast weight-update group
+    (loopback on one machine; rank 0's MASTER_ADDR on a trainer pod).
+    """
     ws = job.spec.weight_sync
     name = str(ws.transport)
     urls = [c.base_url for c in clients]
@@ -108,6 +113,7 @@ def build_transport(
             device=device,
             config=_pipeline(job),
             pause_mode=pause_mode,
+            master_address=master_address,
         )
     if name == "disk-delta":
         return _disk_delta(job, run_dir, model_dir, urls)
