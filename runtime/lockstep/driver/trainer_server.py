@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -189,8 +190,10 @@ class CommandServer:
             return _error(400, "bad_request", message, path)
         self.busy = name
         trainer = self.trainer
+        t0 = time.monotonic()
         try:
             reply = await asyncio.get_running_loop().run_in_executor(self.pool, cmd.run, trainer, body)
+            log.info("command %s done in %.2f s", name, time.monotonic() - t0)
         except Exception as e:
             kind = _failure_kind(e)
             log.log(
@@ -246,6 +249,9 @@ def serve(
     settings = settings_from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)
+    want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
+    if backend.world_size != want and backend.rank == 0:
+        log.warning("world size %d != spec.trainer.nodes x gpusPerNode = %d", backend.world_size, want)
     try:
         group = control_group()
         if backend.rank != 0:
