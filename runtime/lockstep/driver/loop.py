@@ -21,7 +21,6 @@ from typing import Any
 from lockstep.driver.components import Components
 from lockstep.driver.state import DriverState
 from lockstep.driver.steps import NonFiniteLoss, PreflightFailed, collect_batch, evaluate
-from lockstep.driver.trainer import describe
 from lockstep.observability.plot import plot_metrics
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ def start(c: Components, eval_interval: int | None) -> DriverState:
     """Before step 1 (both loops): resume, the SFT warm start once, then the first push."""
     state = c.trainer.load_latest() if c.resume is not False else None
     if state is None and c.resume:
-        raise FileNotFoundError(f"--resume: no checkpoint in {describe(c.trainer)}; run without --resume")
+        raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
     state = state or DriverState()
     if not state.sft_done and c.settings.sft_steps > 0:
         if eval_interval:

@@ -71,6 +71,10 @@ class Trainer(Protocol):
         """Restore the latest checkpoint; the DriverState saved with it, or None when there is none."""
         ...
 
+    def where(self) -> str:
+        """Where the checkpoints are (named in errors and logs)."""
+        ...
+
     def shutdown(self) -> None:
         """The job is done: a remote trainer group's ranks exit 0 (nothing for a local trainer)."""
         ...
@@ -204,9 +208,3 @@ def build_trainer_parts(
         encode=tokenizer.encode,
         task=task,
     )
-
-
-def describe(trainer: Any) -> str:
-    """Where the trainer's checkpoints are, for error messages."""
-    where = getattr(trainer, "where", None)
-    return str(where()) if callable(where) else type(trainer).__name__

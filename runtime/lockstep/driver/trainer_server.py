@@ -72,11 +72,9 @@ class Command:
 
 def _load(t: Trainer, _: Empty) -> LoadReply:
     state = t.load_latest()
-    where = getattr(t, "where", None)
-    return LoadReply(
-        state=None if state is None else DriverStateWire.of(state),
-        path=None if state is None else (str(where()) if callable(where) else None),
-    )
+    if state is None:
+        return LoadReply(state=None)
+    return LoadReply(state=DriverStateWire.of(state), path=t.where())
 
 
 def _preflight(t: Trainer) -> PreflightResult | None:

@@ -216,7 +216,7 @@ class LoadReply(_Strict):
     state: DriverStateWire | None
     """The DriverState saved with the latest checkpoint."""
     path: str | None = None
-    """The checkpoint restored (None when there was none)."""
+    """Where the restored checkpoint lives, on the trainer (None when there was none)."""
 
 
 class OkReply(_Strict):

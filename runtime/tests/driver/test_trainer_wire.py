@@ -68,6 +68,9 @@ class ScriptedTrainer:
     def load_latest(self) -> DriverState | None:
         return self.saved[-1] if self.saved else None
 
+    def where(self) -> str:
+        return "/ckpt"
+
     def shutdown(self) -> None: ...
 
     def close(self) -> None: ...
