@@ -171,7 +171,8 @@ class RemoteTrainer:
     # -- transport --------------------------------------------------------------------------------
 
     def wait_ready(self, job: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthReply:
-        """Poll GET /v1/health until every rank has loaded; refuse a trainer serving another job."""
+        """Poll GET /v1/health until every rank has loaded and no command (of a driver that died during
+        it) is running; refuse a trainer serving another job."""
         deadline = time.monotonic() + timeout_s
         last: BaseException | None = None
         while True:
@@ -183,7 +184,7 @@ class RemoteTrainer:
                         f"trainer at {self.url} serves job {health.job!r}, not {job!r}; "
                         "point --trainer-url at this job's trainer group"
                     )
-                if health.ready:
+                if health.ready and health.busy is None:  # a previous driver's command may still run
                     self.instance = health.instance
                     return health
             except (httpx.TransportError, ValidationError) as e:

@@ -158,9 +158,15 @@ def test_one_command_at_a_time(served: tuple[ScriptedTrainer, str]) -> None:
         threading.Event().wait(0.01)
     r = httpx.post(f"{url}/v1/push", json={"version": 6})
     assert r.status_code == 409 and r.json()["kind"] == "busy" and "'push' is running" in r.json()["message"]
+    # A restarted driver waits for the command of its predecessor to end before it attaches.
+    second = RemoteTrainer(url)
+    with pytest.raises(TrainerUnreachable, match="not ready within 0 s"):
+        second.wait_ready("job-a", timeout_s=0.2, poll_s=0.1)
     trainer.release.set()
     first.join(30)
     assert pushed == [{"weight_version": 5.0}]
+    assert second.wait_ready("job-a", timeout_s=10).busy is None
+    second.close()
 
 
 def test_unreachable_trainer_is_retried_with_backoff_then_fails_clearly() -> None:
