@@ -84,6 +84,15 @@ class Trainer(Protocol):
         ...
 
 
+class ServedTrainer(Trainer, Protocol):
+    """The trainer a trainer group's rank 0 serves (lockstep.driver.trainer_server): it also keeps the
+    pre-flight result of its last first push, which the driver mirrors into its own run dir."""
+
+    def preflight_result(self) -> PreflightResult | None:
+        """The last first push's pre-flight result (None when the check did not run)."""
+        ...
+
+
 @dataclass(slots=True)
 class TrainerParts:
     """Everything the trainer-side steps (lockstep.driver.steps) need; built once per process."""

@@ -54,7 +54,7 @@ from lockstep.driver.wire import (
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.driver.trainer import Trainer
+    from lockstep.driver.trainer import ServedTrainer
     from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
@@ -66,25 +66,19 @@ class Command:
 
     request: type[BaseModel]
     """The body's model (validated before anything runs)."""
-    run: Callable[[Trainer, Any], BaseModel]
+    run: Callable[[ServedTrainer, Any], BaseModel]
     """(trainer, validated request) -> reply."""
 
 
-def _load(t: Trainer, _: Empty) -> LoadReply:
+def _load(t: ServedTrainer, _: Empty) -> LoadReply:
     state = t.load_latest()
     if state is None:
         return LoadReply(state=None)
     return LoadReply(state=DriverStateWire.of(state), path=t.where())
 
 
-def _preflight(t: Trainer) -> PreflightResult | None:
-    """The trainer's pre-flight result, when it keeps one (LocalTrainer.preflight_result)."""
-    read = getattr(t, "preflight_result", None)
-    return read() if callable(read) else None
-
-
-def _first_push(t: Trainer, r: VersionRequest) -> PushReply:
-    return PushReply(metrics=t.first_push(r.version), preflight=_preflight(t))
+def _first_push(t: ServedTrainer, r: VersionRequest) -> PushReply:
+    return PushReply(metrics=t.first_push(r.version), preflight=t.preflight_result())
 
 
 COMMANDS: dict[str, Command] = {
@@ -131,7 +125,7 @@ def _failure_kind(e: BaseException) -> ErrorKind:
 class CommandServer:
     """The aiohttp side of rank 0: validation, one command at a time, typed errors."""
 
-    trainer: Trainer | None
+    trainer: ServedTrainer | None
     """Rank 0's trainer; None until every rank has loaded (health says not ready)."""
     job: str
     """metadata.name of the served job."""
