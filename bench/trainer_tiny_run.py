@@ -1,13 +1,21 @@
 """The learning-run figure: `lockstep run examples/tiny-local.yaml` end to end, timed and summarised.
 
-Why it exists: the issue's "done when" is a run on 2 CPU cores that finishes in <= 10 min with the
-mean reward rising from <= 0.2 to >= 0.8, reporting the train-rollout logprob abs diff every step. This
-script runs exactly the README's command in a subprocess, then reads the run's metrics.jsonl and prints
-the wall time as a ratio to the 600 s budget, the reward before any training, after the SFT warm start
-(RL step 0) and at the end (greedy eval and the sampled train batches), and the per-step
-train_rollout_logprob_abs_diff distribution. It is a benchmark, not a test: it takes minutes.
+Why it exists: issue 4's "done when" is a run on 2 CPU cores that finishes in <= 10 min with the mean
+reward rising from <= 0.2 to >= 0.8, reproducibly with the same seed, reporting the train-rollout logprob
+abs diff every step. The rise must be the RL phase's own: the example's SFT warm start is short, so RL
+starts low. This script runs exactly the README's command in a subprocess (`--repeat 2` runs it twice
+with the same seed) and reads each run's metrics.jsonl. It prints and writes:
+- the RL start window: mean sampled train reward (exact match, T=1) of RL steps 1-5, against <= 0.2;
+- the RL end window: the same mean over the last 10 RL steps, against >= 0.8 (as a ratio to 0.8);
+- the wall time against the 600 s budget, and the run's CPU time (user + sys of the subprocess: on a
+  shared 2-core machine this is the better estimate of the quiet-machine wall time);
+- the greedy eval reward before any training, at RL step 0 (after the warm start) and at the end;
+- the per-step train_rollout_logprob_abs_diff distribution;
+- with --repeat >= 2: whether every run has identical per-step train rewards and evals.
+It is a benchmark, not a test: it takes minutes per run.
 
-Run: .venv/bin/python bench/trainer_tiny_run.py [--manifest examples/tiny-local.yaml] [--out bench/results]
+Run: .venv/bin/python bench/trainer_tiny_run.py [--manifest examples/tiny-local.yaml] [--repeat 2]
+     [--out bench/results]   (writes trainer_tiny_run_<date>_cpu.md there)
 """
 
 from __future__ import annotations
@@ -16,73 +24,169 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 BUDGET_S = 600.0
 """The issue's wall-time budget on 2 CPU cores."""
+START_WINDOW = 5
+"""RL steps averaged for the start figure (steps 1..START_WINDOW)."""
+END_WINDOW = 10
+"""RL steps averaged for the end figure (the last END_WINDOW steps)."""
+START_GOAL = 0.2
+"""The RL phase must start at or below this mean reward."""
+END_GOAL = 0.8
+"""... and end at or above this one."""
 
 
-def summarise(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """Pure: metrics.jsonl rows + wall time -> the figure's numbers."""
+def summarise(rows: list[dict[str, Any]], wall_s: float, cpu_s: float) -> dict[str, Any]:
+    """Pure: one run's metrics.jsonl rows + wall and CPU seconds -> the figure's numbers."""
     train = [r for r in rows if r["kind"] == "train"]
+    if len(train) < START_WINDOW + END_WINDOW:
+        raise ValueError(
+            f"the run has {len(train)} RL steps; the figure needs >= {START_WINDOW + END_WINDOW}"
+        )
     evals = {r["step"]: r["reward_mean"] for r in rows if r["kind"] == "eval"}
     init = [r["reward_mean"] for r in rows if r["kind"] == "eval_init"]
     diffs = [r["train_rollout_logprob_abs_diff"] for r in train]
-    first, last = train[:10], train[-10:]
+    start = statistics.mean(r["reward_mean"] for r in train[:START_WINDOW])
+    end = statistics.mean(r["reward_mean"] for r in train[-END_WINDOW:])
     return {
         "wall_s": round(wall_s, 1),
         "wall_over_budget": round(wall_s / BUDGET_S, 3),
-        "rl_steps": len(train),
+        "cpu_s": round(cpu_s, 1),
+        "cpu_over_budget": round(cpu_s / BUDGET_S, 3),
         "sft_steps": sum(r["kind"] == "sft" for r in rows),
+        "rl_steps": len(train),
+        "rl_start_reward": round(start, 4),
+        "rl_start_ok": start <= START_GOAL,
+        "rl_end_reward": round(end, 4),
+        "rl_end_over_goal": round(end / END_GOAL, 3),
+        "rl_end_ok": end >= END_GOAL,
         "eval_reward_before_training": init[0] if init else None,
         "eval_reward_rl_start": evals.get(0),
         "eval_reward_end": evals[max(evals)] if evals else None,
-        "train_reward_first10_mean": round(statistics.mean(r["reward_mean"] for r in first), 4),
-        "train_reward_last10_mean": round(statistics.mean(r["reward_mean"] for r in last), 4),
-        "train_reward_step1": train[0]["reward_mean"],
-        "logprob_abs_diff_steps_reported": len(diffs),
+        "eval_curve": evals,
+        "logprob_abs_diff_steps_reported": sum(d is not None for d in diffs),
         "logprob_abs_diff_median": statistics.median(diffs),
         "logprob_abs_diff_max": max(diffs),
-        "eval_curve": evals,
+        "train_rewards": [r["reward_mean"] for r in train],
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--manifest", type=Path, default=Path("examples/tiny-local.yaml"))
-    p.add_argument("--run-dir", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None, help="write trainer_tiny_run_<date>_cpu.json here")
-    args = p.parse_args()
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="lockstep-tiny-run-"))
-    cmd = [
-        str(Path(sys.executable).with_name("lockstep")),
-        "run",
-        str(args.manifest),
-        "--run-dir",
-        str(run_dir),
-    ]
+def run_once(manifest: Path, run_dir: Path) -> tuple[list[dict[str, Any]], float, float]:
+    """Run `lockstep run manifest` into a fresh run_dir; returns (metrics rows, wall s, CPU s)."""
+    cmd = [str(Path(sys.executable).with_name("lockstep")), "run", str(manifest), "--run-dir", str(run_dir)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True)
     wall = time.monotonic() - t0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    res = {
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    text = (run_dir / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()], wall, cpu
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The results file: one column per run."""
+    runs: list[dict[str, Any]] = res["runs"]
+    head = "| metric | " + " | ".join(f"run {chr(65 + i)}" for i in range(len(runs))) + " |"
+    lines = [
+        f"# The learning run: `{res['command']}` on {res['cpus']} CPU cores ({res['date']})",
+        "",
+        f"Command: `.venv/bin/python bench/trainer_tiny_run.py --repeat {len(runs)} --out bench/results` "
+        "(runs the command in a subprocess, same seed each time, and summarises metrics.jsonl). "
+        f"Load average (1 min) before / after: {res['load_before']} / {res['load_after']} "
+        "(a shared machine: wall time grows with the load; CPU time is user + sys of the run).",
+        "",
+        "Rewards are exact match (1 for the exactly reversed string, else 0). Train rewards are the sampled "
+        "RL batches (T=1); eval is greedy on the 64 held-out prompts. The SFT warm start runs before RL step 1.",
+        "",
+        head,
+        "|---|" + "---|" * len(runs),
+    ]
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("wall time (s) / 600 s budget", lambda r: f"{r['wall_s']} ({r['wall_over_budget']})"),
+        ("CPU time (s) / 600 s budget", lambda r: f"{r['cpu_s']} ({r['cpu_over_budget']})"),
+        ("SFT warm-start steps, RL steps", lambda r: f"{r['sft_steps']}, {r['rl_steps']}"),
+        (
+            f"**RL start**: train reward, mean of RL steps 1-{START_WINDOW} (goal <= {START_GOAL})",
+            lambda r: f"**{r['rl_start_reward']}**",
+        ),
+        (
+            f"**RL end**: train reward, mean of the last {END_WINDOW} RL steps (goal >= {END_GOAL})",
+            lambda r: f"**{r['rl_end_reward']}** ({r['rl_end_over_goal']} x goal)",
+        ),
+        ("eval reward before any training (greedy)", lambda r: str(r["eval_reward_before_training"])),
+        ("eval reward at RL step 0, after the warm start (greedy)", lambda r: str(r["eval_reward_rl_start"])),
+        ("eval reward at the end (greedy)", lambda r: str(r["eval_reward_end"])),
+        (
+            "eval curve (step: reward)",
+            lambda r: ", ".join(f"{k}: {v:.3g}" for k, v in r["eval_curve"].items()),
+        ),
+        (
+            "train_rollout_logprob_abs_diff: steps reported, median, max",
+            lambda r: (
+                f"{r['logprob_abs_diff_steps_reported']}, {r['logprob_abs_diff_median']:.2g}, "
+                f"{r['logprob_abs_diff_max']:.2g}"
+            ),
+        ),
+    ]
+    for name, fmt in rows:
+        lines.append(f"| {name} | " + " | ".join(fmt(r) for r in runs) + " |")
+    lines.append("")
+    if len(runs) > 1:
+        same = "identical" if res["reproducible"] else "NOT identical"
+        lines.append(f"Reproducibility: per-step train rewards and eval rewards of the runs are **{same}**.")
+    curve = runs[0]["train_rewards"]
+    blocks = [statistics.mean(curve[i : i + 25]) for i in range(0, len(curve), 25)]
+    lines.append(
+        "Train reward of run A, mean per 25 RL steps: " + ", ".join(f"{b:.2f}" for b in blocks) + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--manifest", type=Path, default=Path("examples/tiny-local.yaml"))
+    p.add_argument("--repeat", type=int, default=1, help="runs with the same seed (2 checks reproducibility)")
+    p.add_argument("--out", type=Path, default=None, help="write trainer_tiny_run_<date>_cpu.md here")
+    args = p.parse_args()
+    load_before = round(os.getloadavg()[0], 2)
+    runs = []
+    for _ in range(args.repeat):
+        rows, wall, cpu = run_once(args.manifest, Path(tempfile.mkdtemp(prefix="lockstep-tiny-run-")))
+        runs.append(summarise(rows, wall, cpu))
+    res: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(),
-        "command": " ".join(["lockstep", *cmd[1:]]),
-        **summarise(rows, wall),
+        "command": f"lockstep run {args.manifest}",
+        "load_before": load_before,
+        "load_after": round(os.getloadavg()[0], 2),
+        "runs": runs,
+        "reproducible": all(
+            (r["train_rewards"], r["eval_curve"]) == (runs[0]["train_rewards"], runs[0]["eval_curve"])
+            for r in runs
+        ),
     }
-    for k, v in res.items():
-        print(f"{k:34s} {v}")
+    for i, r in enumerate(runs):
+        print(f"run {chr(65 + i)}")
+        for k, v in r.items():
+            if k != "train_rewards":
+                print(f"  {k:34s} {v}")
+    if len(runs) > 1:
+        print(f"reproducible (identical per-step rewards and evals): {res['reproducible']}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"trainer_tiny_run_{res['date']}_cpu.json"
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        path = args.out / f"trainer_tiny_run_{res['date']}_cpu.md"
+        path.write_text(markdown(res))
         print(f"wrote {path}")
 
 
