@@ -30,7 +30,7 @@ from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_fr
 from lockstep.driver.settings import RunSettings, settings_from_job
 from lockstep.driver.transports import check_transport, needs_tensor_updates
 from lockstep.observability.metrics import MetricsSink
-from lockstep.rollout.generate import Rollout, single_turn
+from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
 from lockstep.serving.loop import LoopThread
 from lockstep.tasks import Task, TaskItem, load_task
@@ -126,10 +126,21 @@ def check_supported(job: RLJob) -> None:
         problems.append("spec.trainer.backend: only 'fsdp' runs in `lockstep run` today; set it to fsdp")
     if spec.model.lora is not None:
         problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.r3 or spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: r3, opd and trueOnPolicy are not built yet; turn them off")
+    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
+        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def check_r3_model(job: RLJob, model_dir: Path) -> None:
+    """R3 replays MoE routing: refuse it on a dense checkpoint, naming the field and the fix."""
+    from lockstep.models.moe import routing_shape
+
+    if job.spec.algorithm.r3 and routing_shape(model_dir) is None:
+        raise ValueError(
+            f"spec.algorithm.r3: {job.spec.model.checkpoint} is a dense model (its config.json has no "
+            "num_experts / num_experts_per_tok); R3 replays MoE routing: set r3: false"
+        )
 
 
 def build_components(
@@ -164,6 +175,7 @@ def build_components(
     closers: list[Callable[[], None]] = []
     try:
         model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
+        check_r3_model(job, model_dir)
         tokenizer = TinyTokenizer.load(model_dir)
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
         runner = LoopThread()
@@ -284,7 +296,8 @@ def _build_rollout(
         stop_token_ids=[tokenizer.eos_token_id],
     )
     ctx = RolloutContext(
-        client=ReplicaSet(clients),
+        # R3: every /generate asks for the routed experts; an engine that returns none is refused.
+        client=RoutedExpertsClient(ReplicaSet(clients)) if job.spec.algorithm.r3 else ReplicaSet(clients),
         sampling=sampling,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         encode=tokenizer.encode,

@@ -23,6 +23,7 @@ from lockstep.rollout.generate import Rollout
 from lockstep.train.common.losses import policy_loss, sft_loss
 from lockstep.train.common.mismatch import mismatch_weights
 from lockstep.train.common.packing import pack_groups, pack_sft, response_view
+from lockstep.train.common.r3 import collate_routed_experts
 from lockstep.types import Group, Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def train_on_groups(c: TrainerParts, groups: list[Group]) -> dict[str, float]:
     Raises NonFiniteLoss when the step could not be applied (weights unchanged).
     """
     batch = pack_groups(groups, c.loss.estimator, c.pad_id, c.settings.temperature)
+    batch.routed_experts = collate_routed_experts(groups)  # R3: one payload per row (None without)
     t0 = c.clock()
     batch.old_logprobs = c.backend.compute_logprobs(batch)
     if c.loss.kl_coef > 0:
