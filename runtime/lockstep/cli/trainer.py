@@ -5,8 +5,10 @@ Why it exists: the TrainerGroup's ranks own the policy of a cluster job. The ope
 joins the process group from the torchrun env (gloo on CPU, NCCL on CUDA) and loads the policy
 FSDP2-sharded; rank 0 serves the driver's commands on --port (default 29600) and every rank runs
 each command collectively: SFT warm start, the first push (with the pre-flight check), RL train
-steps (data parallel over the ranks), weight pushes straight to the engines at --engine-url /
-LOCKSTEP_ROUTER_URL, and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
+steps (data parallel over the ranks), weight pushes straight to every engine of the pool (--engine-url,
+else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved again before every push so
+replaced and new engines get the current version, else LOCKSTEP_ROUTER_URL, which reaches one engine
+only: the router is for rollouts), and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
 driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
 every rank with exit 0. See docs/trainer.md and lockstep.driver.trainer_server.
 
@@ -56,7 +58,8 @@ def register(subparsers: Any) -> None:
         "--engine-url",
         action="append",
         default=[],
-        help="engine or router URL the ranks push weights to (default: $LOCKSTEP_ROUTER_URL)",
+        help="an engine the ranks push weights to, repeatable (default: every address of "
+        "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
     p.set_defaults(func=main)
@@ -80,21 +83,23 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
     import logging
 
     from lockstep.cli.run import configure_logging
+    from lockstep.driver.membership import members_from
     from lockstep.driver.trainer_server import serve
     from lockstep.serving.client import EngineUnreachable
 
     configure_logging()
-    urls = list(args.engine_url) or (
-        [os.environ["LOCKSTEP_ROUTER_URL"]] if os.environ.get("LOCKSTEP_ROUTER_URL") else []
-    )
-    if not urls:
-        print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
+    members = members_from(args.engine_url, os.environ)
+    if members is None:
+        print(
+            "error: no engine: pass --engine-url or set LOCKSTEP_ENGINES_SERVICE (or LOCKSTEP_ROUTER_URL)",
+            file=sys.stderr,
+        )
         return 2
     try:
         return serve(
             job,
             out=args.out,
-            engine_urls=urls,
+            members=members,
             host=args.host,
             port=args.port,
             cache_dir=args.cache_dir,

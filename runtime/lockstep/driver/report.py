@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
+from lockstep.driver.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
 
 if TYPE_CHECKING:
     from lockstep.weights.preflight import PreflightResult
@@ -40,10 +40,6 @@ JOB_ENV = "LOCKSTEP_JOB"
 """Env var naming the RLJob (fallback for the ConfigMap name `<job>-progress`)."""
 NAMESPACE_ENV = "LOCKSTEP_NAMESPACE"
 """Optional env var overriding the namespace file of the ServiceAccount."""
-ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
-"""Env var the operator sets on the driver pod: the pool's headless Service listing every engine."""
-ENGINE_PORT = 30000
-"""The engines' HTTP port (SGLang's default; the operator's engine pods listen on it)."""
 REWARD_EMA = 0.9
 """Weight of the previous reward average in the moving average (0.9: about the last 10 steps)."""
 
@@ -195,12 +191,6 @@ def _preflight_fields(result: PreflightResult) -> dict[str, object]:
     return {"preflight": "passed" if result.passed else "failed", "preflight_mismatched": names}
 
 
-def resolve_addresses(host: str, port: int) -> list[str]:
-    """Every IP address `host` resolves to (a headless Service's name: one per engine pod), sorted."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
-
-
 @dataclass(slots=True)
 class EngineVersionProbe:
     """Asks every engine behind a headless Service which weight version it holds.
@@ -235,7 +225,7 @@ class EngineVersionProbe:
         out: dict[str, int] = {}
         with httpx.Client(timeout=self.timeout_s) as http:
             for ip in addresses:
-                base = f"http://[{ip}]:{self.port}" if ":" in ip else f"http://{ip}:{self.port}"
+                base = engine_url(ip, self.port)
                 try:
                     r = http.get(f"{base}/model_info")
                     if r.status_code == 404:

@@ -32,6 +32,7 @@ from lockstep.driver.state import DriverState, checkpoints_dir, latest_checkpoin
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
+    from lockstep.driver.membership import EngineMembers
     from lockstep.driver.settings import RunSettings
     from lockstep.serving.client import EngineClient
     from lockstep.serving.loop import LoopThread
@@ -112,7 +113,7 @@ class TrainerParts:
     pad_id: int
     """Padding token ID for packing."""
     engine_urls: list[str]
-    """The engines (or router) pushes go to; the pre-flight reads them back."""
+    """The engines known at start (the pre-flight reads them back); each push asks the membership again."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
     """Chat messages -> prompt token IDs (with the generation prompt), as the rollout renders them."""
     encode: Callable[[str], list[int]]
@@ -188,11 +189,14 @@ def build_trainer_parts(
     clients: Sequence[EngineClient],
     closers: list[Callable[[], None]],
     master_address: str = "127.0.0.1",
+    members: EngineMembers | None = None,
 ) -> TrainerParts:
     """The trainer side of a run: transport to `clients`' engines, the loss, the task's text functions.
 
     `closers` receives the transport's close (the caller already owns the backend's);
-    `master_address` is where engines reach this process (broadcast's weight-update group).
+    `master_address` is where engines reach this process (broadcast's weight-update group);
+    `members` is where each push finds the engines of the moment (default: exactly `clients`; a
+    trainer group in a cluster: the pool's headless Service, lockstep.driver.membership).
     """
     from lockstep.driver.components import loss_config
     from lockstep.driver.transports import build_transport
@@ -202,7 +206,7 @@ def build_trainer_parts(
     tokenizer = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
-    transport = build_transport(job, run_dir, model_dir, runner, clients, device, master_address)
+    transport = build_transport(job, run_dir, model_dir, runner, clients, device, master_address, members)
     closers.append(transport.close)
     return TrainerParts(
         job=job,

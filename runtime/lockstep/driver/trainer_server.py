@@ -3,8 +3,8 @@
 Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight pushes to the
 engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
 every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
-of the run (LocalTrainer over a LeaderBackend: the weight transport to the engines at
-LOCKSTEP_ROUTER_URL, the task's text functions) and serves lockstep.driver.wire on an aiohttp server;
+of the run (LocalTrainer over a LeaderBackend: the weight transport to every engine of the pool, found
+again before each push through lockstep.driver.membership, the task's text functions) and serves lockstep.driver.wire on an aiohttp server;
 ranks > 0 follow rank 0's backend calls (lockstep.driver.spmd). Weights go from the ranks to the
 engines directly; the driver only sends token IDs and receives metrics.
 
@@ -54,6 +54,7 @@ from lockstep.driver.wire import (
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
+    from lockstep.driver.membership import EngineMembers
     from lockstep.driver.trainer import ServedTrainer
     from lockstep.weights.preflight import PreflightResult
 
@@ -220,7 +221,7 @@ def serve(
     job: RLJob,
     *,
     out: Path,
-    engine_urls: list[str],
+    members: EngineMembers,
     host: str = "0.0.0.0",
     port: int = 29600,
     cache_dir: Path | None = None,
@@ -229,8 +230,8 @@ def serve(
 ) -> int:
     """Run this rank of a serving trainer group until `shutdown`; returns the exit code (0).
 
-    Every rank: load the policy sharded. Rank 0: wait for the engines, build the trainer side, serve
-    on host:port (`on_listening(port)` once listening) until shutdown. Ranks > 0: follow rank 0.
+    Every rank: load the policy sharded. Rank 0: wait for at least one engine of `members` to serve,
+    build the trainer side (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until shutdown. Ranks > 0: follow rank 0.
     """
     from lockstep.driver.components import build_backend, check_supported
     from lockstep.driver.settings import settings_from_job
@@ -252,7 +253,7 @@ def serve(
         leader = LeaderBackend(backend, group)
         try:
             return _serve_rank0(
-                job, leader, model_dir, out, engine_urls, host, port, engine_timeout_s, on_listening
+                job, leader, model_dir, out, members, host, port, engine_timeout_s, on_listening
             )
         finally:
             leader.release_followers()
@@ -265,7 +266,7 @@ def _serve_rank0(
     leader: Any,
     model_dir: Path,
     out: Path,
-    engine_urls: list[str],
+    members: EngineMembers,
     host: str,
     port: int,
     engine_timeout_s: float,
@@ -284,6 +285,7 @@ def _serve_rank0(
     runner = LoopThread()
     closers.append(runner.close)
     try:
+        engine_urls = _wait_for_engines(members, engine_timeout_s)
         clients = [EngineClient(u) for u in engine_urls]
 
         def close_clients() -> None:
@@ -291,16 +293,16 @@ def _serve_rank0(
                 runner.run(client.aclose())
 
         closers.append(close_clients)
-        for client in clients:
-            runner.run(client.wait_ready(timeout_s=engine_timeout_s))
         # Engines join the broadcast weight-update group at rank 0's address: MASTER_ADDR under torchrun
         # (the headless Service's DNS name of rank 0 in a pod).
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        parts = build_trainer_parts(job, settings, out, model_dir, leader, runner, clients, closers, master)
+        parts = build_trainer_parts(
+            job, settings, out, model_dir, leader, runner, clients, closers, master, members
+        )
         server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
         log.info(
-            "trainer group of %d ranks serves job %s on %s:%d (engines %s, checkpoints under %s)",
-            leader.world_size, job.metadata.name, host, port, ", ".join(engine_urls), out,
+            "trainer group of %d ranks serves job %s on %s:%d (engines from %s, now %s; checkpoints under %s)",
+            leader.world_size, job.metadata.name, host, port, members.describe(), ", ".join(engine_urls), out,
         )  # fmt: skip
         asyncio.run(_serve_http(server, host, port, on_listening or (lambda p: None)))
     finally:
@@ -310,3 +312,24 @@ def _serve_rank0(
             except Exception as e:  # clean-up goes on; logged, not lost
                 log.warning("clean-up step failed: %s: %s", type(e).__name__, e)
     return 0
+
+
+def _wait_for_engines(members: EngineMembers, timeout_s: float, poll_s: float = 1.0) -> list[str]:
+    """The listed engines that serve, once at least one does (others join at a later push).
+
+    Raises TimeoutError naming the membership source after `timeout_s`.
+    """
+    from lockstep.driver.pushes import probe_health
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = members.urls()
+        ready = [u for u in listed if probe_health(u)]
+        if ready:
+            return ready
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"no engine serves in {members.describe()} after {timeout_s:.0f} s (listed: "
+                f"{', '.join(listed) or 'none'}); check the rollout pool's engine pods, or pass --engine-url"
+            )
+        time.sleep(poll_s)

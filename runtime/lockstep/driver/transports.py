@@ -21,15 +21,22 @@ maps the manifest onto the weights package's transports, for engines reachable f
   cuda the engine must be another process (a CUDA IPC handle cannot be opened by its creator), so it
   is refused for in-process engines and on a machine without CUDA.
 
-Who calls it: lockstep.driver.components (`check_transport` before engines start, `build_transport`
-once they are ready).
+Every transport built here is wrapped in lockstep.driver.pushes.MemberTransport: before each push it
+asks the engine membership (lockstep.driver.membership: a fixed list, or every address of the pool's
+headless Service in a cluster) and the transport follows it, so an engine that joined gets the pushed
+version too (from-disk: a full reload; disk-delta: a caught-up copy; broadcast: a new weight-update
+group), p2p and cuda-ipc refuse a changed set with an error naming the fix, and each push reports
+`weights_engines`.
+
+Who calls it: lockstep.driver.components (`check_transport` before engines start) and
+lockstep.driver.trainer.build_trainer_parts (`build_transport` once engines are ready).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +44,14 @@ if TYPE_CHECKING:
     import torch
 
     from lockstep.api import RLJob
+    from lockstep.driver.membership import EngineMembers
+    from lockstep.driver.pushes import MemberTransport
     from lockstep.serving.client import EngineClient
     from lockstep.serving.loop import LoopThread
     from lockstep.weights.disk_delta import DiskDeltaTransport
+    from lockstep.weights.from_disk import FromDiskTransport
     from lockstep.weights.pipeline import PipelineConfig
-    from lockstep.weights.transport import TransferReport, WeightTransport
+    from lockstep.weights.transport import TransferReport
 
 log = logging.getLogger(__name__)
 
@@ -94,43 +104,68 @@ def build_transport(
     clients: Sequence[EngineClient],
     device: str,
     master_address: str = "127.0.0.1",
-) -> WeightTransport:
+    members: EngineMembers | None = None,
+) -> MemberTransport:
     """The transport named by spec.weightSync.transport for `clients` (see the module docstring).
 
+    `clients` are the engines known (and ready) now; `members` (default: exactly those) is asked again
+    before every push, and the transport follows it (lockstep.driver.pushes).
     `master_address`: where the engines reach this process for the broadcast weight-update group
     (loopback on one machine; rank 0's MASTER_ADDR on a trainer pod).
     """
+    from lockstep.driver.membership import StaticMembers
+    from lockstep.driver.pushes import (
+        BroadcastFollower,
+        DiskDeltaFollower,
+        FixedFollower,
+        FromDiskFollower,
+        MemberTransport,
+    )
+
     ws = job.spec.weight_sync
     name = str(ws.transport)
-    urls = [c.base_url for c in clients]
+    urls = sorted(c.base_url for c in clients)
+    members = members or StaticMembers(tuple(urls))
     pause_mode = str(ws.pause_mode)
+    follower: Any
     if name == "broadcast":
         from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 
-        return BroadcastTransport(
-            [EngineTarget(u) for u in urls],
-            backend="nccl" if device == "cuda" else "gloo",
-            device=device,
-            config=_pipeline(job),
-            pause_mode=pause_mode,
-            master_address=master_address,
-        )
-    if name == "disk-delta":
-        return _disk_delta(job, run_dir, model_dir, urls)
-    if name == "p2p":
+        def make(engines: list[str], group_name: str) -> BroadcastTransport:
+            return BroadcastTransport(
+                [EngineTarget(u) for u in engines],
+                backend="nccl" if device == "cuda" else "gloo",
+                device=device,
+                config=_pipeline(job),
+                pause_mode=pause_mode,
+                master_address=master_address,
+                group_name=group_name,
+            )
+
+        follower = BroadcastFollower(make, urls)
+    elif name == "disk-delta":
+        follower = DiskDeltaFollower(_disk_delta(job, run_dir, model_dir, urls))
+    elif name == "p2p":
         from lockstep.weights.p2p import P2PTransport, http_target
 
-        return P2PTransport([http_target(u) for u in urls], config=_pipeline(job))
-    if name == "cuda-ipc":
+        fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
+        follower = FixedFollower(
+            P2PTransport([http_target(u) for u in urls], config=_pipeline(job)), urls, fix
+        )
+    elif name == "cuda-ipc":
         from lockstep.weights.ipc import CudaIpcTransport
 
         (url,) = urls  # check_transport allowed one engine only
-        return CudaIpcTransport(url, device=device, config=_pipeline(job), pause_mode=pause_mode)
-    if name != "auto":
+        fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
+        inner = CudaIpcTransport(url, device=device, config=_pipeline(job), pause_mode=pause_mode)
+        follower = FixedFollower(inner, urls, fix)
+    elif name == "auto":
+        follower = FromDiskFollower(_from_disk(run_dir, model_dir), runner, clients)
+    else:
         raise ValueError(
             f"{FIELD}: unknown transport {name!r}; use auto, broadcast, disk-delta, p2p or cuda-ipc"
         )
-    return _from_disk(run_dir, model_dir, runner, clients)
+    return MemberTransport(members, follower, urls)
 
 
 def _pipeline(job: RLJob) -> PipelineConfig:
@@ -139,23 +174,14 @@ def _pipeline(job: RLJob) -> PipelineConfig:
     return PipelineConfig(bucket_bytes=job.spec.weight_sync.bucket_mib << 20)
 
 
-def _from_disk(
-    run_dir: Path, model_dir: Path, runner: LoopThread, clients: Sequence[EngineClient]
-) -> WeightTransport:
+def _from_disk(run_dir: Path, model_dir: Path) -> FromDiskTransport:
+    """Full checkpoints under run_dir/weights/; the engines' reloads are set before each push."""
     from lockstep.weights.from_disk import FromDiskTransport
 
-    def make_reload(client: EngineClient) -> Callable[[str, int], None]:
-        def reload(path: str, version: int) -> None:
-            runner.run(client.update_weights_from_disk(path, weight_version=version))
-
-        return reload
-
-    return FromDiskTransport(
-        run_dir / "weights", [make_reload(c) for c in clients], config_dir=model_dir, extra_files=MODEL_FILES
-    )
+    return FromDiskTransport(run_dir / "weights", [], config_dir=model_dir, extra_files=MODEL_FILES)
 
 
-def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> WeightTransport:
+def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> LocalDiskDelta:
     spec = job.spec.weight_sync.disk_delta
     if str(spec.checksum) != "xxh3-128":
         raise ValueError(
@@ -172,17 +198,24 @@ def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> 
 
 
 class LocalDiskDelta:
-    """WeightTransport: disk-delta for the engines of one machine, one checkpoint copy per engine.
+    """WeightTransport: disk-delta with one checkpoint copy per engine, patched here and reloaded there.
 
     The first push (version 0 after an SFT warm start, or the resumed version) is the transport's first
     update. Its byte baseline is the trainer's export at that moment, written once as an HF checkpoint
     (run_dir/delta-base/): after a warm start or a resume the trainer no longer holds the bytes of
     spec.model.checkpoint, and deltas must start from what the engines hold. Every engine gets a copy
-    (run_dir/engine-copies/<i>/); `first_update` publishes nothing and verifies the trainer's layout and
-    every copy against the baseline; each engine then reloads its verified copy (so engines hold exactly
-    the baseline even after the pre-flight filled them with noise). Later pushes publish deltas under
-    run_dir/delta/, patch every copy, then reload. The three directories are caches of this process:
-    each start of the run builds them again from the trainer's export.
+    (run_dir/engine-copies/<engine address>/); `first_update` publishes nothing and verifies the
+    trainer's layout and every copy against the baseline; each engine then reloads its verified copy
+    (so engines hold exactly the baseline even after the pre-flight filled them with noise). Later
+    pushes publish deltas under run_dir/delta/, patch every copy, then reload. The three directories
+    are caches of this process: each start of the run builds them again from the trainer's export.
+
+    Membership (`follow`): an engine that joins after the first update gets a copy of the baseline,
+    verified against it (init_local) and caught up through every published delta (apply_delta walks
+    the chain: deltas are never pruned), before the next push patches and reloads it like the others;
+    an engine that left loses its copy. In a cluster run_dir must be on the shared volume, mounted at
+    the same path in the engine pods (the operator mounts it at /shared in both): the engines read
+    their copies from there (the operator sets LOCKSTEP_RUN_DIR on it for the trainer ranks).
     """
 
     name = "disk-delta"
@@ -197,20 +230,53 @@ class LocalDiskDelta:
         level: int = 1,
         pause_mode: str = "retract",
     ) -> None:
-        from lockstep.weights.disk_delta import http_reload
-
         self.run_dir = Path(run_dir)
         """Where delta/, delta-base/ and engine-copies/ live."""
         self.model_dir = Path(model_dir)
         """The initial checkpoint (its config and tokenizer files go into the baseline)."""
-        self.reloads = [http_reload(u, pause_mode=pause_mode) for u in urls]
-        """One reload (pause, /update_weights_from_disk, continue) per engine."""
+        self.urls = list(urls)
+        """The engines the next push reaches (`follow` sets them)."""
+        self.pause_mode = pause_mode
+        """How generation pauses around each engine's reload."""
         self.encoding = encoding
         """spec.weightSync.diskDelta.encoding."""
         self.level = level
         """spec.weightSync.diskDelta.zstdLevel."""
         self.inner: DiskDeltaTransport | None = None
         """The disk-delta transport, built at the first push."""
+        self.base_version = 0
+        """The first update's version (the baseline's)."""
+        self.baseline: Path | None = None
+        """The baseline checkpoint (under run_dir/delta-base/), written by the first update."""
+
+    def copy_of(self, url: str) -> Path:
+        """run_dir/engine-copies/<host_port>: the engine's own checkpoint copy."""
+        key = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in url.split("://", 1)[-1])
+        return self.run_dir / "engine-copies" / key
+
+    def follow(self, urls: Sequence[str]) -> None:
+        """Make the next push reach exactly `urls` (see the class docstring)."""
+        from lockstep.weights.disk_delta import apply_delta, http_reload, init_local
+
+        self.urls = list(urls)
+        if self.inner is None or self.baseline is None:
+            return  # the first update copies the baseline for every engine of the moment
+        base, root = self.baseline, self.run_dir / "delta"
+        subscribers = []
+        for url in self.urls:
+            local = self.copy_of(url)
+            if not local.is_dir():
+                shutil.copytree(base, local)
+                init_local(local, root, self.base_version)
+                caught = apply_delta(root, local, self.inner.publisher.version)
+                log.info("disk-delta: new engine %s: copy at version %d (%d deltas)", url, caught.to_version,
+                         len(caught.versions))  # fmt: skip
+            subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
+        kept = {p.name for p, _ in subscribers}
+        for old in (self.run_dir / "engine-copies").glob("*"):
+            if old.name not in kept:
+                shutil.rmtree(old, ignore_errors=True)  # that engine left
+        self.inner.subscribers = subscribers
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         if self.inner is not None:
@@ -218,7 +284,7 @@ class LocalDiskDelta:
         return self._first_update(list(named_tensors), version)
 
     def _first_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        from lockstep.weights.disk_delta import DeltaPublisher, DiskDeltaTransport
+        from lockstep.weights.disk_delta import DeltaPublisher, DiskDeltaTransport, http_reload
         from lockstep.weights.from_disk import FromDiskTransport
 
         root, base, copies = (
@@ -231,13 +297,14 @@ class LocalDiskDelta:
         writer = FromDiskTransport(base, [], config_dir=self.model_dir, extra_files=MODEL_FILES)
         baseline, _, _ = writer.write(tensors, version)
         subscribers = []
-        for i, reload in enumerate(self.reloads):
-            local = copies / str(i)
+        for url in self.urls:
+            local = self.copy_of(url)
             shutil.copytree(baseline, local)
-            subscribers.append((local, reload))
+            subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
         encoding: Any = self.encoding  # one of the codec's encodings (the API enum)
         publisher = DeltaPublisher(root, baseline, encoding=encoding, level=self.level, base_version=version)
         self.inner = DiskDeltaTransport(publisher, subscribers)
+        self.base_version, self.baseline = version, baseline
         report = self.inner.first_update(tensors)
         for local, reload in subscribers:
             reload(local, version)

@@ -15,11 +15,10 @@ Who calls it: the driver (as a WeightTransport), preflight.py, tests and bench/w
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -180,12 +179,30 @@ class BroadcastTransport:
         )
 
     def close(self) -> None:
+        self.release(None)
+
+    def release(self, staying: Collection[str] | None, leaving_wait_s: float = 2.0) -> list[str]:
+        """Close, asking every engine to destroy the group first (SGLang's
+        /destroy_weights_update_group) so that it can join the next one. Engines whose URL is in
+        `staying` (all when None) are waited for; the others are leaving (their pod may be gone) and
+        get `leaving_wait_s` at most. Returns the staying URLs that refused or could not be reached
+        (the caller logs them); the group is dropped on this side either way."""
+        failed: list[str] = []
         if self.group is not None:
-            # The engines may already be gone; the group is dropped either way.
-            with contextlib.suppress(Exception):
-                self._all(lambda c: c.destroy_weights_update_group(self.group_name))
+            futures = [
+                (c.base_url, self._io.submit(c.destroy_weights_update_group(self.group_name)))
+                for c in self._clients
+            ]
+            for url, f in futures:
+                stays = staying is None or url in staying
+                try:
+                    f.result(self.timeout_s if stays else leaving_wait_s)
+                except Exception:  # a dying engine; named to the caller when it was meant to stay
+                    if stays:
+                        failed.append(url)
             self.group.close()
             self.group = None
         for c in self._clients:
             self._io.run(c.aclose())
         self._io.close()
+        return failed

@@ -1,0 +1,108 @@
+"""Which engines a weight push must reach: a static URL list, or every pod behind the pool's headless Service.
+
+Why it exists: in a cluster the rollout pool's engines come and go (a replaced pod, a scale-up, an
+engine roll), and a push through the load-balanced router reaches one engine only. Pushes therefore
+go to each engine's own address, and the set of addresses is asked for again before every push: the
+headless Service `<pool>-engines` (LOCKSTEP_ENGINES_SERVICE, publishNotReadyAddresses) lists every
+engine pod's IP, ready or not, so an engine that is not Ready because it still holds an old version
+(a new pod starts from the base checkpoint) is pushed to, and then becomes Ready. A local run or a
+test names its engines (`StaticMembers`, `--engine-url`).
+
+The DNS resolver lives here because two parts of the driver need it: the weight pushes
+(lockstep.driver.transports.MemberTransport) and the progress report's per-engine versions
+(lockstep.driver.report.EngineVersionProbe).
+
+Who calls it: lockstep.driver.transports, lockstep.driver.report, lockstep.driver.trainer_server,
+lockstep.cli.trainer, tests (an injected resolver maps one name to loopback addresses).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
+"""Env var the operator sets on the driver and rank pods: the pool's headless Service listing every engine."""
+ROUTER_URL_ENV = "LOCKSTEP_ROUTER_URL"
+"""Env var of the pool's load-balanced router (rollouts only: a push through it reaches one engine)."""
+ENGINE_PORT = 30000
+"""The engines' HTTP port (SGLang's default; the operator's engine pods listen on it)."""
+
+
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every IP address `host` resolves to (a headless Service's name: one per engine pod), sorted."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def engine_url(ip: str, port: int) -> str:
+    """http://IP:PORT for one engine address (IPv6 in brackets)."""
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+
+
+class EngineMembers(Protocol):
+    """The engines a push must reach now; asked again before every push."""
+
+    def urls(self) -> list[str]:
+        """Base URLs of the current engines, sorted; raises OSError when the source cannot answer."""
+        ...
+
+    def describe(self) -> str:
+        """Where the members come from (named in errors and logs)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StaticMembers:
+    """A fixed list of engines (`--engine-url`, `lockstep run`, tests)."""
+
+    fixed: tuple[str, ...]
+    """The engines' base URLs."""
+
+    def urls(self) -> list[str]:
+        return sorted(u.rstrip("/") for u in self.fixed)
+
+    def describe(self) -> str:
+        return "engines " + ", ".join(self.fixed)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceMembers:
+    """Every address of a headless Service: one engine pod each, ready or not (publishNotReadyAddresses).
+
+    A name that does not resolve (a headless Service with no pods answers NXDOMAIN) is no member at
+    all, not an error: the caller decides whether zero engines is acceptable.
+    """
+
+    host: str
+    """DNS name of the pool's headless engines Service (LOCKSTEP_ENGINES_SERVICE)."""
+    port: int = ENGINE_PORT
+    """The engines' HTTP port."""
+    resolve: Callable[[str, int], list[str]] = resolve_addresses
+    """host, port -> IP addresses (DNS by default; tests inject loopback addresses)."""
+
+    def urls(self) -> list[str]:
+        try:
+            addresses = self.resolve(self.host, self.port)
+        except socket.gaierror:
+            return []
+        return sorted(engine_url(ip, self.port) for ip in addresses)
+
+    def describe(self) -> str:
+        return f"headless Service {self.host}:{self.port}"
+
+
+def members_from(
+    engine_urls: Sequence[str], env: Mapping[str, str], *, port: int = ENGINE_PORT
+) -> EngineMembers | None:
+    """The push targets of a trainer rank: --engine-url when given, else the headless Service, else the
+    router (one engine only: fine for a pool of one); None when nothing names an engine."""
+    if engine_urls:
+        return StaticMembers(tuple(engine_urls))
+    if env.get(ENGINES_SERVICE_ENV):
+        return ServiceMembers(env[ENGINES_SERVICE_ENV], port)
+    if env.get(ROUTER_URL_ENV):
+        return StaticMembers((env[ROUTER_URL_ENV],))
+    return None

@@ -1,0 +1,215 @@
+"""Every weight push reaches every engine of the pool, including engines that joined since the last push.
+
+Why: in a cluster the trainer pushes to each engine's own address, listed by the pool's headless
+Service, and a replaced or scaled-up engine starts from the base checkpoint; unless the next push
+reaches it, it stays behind (not Ready) forever. Two real reference engines listen on the same port of
+127.0.0.1 and 127.0.0.2, as two engine pods behind one headless Service; the membership source is
+the real ServiceMembers with an injected resolver that first lists one address, then both. Checked
+through each engine's real GET /model_info, and through the tensors the engine holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import yaml
+from lockstep.api import RLJob, load_manifest
+from lockstep.driver.membership import ServiceMembers, StaticMembers, members_from
+from lockstep.driver.pushes import MembershipChanged
+from lockstep.driver.transports import build_transport
+from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+HOSTS = ["127.0.0.1", "127.0.0.2"]
+
+
+class Engines:
+    """Reference engines served on HOSTS at one port by one private event loop thread."""
+
+    def __init__(self, model_dir: Path, port: int) -> None:
+        from aiohttp import web
+        from lockstep.engine import ReferenceEngine, create_app
+
+        self.port = port
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.engines: dict[str, Any] = {}
+        self.runners: dict[str, Any] = {}
+        for host in HOSTS:
+            engine = ReferenceEngine.load(model_dir, device="cpu")
+            runner = web.AppRunner(create_app(engine))
+
+            async def start(r: Any = runner, h: str = host) -> None:
+                await r.setup()
+                await web.TCPSite(r, h, port).start()
+
+            asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+            self.engines[host], self.runners[host] = engine, runner
+
+    def url(self, host: str) -> str:
+        return f"http://{host}:{self.port}"
+
+    def version(self, host: str) -> int:
+        r = httpx.get(f"{self.url(host)}/model_info", timeout=5)
+        r.raise_for_status()
+        return int(r.json()["weight_version"])
+
+    def stop(self, host: str) -> None:
+        asyncio.run_coroutine_threadsafe(self.runners.pop(host).cleanup(), self.loop).result(60)
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lockstep.models.tiny import materialize_builtin
+
+    return materialize_builtin("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def engines(tiny: Path) -> Iterator[Engines]:
+    served = Engines(tiny, _free_port())
+    yield served
+    served.close()
+
+
+def _job(transport: str) -> RLJob:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["weightSync"] = {"transport": transport}
+    return load_manifest(yaml.safe_dump(doc))
+
+
+def _weights(tiny: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The base checkpoint's tensors, every one moved (a trainer after a step), in HF names."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(seed)
+    base = load_file(str(tiny / "model.safetensors"))
+    return [(n, t + torch.randn(t.shape, generator=g).to(t.dtype) * 0.01) for n, t in sorted(base.items())]
+
+
+def _holds(engines: Engines, host: str, named: list[tuple[str, torch.Tensor]]) -> bool:
+    live = engines.engines[host].named_weights()
+    return all(torch.equal(live[n].cpu().to(t.dtype), t) for n, t in named)
+
+
+@pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta"])
+def test_an_engine_that_joined_gets_the_next_push(
+    transport: str, engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    listed = ["127.0.0.1"]
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    runner = LoopThread()
+    first = EngineClient(engines.url("127.0.0.1"))
+    pushes = build_transport(_job(transport), tmp_path, tiny, runner, [first], "cpu", members=members)
+    try:
+        report = pushes.push(_weights(tiny, 1), 1)
+        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)
+        assert report.extra["weights_engines"] == 1.0
+
+        listed.append("127.0.0.2")  # a new engine pod: base checkpoint, version 0
+        v2 = _weights(tiny, 2)
+        report = pushes.push(v2, 2)
+        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (2, 2)
+        assert report.extra["weights_engines"] == 2.0
+        assert _holds(engines, "127.0.0.1", v2) and _holds(engines, "127.0.0.2", v2)
+
+        listed.remove("127.0.0.1")  # that pod is gone from the Service: dropped, not an error
+        v3 = _weights(tiny, 3)
+        report = pushes.push(v3, 3)
+        assert engines.version("127.0.0.2") == 3 and _holds(engines, "127.0.0.2", v3)
+        assert report.extra["weights_engines"] == 1.0
+    finally:
+        pushes.close()
+        runner.run(first.aclose())
+        runner.close()
+
+
+def test_a_push_to_an_engine_that_is_down_fails_naming_it(
+    engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(HOSTS))
+    runner = LoopThread()
+    clients = [EngineClient(engines.url(h), retries=1) for h in HOSTS]
+    pushes = build_transport(_job("auto"), tmp_path, tiny, runner, clients, "cpu", members=members)
+    try:
+        pushes.push(_weights(tiny, 1), 1)
+        engines.stop("127.0.0.2")  # crashed, still listed by the Service
+        with pytest.raises(Exception, match=r"127\.0\.0\.2") as e:
+            pushes.push(_weights(tiny, 2), 2)
+        assert "127.0.0.1" not in str(e.value).replace(engines.url("127.0.0.2"), "")
+    finally:
+        pushes.close()
+        for c in clients:
+            runner.run(c.aclose())
+        runner.close()
+
+
+def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_push(
+    engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    listed = ["127.0.0.1", "127.0.0.3"]  # .3: a pod with an IP whose server has not started
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    runner = LoopThread()
+    first = EngineClient(engines.url("127.0.0.1"))
+    pushes = build_transport(_job("auto"), tmp_path, tiny, runner, [first], "cpu", members=members)
+    try:
+        report = pushes.push(_weights(tiny, 1), 1)
+        assert report.extra["weights_engines"] == 1.0 and engines.version("127.0.0.1") == 1
+    finally:
+        pushes.close()
+        runner.run(first.aclose())
+        runner.close()
+
+
+def test_p2p_refuses_a_changed_membership_naming_the_fix(
+    engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    listed = ["127.0.0.1"]
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    runner = LoopThread()
+    first = EngineClient(engines.url("127.0.0.1"))
+    pushes = build_transport(_job("p2p"), tmp_path, tiny, runner, [first], "cpu", members=members)
+    try:
+        pushes.push(_weights(tiny, 1), 1)
+        assert engines.version("127.0.0.1") == 1
+        listed.append("127.0.0.2")
+        with pytest.raises(
+            MembershipChanged, match=r"joined: http://127\.0\.0\.2:\d+; left: -\) .*use broadcast"
+        ):
+            pushes.push(_weights(tiny, 2), 2)
+        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-pushed
+    finally:
+        pushes.close()
+        runner.run(first.aclose())
+        runner.close()
+
+
+def test_members_from_flags_and_env() -> None:
+    assert members_from(["http://e:1"], {"LOCKSTEP_ENGINES_SERVICE": "s"}) == StaticMembers(("http://e:1",))
+    env = {"LOCKSTEP_ENGINES_SERVICE": "j-rollout-engines", "LOCKSTEP_ROUTER_URL": "http://j-rollout:30000"}
+    assert members_from([], env) == ServiceMembers("j-rollout-engines", 30000)  # the router is for rollouts
+    assert members_from([], {"LOCKSTEP_ROUTER_URL": "http://r:1"}) == StaticMembers(("http://r:1",))
+    assert members_from([], {}) is None
+    assert ServiceMembers("no-such-engines.invalid").urls() == []  # no pod yet: no member, not a crash
