@@ -187,3 +187,30 @@ def test_trainer_control_port_is_reachable_from_the_driver_only() -> None:
     }
     covered = sum(p["endPort"] - p["port"] + 1 for p in peers["ports"])
     assert covered == 65535 - 1  # every TCP port but the control port (NCCL picks ephemeral ports)
+
+
+def test_rank_run_dir_is_on_the_shared_volume_when_the_job_names_one() -> None:
+    job = load("h100")
+    name = job.metadata.name
+    _, trainer, _ = child_manifests(
+        owner("RLJob", name), job.spec, suspended=False, stopped="", clique="", avoid_clique=""
+    )
+    trainer_spec = TrainerGroupSpec.model_validate(trainer["spec"])
+
+    def rank0(shared: str | None) -> dict[str, Any]:
+        return rank_manifest(
+            owner("TrainerGroup", f"{name}-trainer"), trainer_spec, 0, generation=0, gang_min=1,
+            clique=None, image=IMAGE, shared_volume=shared,
+        )  # fmt: skip
+
+    for pod, run_dir, volume in [
+        (rank0("rl-shared"), f"/shared/lockstep/{name}", {"name": "shared", "persistentVolumeClaim": {"claimName": "rl-shared"}}),
+        (rank0(None), "/var/lib/lockstep/run", {"name": "run", "emptyDir": {}}),
+    ]:  # fmt: skip
+        main = pod["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in main["env"]}
+        assert env["LOCKSTEP_RUN_DIR"] == run_dir
+        assert volume in pod["spec"]["volumes"]
+        mounted = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+        assert run_dir.startswith(mounted[volume["name"]])  # the run dir is on a mounted volume
+        assert len(pod["spec"]["volumes"]) == 2  # config + exactly one of shared / run

@@ -35,6 +35,8 @@ CONFIG_MOUNT = "/etc/lockstep"
 CONFIG_FILE = "job.yaml"
 SHARED_MOUNT = "/shared"
 """Where the shared ReadWriteMany volume (checkpoints, disk-delta versions) is mounted."""
+RUN_MOUNT = "/var/lib/lockstep/run"
+"""A rank pod's run dir (an emptyDir) when the job names no shared volume."""
 ENGINE_PORT = 30000
 """SGLang's default HTTP port; the router Service targets it."""
 RENDEZVOUS_PORT = 29500

@@ -30,6 +30,7 @@ from lockstep_operator.resources.common import (
     LABEL_ROLE,
     LABEL_TRAINER,
     RENDEZVOUS_PORT,
+    RUN_MOUNT,
     SHARED_MOUNT,
     WEIGHTS_CURRENT,
     Manifest,
@@ -242,6 +243,12 @@ def rank_env(*, trainer: str, namespace: str, rank: int, nodes: int, nproc: int)
     return env
 
 
+def run_dir(job: str, *, shared: bool) -> str:
+    """A rank pod's LOCKSTEP_RUN_DIR: /shared/lockstep/<job> on the shared volume, else the emptyDir's
+    mount (pure)."""
+    return f"{SHARED_MOUNT}/lockstep/{job}" if shared else RUN_MOUNT
+
+
 def rank_pod(
     owner: Owner,
     *,
@@ -259,8 +266,13 @@ def rank_pod(
     """Trainer rank pod `<trainer>-<rank>` with a stable hostname under the headless Service `<trainer>`.
 
     The ranks take the RL steps: rank 0 serves the driver's commands on the `control` port (29600,
-    `lockstep trainer --serve`) and every rank pushes weights to the engines itself, hence
-    LOCKSTEP_ROUTER_URL (the pool's router, as the driver gets it).
+    `lockstep trainer --serve`) and pushes weights to every engine itself, each address of the
+    headless Service LOCKSTEP_ENGINES_SERVICE (LOCKSTEP_ROUTER_URL, the load-balanced router, is for
+    rollouts: a push through it would reach one engine).
+    LOCKSTEP_RUN_DIR (checkpoints under trainer/) is `run_dir(job, shared)`: on the job's shared volume
+    when it names one (a restarted group, whose ranks may land on other nodes, resumes from it; the
+    engines read disk-delta copies from the same path), else an emptyDir that lives as long as the pod
+    (a gang restart then starts from the base checkpoint).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
     restarts as a gang (all ranks deleted and recreated with `generation` + 1).
     """
@@ -270,9 +282,13 @@ def rank_pod(
         "LOCKSTEP_ROLE": "trainer",
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
+        "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    if not container.shared_volume_claim:
+        spec["volumes"].append({"name": "run", "emptyDir": {}})
+        spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [
