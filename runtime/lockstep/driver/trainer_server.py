@@ -314,22 +314,29 @@ def _serve_rank0(
     return 0
 
 
-def _wait_for_engines(members: EngineMembers, timeout_s: float, poll_s: float = 1.0) -> list[str]:
-    """The listed engines that serve, once at least one does (others join at a later push).
-
-    Raises TimeoutError naming the membership source after `timeout_s`.
-    """
+def _wait_for_engines(
+    members: EngineMembers,
+    timeout_s: float,
+    *,
+    poll_s: float = 1.0,
+    healthy: Callable[[str], bool] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
+    """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
+    at a later push. Raises TimeoutError naming the membership source after `timeout_s`."""
     from lockstep.driver.pushes import probe_health
 
-    deadline = time.monotonic() + timeout_s
+    healthy = healthy or probe_health
+    deadline = clock() + timeout_s
     while True:
         listed = members.urls()
-        ready = [u for u in listed if probe_health(u)]
+        ready = [u for u in listed if healthy(u)]
         if ready:
             return ready
-        if time.monotonic() >= deadline:
+        if clock() >= deadline:
             raise TimeoutError(
                 f"no engine serves in {members.describe()} after {timeout_s:.0f} s (listed: "
                 f"{', '.join(listed) or 'none'}); check the rollout pool's engine pods, or pass --engine-url"
             )
-        time.sleep(poll_s)
+        sleep(poll_s)

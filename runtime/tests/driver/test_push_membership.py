@@ -84,7 +84,7 @@ def _free_port() -> int:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lockstep.models.tiny import materialize_builtin
 
-    return materialize_builtin("tiny", tmp_path_factory.mktemp("tiny"))
+    return Path(materialize_builtin("tiny", tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture
@@ -213,3 +213,25 @@ def test_members_from_flags_and_env() -> None:
     assert members_from([], {"LOCKSTEP_ROUTER_URL": "http://r:1"}) == StaticMembers(("http://r:1",))
     assert members_from([], {}) is None
     assert ServiceMembers("no-such-engines.invalid").urls() == []  # no pod yet: no member, not a crash
+
+
+def test_rank0_waits_for_a_serving_engine_and_names_the_service_when_none(engines: Engines) -> None:
+    from lockstep.driver.trainer_server import _wait_for_engines
+
+    listed: list[str] = []
+    now = [0.0]
+
+    def sleep(s: float) -> None:  # the injected clock; pods appear in the Service at t = 3 s
+        now[0] += s
+        if now[0] >= 3:
+            listed[:] = ["127.0.0.1", "127.0.0.3"]  # .3 has an IP but serves nothing yet
+
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    got = _wait_for_engines(members, 60, clock=lambda: now[0], sleep=sleep)
+    assert got == [engines.url("127.0.0.1")] and now[0] == 3
+
+    silent = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: ["127.0.0.3"])
+    with pytest.raises(
+        TimeoutError, match=r"headless Service pool-engines:\d+ after 5 s \(listed: http://127\.0\.0\.3"
+    ):
+        _wait_for_engines(silent, 5, clock=lambda: now[0], sleep=sleep)
