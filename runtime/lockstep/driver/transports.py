@@ -118,6 +118,7 @@ def build_transport(
         BroadcastFollower,
         DiskDeltaFollower,
         FixedFollower,
+        Follower,
         FromDiskFollower,
         MemberTransport,
     )
@@ -127,7 +128,7 @@ def build_transport(
     urls = sorted(c.base_url for c in clients)
     members = members or StaticMembers(tuple(urls))
     pause_mode = str(ws.pause_mode)
-    follower: Any
+    follower: Follower
     if name == "broadcast":
         from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 
