@@ -38,7 +38,7 @@ import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from lockstep.weights.disk_delta import DiskDeltaTransport
     from lockstep.weights.from_disk import FromDiskTransport
     from lockstep.weights.pipeline import PipelineConfig
+    from lockstep.weights.st_bytes import ChecksumAlgorithm
     from lockstep.weights.transport import TransferReport
 
 log = logging.getLogger(__name__)
@@ -184,10 +185,6 @@ def _from_disk(run_dir: Path, model_dir: Path) -> FromDiskTransport:
 
 def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> LocalDiskDelta:
     spec = job.spec.weight_sync.disk_delta
-    if str(spec.checksum) != "xxh3-128":
-        raise ValueError(
-            f"spec.weightSync.diskDelta.checksum: only xxh3-128 is implemented, got {spec.checksum}; remove it"
-        )
     return LocalDiskDelta(
         run_dir,
         model_dir,
@@ -195,6 +192,7 @@ def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> 
         encoding=str(spec.encoding),
         level=spec.zstd_level,
         pause_mode=str(job.spec.weight_sync.pause_mode),
+        checksum=cast("ChecksumAlgorithm", str(spec.checksum)),  # the API enum has the same values
     )
 
 
@@ -230,6 +228,7 @@ class LocalDiskDelta:
         encoding: str = "xor",
         level: int = 1,
         pause_mode: str = "retract",
+        checksum: ChecksumAlgorithm = "xxh3-128",
     ) -> None:
         self.run_dir = Path(run_dir)
         """Where delta/, delta-base/ and engine-copies/ live."""
@@ -243,6 +242,8 @@ class LocalDiskDelta:
         """spec.weightSync.diskDelta.encoding."""
         self.level = level
         """spec.weightSync.diskDelta.zstdLevel."""
+        self.checksum = checksum
+        """spec.weightSync.diskDelta.checksum: xxh3-128, blake3 or adler32 (the index records it)."""
         self.inner: DiskDeltaTransport | None = None
         """The disk-delta transport, built at the first push."""
         self.base_version = 0
@@ -303,7 +304,9 @@ class LocalDiskDelta:
             shutil.copytree(baseline, local)
             subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
         encoding: Any = self.encoding  # one of the codec's encodings (the API enum)
-        publisher = DeltaPublisher(root, baseline, encoding=encoding, level=self.level, base_version=version)
+        publisher = DeltaPublisher(
+            root, baseline, encoding=encoding, level=self.level, base_version=version, checksum=self.checksum
+        )
         self.inner = DiskDeltaTransport(publisher, subscribers)
         self.base_version, self.baseline = version, baseline
         report = self.inner.first_update(tensors)
