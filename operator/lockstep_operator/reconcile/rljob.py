@@ -4,7 +4,8 @@ Why it exists: an RLJob is the user's whole request; this turns it into owned ch
 what they and the driver report back into one status. Ordered, idempotent steps (server-side apply,
 deterministic names), so a reconcile killed halfway and run again creates no duplicates:
 1. parse the spec (a bad spec fails the job with the validation message);
-2. ConfigMaps (rendered runtime config, empty progress channel) and the driver's narrow RBAC;
+2. ConfigMaps (rendered runtime config plus the WeightChannel's transport choice once it has one,
+   empty progress channel) and the driver's narrow RBAC;
 3. gang scheduling: check the scheduler's API is served (else Admitted=False and stop here), apply
    the PodGroup;
 4. RolloutPool, TrainerGroup, WeightChannel (annotations carry suspend/stop, gang size, restart limit,
@@ -191,6 +192,8 @@ async def reconcile_job(
     except ValidationError as err:
         return await _invalid(kube, body, previous, str(err), generation, now)
     spec, owner = job.spec, Owner.of(body)
+    channel = await kube.get(API_VERSION, "WeightChannel", namespace, channel_name(name))
+    choice = config.transport_choice(previous_status(channel, WeightChannelStatus) if channel else None)
     rendered = {
         "apiVersion": API_VERSION,
         "kind": "RLJob",
@@ -198,7 +201,7 @@ async def reconcile_job(
         "spec": spec.wire(),
     }
     manifests = [
-        config.runtime_config_map(owner, job=name, rendered=rendered),
+        config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
         config.progress_config_map(owner, job=name),
         *config.driver_rbac(owner, job=name),
     ]

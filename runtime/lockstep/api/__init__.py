@@ -71,20 +71,31 @@ from lockstep.api.rljob import (
 from lockstep.api.rolloutpool import EngineStatus, RolloutPool, RolloutPoolSpec, RolloutPoolStatus
 from lockstep.api.rules import RULES, TRUE_ON_POLICY_PROFILES, Problem, Rule, check_rules
 from lockstep.api.trainergroup import TrainerGroup, TrainerGroupSpec, TrainerGroupStatus
+from lockstep.api.transport_choice import (
+    DEFAULT_TRANSPORT_FILE,
+    TRANSPORT_KEY,
+    ChosenTransport,
+    TransportChoice,
+    TransportFileError,
+    load_transport_choice,
+)
 from lockstep.api.weightchannel import WeightChannel, WeightChannelSpec, WeightChannelStatus
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_TRANSPORT_FILE",
     "GROUP",
     "KINDS",
     "PROGRESS_KEY",
     "RULES",
+    "TRANSPORT_KEY",
     "TRUE_ON_POLICY_PROFILES",
     "VERSION",
     "AdvantageEstimator",
     "AgentSpec",
     "AlgorithmSpec",
     "Autoscaling",
+    "ChosenTransport",
     "Condition",
     "ConditionStatus",
     "DataSpec",
@@ -137,6 +148,8 @@ __all__ = [
     "TrainerGroupStatus",
     "TrainerSpec",
     "Transport",
+    "TransportChoice",
+    "TransportFileError",
     "WeightChannel",
     "WeightChannelSpec",
     "WeightChannelStatus",
@@ -145,6 +158,7 @@ __all__ = [
     "check_update",
     "load_manifest",
     "load_objects",
+    "load_transport_choice",
     "parse_object",
     "progress_config_map_name",
     "progress_patch",
