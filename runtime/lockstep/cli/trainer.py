@@ -16,7 +16,15 @@ Without --serve the command only proves the sharded load / SFT / gather / save p
 job's SFT warm start (spec.algorithm.sftWarmStart) if any and writes an HF-layout checkpoint to --out.
 Run without torchrun it is one rank.
 
-Exit codes (--serve): 0 shut down by the driver, 2 bad manifest or settings, 3 no engine reachable.
+Transport (--serve, rank 0): spec.weightSync.transport `auto` is resolved from --transport-file
+(default: transport.json next to --config, /etc/lockstep/transport.json in a rank pod), the
+WeightChannel's choice that the operator writes into the job's config ConfigMap. In a rank pod
+(LOCKSTEP_ROLE=trainer) rank 0 waits up to --transport-timeout for it; elsewhere a missing file means
+the one-machine rule (from-disk). An explicit transport in the spec always wins. The log names the
+transport and why.
+
+Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings or transport file, 3 no
+engine reachable or no transport file in time.
 
 Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 """
@@ -62,6 +70,19 @@ def register(subparsers: Any) -> None:
         "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
+    p.add_argument(
+        "--transport-file",
+        type=Path,
+        default=None,
+        help="the operator's transport choice that resolves spec.weightSync.transport auto (default: "
+        "transport.json next to --config, i.e. /etc/lockstep/transport.json in a rank pod)",
+    )
+    p.add_argument(
+        "--transport-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank pod (LOCKSTEP_ROLE=trainer) waits for --transport-file when the spec says auto",
+    )
     p.set_defaults(func=main)
 
 
@@ -82,6 +103,7 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
     """This rank of a serving trainer group (see the module docstring); exit code."""
     import logging
 
+    from lockstep.api import TRANSPORT_KEY
     from lockstep.cli.run import configure_logging
     from lockstep.driver.membership import members_from
     from lockstep.driver.trainer_server import serve
@@ -104,6 +126,9 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
             port=args.port,
             cache_dir=args.cache_dir,
             engine_timeout_s=args.engine_timeout,
+            transport_file=args.transport_file or args.config.parent / TRANSPORT_KEY,
+            transport_timeout_s=args.transport_timeout,
+            in_pod=os.environ.get("LOCKSTEP_ROLE") == "trainer",
             on_listening=lambda port: logging.getLogger("lockstep.trainer").info(
                 "listening on %s:%d", args.host, port
             ),

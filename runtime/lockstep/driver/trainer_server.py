@@ -227,11 +227,17 @@ def serve(
     cache_dir: Path | None = None,
     engine_timeout_s: float = 300.0,
     on_listening: Callable[[int], None] | None = None,
+    transport_file: Path | None = None,
+    transport_timeout_s: float = 300.0,
+    in_pod: bool = False,
 ) -> int:
     """Run this rank of a serving trainer group until `shutdown`; returns the exit code (0).
 
-    Every rank: load the policy sharded. Rank 0: wait for at least one engine of `members` to serve,
-    build the trainer side (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until shutdown. Ranks > 0: follow rank 0.
+    Every rank: load the policy sharded. Rank 0: resolve spec.weightSync.transport `auto` from
+    `transport_file` (the operator's choice; in a pod, `in_pod`, waited for up to `transport_timeout_s`;
+    None: the local rule), wait for at least one engine of `members` to serve, build the trainer side
+    (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until
+    shutdown. Ranks > 0: follow rank 0 (they push nothing themselves).
     """
     from lockstep.driver.components import build_backend, check_supported
     from lockstep.driver.settings import settings_from_job
@@ -252,6 +258,8 @@ def serve(
             return 0
         leader = LeaderBackend(backend, group)
         try:
+            if transport_file is not None:
+                job = _resolve_transport(job, transport_file, timeout_s=transport_timeout_s, in_pod=in_pod)
             return _serve_rank0(
                 job, leader, model_dir, out, members, host, port, engine_timeout_s, on_listening
             )
@@ -259,6 +267,15 @@ def serve(
             leader.release_followers()
     finally:
         backend.close()
+
+
+def _resolve_transport(job: RLJob, path: Path, *, timeout_s: float, in_pod: bool) -> RLJob:
+    """`job` with spec.weightSync.transport resolved (lockstep.driver.transports); logs the choice."""
+    from lockstep.driver.transports import wait_for_transport, with_transport
+
+    found = wait_for_transport(job, path, in_pod=in_pod, timeout_s=timeout_s)
+    log.info("weight transport %s, chosen by the %s: %s", found.transport, found.source, found.reason)
+    return with_transport(job, found.transport)
 
 
 def _serve_rank0(

@@ -28,17 +28,29 @@ version too (from-disk: a full reload; disk-delta: a caught-up copy; broadcast: 
 group), p2p and cuda-ipc refuse a changed set with an error naming the fix, and each push reports
 `weights_engines`.
 
-Who calls it: lockstep.driver.components (`check_transport` before engines start) and
-lockstep.driver.trainer.build_trainer_parts (`build_transport` once engines are ready).
+In a cluster `auto` is not decided here: the operator's WeightChannel picks the transport from the
+nodes the pods landed on and writes it into the job's config ConfigMap (lockstep.api.transport_choice,
+/etc/lockstep/transport.json in a rank pod). `resolve_transport` (pure) and `wait_for_transport`
+(waits for that file with an injected clock) turn `auto` into the channel's choice on rank 0 of
+`lockstep trainer --serve`; an explicit transport in the spec always wins, and outside a pod a missing
+file means the one-machine rule above.
+
+Who calls it: lockstep.driver.components (`check_transport` before engines start),
+lockstep.driver.trainer.build_trainer_parts (`build_transport` once engines are ready) and
+lockstep.driver.trainer_server (`wait_for_transport`, `with_transport` on rank 0).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from lockstep.api.transport_choice import TransportChoice, load_transport_choice
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +73,83 @@ FIELD = "spec.weightSync.transport"
 
 MODEL_FILES = ("config.json", "tiny_tokenizer.json", "chat_template.jinja")
 """Non-weight files a from-disk version directory carries so an engine can load it alone."""
+
+
+LOCAL_RULE = "auto: from-disk (no transport file from the operator; one machine shares a disk)"
+"""The reason logged when `auto` falls back to the one-machine rule."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportResolution:
+    """What spec.weightSync.transport means for this process, and why."""
+
+    transport: str
+    """The transport to build: a named one, or `auto` for the one-machine rule (from-disk)."""
+    source: Literal["spec", "operator", "local"]
+    """Who decided: the spec (explicit), the operator (the transport file), the local rule."""
+    reason: str
+    """One line saying why (the operator's reason for `operator`)."""
+
+
+class TransportNotChosen(TimeoutError):
+    """In a trainer pod with `auto`, the operator's transport file did not appear in time."""
+
+
+def resolve_transport(
+    requested: str, choice: TransportChoice | None, *, in_pod: bool
+) -> TransportResolution | None:
+    """The resolution rule (pure): explicit wins; `auto` + a file -> the file's transport; `auto`
+    without a file -> the local rule outside a pod, None (keep waiting) in a trainer pod."""
+    if requested != "auto":
+        return TransportResolution(requested, "spec", f"{FIELD} is {requested}")
+    if choice is not None:
+        return TransportResolution(choice.transport, "operator", choice.reason)
+    if in_pod:
+        return None
+    return TransportResolution("auto", "local", LOCAL_RULE)
+
+
+def wait_for_transport(
+    job: RLJob,
+    path: Path,
+    *,
+    in_pod: bool,
+    timeout_s: float,
+    poll_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> TransportResolution:
+    """`resolve_transport` for `job`, reading `path` until it decides (in a pod: up to `timeout_s`).
+
+    An explicit transport never reads the file. A file that does not validate raises
+    lockstep.api.TransportFileError naming it; no file in a pod after `timeout_s` raises
+    TransportNotChosen naming the file and the WeightChannel to look at.
+    """
+    requested = str(job.spec.weight_sync.transport)
+    deadline = clock() + timeout_s
+    while True:
+        choice = None if requested != "auto" else load_transport_choice(path)
+        found = resolve_transport(requested, choice, in_pod=in_pod)
+        if found is not None:
+            return found
+        if clock() >= deadline:
+            raise TransportNotChosen(
+                f"{FIELD} is auto and {path} did not appear within {timeout_s:.0f} s: the operator writes it "
+                f"once the WeightChannel {job.metadata.name}-weights has status.transport (kubectl get wch); "
+                "check that channel's reason, or set the transport explicitly"
+            )
+        sleep(poll_s)
+
+
+def with_transport(job: RLJob, transport: str) -> RLJob:
+    """A copy of `job` whose spec.weightSync.transport is `transport` (validated like the manifest)."""
+    from lockstep.api import RLJob as Job
+
+    if str(job.spec.weight_sync.transport) == transport:
+        return job
+    wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    wire["spec"]["weightSync"]["transport"] = transport
+    return Job.model_validate(wire)
 
 
 def needs_tensor_updates(job: RLJob) -> bool:
