@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from lockstep.api import TRANSPORT_KEY, TransportChoice
 
 from e2e.controlplane.cluster import ControlPlane
 from e2e.controlplane.nodes import NodePool
@@ -374,6 +375,12 @@ def test_transport_choice_per_topology(
         cluster, namespace, "rljob", job, lambda s: s.get("transport"), "transport folded into the job"
     )
     assert job_status["transport"] == expected and job_status["transportReason"] == st["reason"]
+    # The ranks learn it from the job's config ConfigMap (transport.json next to job.yaml), written in
+    # the same pass that folded it into the job status; parsed by the runtime's own reader.
+    data = cluster.get("configmap", f"{job}-config", "-n", namespace)["data"]
+    choice = TransportChoice.model_validate_json(data[TRANSPORT_KEY])
+    assert (choice.transport, choice.reason) == (expected, st["reason"]), data[TRANSPORT_KEY]
+    assert "job.yaml" in data
     delete_and_wait(cluster, namespace, job)
     if case == "disk-delta":
         cluster.kubectl("delete", "node", "lsop-split-0", "lsop-split-1", "--wait=false")

@@ -212,7 +212,7 @@ async def reconcile_job(
         stopped = previous.phase.value if terminal and previous and previous.phase else ""
         await _apply_children(kube, owner, spec, suspended=spec.suspend, stopped=stopped)
         await _ensure_driver(kube, owner, spec, settings, run=not spec.suspend and not terminal)
-    observed = await _observe(kube, namespace, name, gang_problem)
+    observed = await _observe(kube, namespace, name, gang_problem, channel)
     status = job_status(spec, observed, previous, generation=generation, now=now)
     await write_status(kube, body, previous, status)
     return status.phase
@@ -354,11 +354,14 @@ async def _ensure_driver(
         await kube.delete("v1", "Pod", owner.namespace, driver_name(job))
 
 
-async def _observe(kube: KubeClient, namespace: str, job: str, gang_problem: str | None) -> JobObserved:
-    pool, trainer, channel, progress_cm, driver = await asyncio.gather(
+async def _observe(
+    kube: KubeClient, namespace: str, job: str, gang_problem: str | None, channel: Manifest | None
+) -> JobObserved:
+    """The children and the progress channel. `channel` is the WeightChannel read before the config
+    ConfigMap was applied: status.transport on the job then always matches its transport.json."""
+    pool, trainer, progress_cm, driver = await asyncio.gather(
         kube.get(API_VERSION, "RolloutPool", namespace, pool_name(job)),
         kube.get(API_VERSION, "TrainerGroup", namespace, trainer_name(job)),
-        kube.get(API_VERSION, "WeightChannel", namespace, channel_name(job)),
         kube.get("v1", "ConfigMap", namespace, progress_name(job)),
         kube.get("v1", "Pod", namespace, driver_name(job)),
     )
