@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,8 +57,18 @@ def summarise(rows: list[dict[str, Any]], wall_s: float, cpu_s: float) -> dict[s
     evals = {r["step"]: r["reward_mean"] for r in rows if r["kind"] == "eval"}
     init = [r["reward_mean"] for r in rows if r["kind"] == "eval_init"]
     diffs = [r["train_rollout_logprob_abs_diff"] for r in train]
-    start = statistics.mean(r["reward_mean"] for r in train[:START_WINDOW])
-    end = statistics.mean(r["reward_mean"] for r in train[-END_WINDOW:])
+    rewards = [r["reward_mean"] for r in train]
+    start = statistics.mean(rewards[:START_WINDOW])
+    end = statistics.mean(rewards[-END_WINDOW:])
+    # First RL step at which the mean of the END_WINDOW steps ending there reaches the goal.
+    reached = next(
+        (
+            i
+            for i in range(END_WINDOW, len(rewards) + 1)
+            if statistics.mean(rewards[i - END_WINDOW : i]) >= END_GOAL
+        ),
+        None,
+    )
     return {
         "wall_s": round(wall_s, 1),
         "wall_over_budget": round(wall_s / BUDGET_S, 3),
@@ -70,6 +81,7 @@ def summarise(rows: list[dict[str, Any]], wall_s: float, cpu_s: float) -> dict[s
         "rl_end_reward": round(end, 4),
         "rl_end_over_goal": round(end / END_GOAL, 3),
         "rl_end_ok": end >= END_GOAL,
+        "rl_step_goal_first_reached": reached,
         "eval_reward_before_training": init[0] if init else None,
         "eval_reward_rl_start": evals.get(0),
         "eval_reward_end": evals[max(evals)] if evals else None,
@@ -77,21 +89,47 @@ def summarise(rows: list[dict[str, Any]], wall_s: float, cpu_s: float) -> dict[s
         "logprob_abs_diff_steps_reported": sum(d is not None for d in diffs),
         "logprob_abs_diff_median": statistics.median(diffs),
         "logprob_abs_diff_max": max(diffs),
-        "train_rewards": [r["reward_mean"] for r in train],
+        "train_rewards": rewards,
     }
 
 
-def run_once(manifest: Path, run_dir: Path) -> tuple[list[dict[str, Any]], float, float]:
-    """Run `lockstep run manifest` into a fresh run_dir; returns (metrics rows, wall s, CPU s)."""
+class LoadSampler:
+    """Samples the 1-minute load average every `period_s` while a run is going (the machine is shared)."""
+
+    def __init__(self, period_s: float = 5.0) -> None:
+        self.period_s = period_s
+        """Seconds between samples."""
+        self.samples: list[float] = []
+        """1-minute load averages seen so far."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_once(manifest: Path, run_dir: Path) -> tuple[list[dict[str, Any]], float, float, list[float]]:
+    """Run `lockstep run manifest` into a fresh run_dir; returns (metrics rows, wall s, CPU s, loads)."""
     cmd = [str(Path(sys.executable).with_name("lockstep")), "run", str(manifest), "--run-dir", str(run_dir)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    subprocess.run(cmd, check=True)
+    with LoadSampler() as load:
+        subprocess.run(cmd, check=True)
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     text = (run_dir / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()], wall, cpu
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows, wall, cpu, load.samples
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -103,8 +141,9 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Command: `.venv/bin/python bench/trainer_tiny_run.py --repeat {len(runs)} --out bench/results` "
         "(runs the command in a subprocess, same seed each time, and summarises metrics.jsonl). "
-        f"Load average (1 min) before / after: {res['load_before']} / {res['load_after']} "
-        "(a shared machine: wall time grows with the load; CPU time is user + sys of the run).",
+        "The machine is shared: the 1-minute load average is sampled every 5 s during each run (2 cores: "
+        "a load above 2 means the run waited for a core); CPU time is user + sys of the run's process "
+        "(it can exceed the wall time: torch uses both cores, and busy-waits under contention).",
         "",
         "Rewards are exact match (1 for the exactly reversed string, else 0). Train rewards are the sampled "
         "RL batches (T=1); eval is greedy on the 64 held-out prompts. The SFT warm start runs before RL step 1.",
@@ -115,6 +154,7 @@ def markdown(res: dict[str, Any]) -> str:
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("wall time (s) / 600 s budget", lambda r: f"{r['wall_s']} ({r['wall_over_budget']})"),
         ("CPU time (s) / 600 s budget", lambda r: f"{r['cpu_s']} ({r['cpu_over_budget']})"),
+        ("load average during the run: mean, max", lambda r: f"{r['load_mean']}, {r['load_max']}"),
         ("SFT warm-start steps, RL steps", lambda r: f"{r['sft_steps']}, {r['rl_steps']}"),
         (
             f"**RL start**: train reward, mean of RL steps 1-{START_WINDOW} (goal <= {START_GOAL})",
@@ -123,6 +163,10 @@ def markdown(res: dict[str, Any]) -> str:
         (
             f"**RL end**: train reward, mean of the last {END_WINDOW} RL steps (goal >= {END_GOAL})",
             lambda r: f"**{r['rl_end_reward']}** ({r['rl_end_over_goal']} x goal)",
+        ),
+        (
+            f"first RL step whose last-{END_WINDOW} mean reaches {END_GOAL}",
+            lambda r: str(r["rl_step_goal_first_reached"]),
         ),
         ("eval reward before any training (greedy)", lambda r: str(r["eval_reward_before_training"])),
         ("eval reward at RL step 0, after the warm start (greedy)", lambda r: str(r["eval_reward_rl_start"])),
@@ -159,17 +203,17 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs with the same seed (2 checks reproducibility)")
     p.add_argument("--out", type=Path, default=None, help="write trainer_tiny_run_<date>_cpu.md here")
     args = p.parse_args()
-    load_before = round(os.getloadavg()[0], 2)
     runs = []
     for _ in range(args.repeat):
-        rows, wall, cpu = run_once(args.manifest, Path(tempfile.mkdtemp(prefix="lockstep-tiny-run-")))
-        runs.append(summarise(rows, wall, cpu))
-    res: dict[str, Any] = {
+        rows, wall, cpu, loads = run_once(args.manifest, Path(tempfile.mkdtemp(prefix="lockstep-tiny-run-")))
+        one = summarise(rows, wall, cpu)
+        one["load_mean"] = round(statistics.mean(loads), 2) if loads else None
+        one["load_max"] = round(max(loads), 2) if loads else None
+        runs.append(one)
+    out: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(),
         "command": f"lockstep run {args.manifest}",
-        "load_before": load_before,
-        "load_after": round(os.getloadavg()[0], 2),
         "runs": runs,
         "reproducible": all(
             (r["train_rewards"], r["eval_curve"]) == (runs[0]["train_rewards"], runs[0]["eval_curve"])
@@ -182,11 +226,11 @@ def main() -> None:
             if k != "train_rewards":
                 print(f"  {k:34s} {v}")
     if len(runs) > 1:
-        print(f"reproducible (identical per-step rewards and evals): {res['reproducible']}")
+        print(f"reproducible (identical per-step rewards and evals): {out['reproducible']}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"trainer_tiny_run_{res['date']}_cpu.md"
-        path.write_text(markdown(res))
+        path = args.out / f"trainer_tiny_run_{out['date']}_cpu.md"
+        path.write_text(markdown(out))
         print(f"wrote {path}")
 
 
