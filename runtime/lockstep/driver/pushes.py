@@ -123,7 +123,8 @@ class MemberTransport:
         report = transport.push(named_tensors, version)
         self.reached = urls
         report.extra["weights_engines"] = float(len(urls))
-        log.info("version %d pushed (%s) to %d engines: %s", version, self.name, len(urls), ", ".join(urls))
+        # Every step pushes: the engine list is logged at debug (membership changes are logged above).
+        log.debug("version %d pushed (%s) to %d engines: %s", version, self.name, len(urls), ", ".join(urls))
         return report
 
     def close(self) -> None:
