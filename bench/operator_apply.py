@@ -237,9 +237,9 @@ def main() -> int:
     keep = os.environ.get("LOCKSTEP_E2E_KEEP") == "1"
     with ControlPlane(bin_dir=find_binaries(), keep_work_dir=keep) as cp:
         print(f"operator log: {cp.log_dir / 'operator.log'}")
-        for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
             cp.apply(crd.read_text())
-        for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
             cp.kubectl(
                 "wait",
                 "--for=condition=Established",
