@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from lockstep.api.rljob import RLJobSpec
+
 from lockstep_operator.resources.common import Manifest, Owner, gang_name, job_labels, metadata
 from lockstep_operator.resources.pods import Gang
 
@@ -35,6 +37,11 @@ GROUP_API: dict[str, tuple[str, str]] = {
 }
 """(apiVersion, kind) whose presence proves the scheduler is installed; kueue creates Workloads itself."""
 SCHEDULER_NAMES = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+
+
+def gang_min_member(spec: RLJobSpec) -> int:
+    """All trainer rank pods + the pool's min_available engines (one PodGroup holds every member)."""
+    return int(spec.trainer.nodes) + spec.rollout.min_available
 
 
 def group_api(scheduler: Scheduler) -> tuple[str, str] | None:
