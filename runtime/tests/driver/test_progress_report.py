@@ -92,7 +92,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
     def do_PATCH(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append((self.path, self.headers["Content-Type"], dict(self.headers), body))
+        type(self).seen.append((self.path, self.headers["Content-Type"], {k.lower(): v for k, v in self.headers.items()}, body))
         self.send_response(type(self).status)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
@@ -123,7 +123,7 @@ def test_configmap_reporter_sends_a_merge_patch_with_the_token(
     (path, ctype, headers, body) = handler.seen[0]
     assert path == "/api/v1/namespaces/ns1/configmaps/job-progress"
     assert ctype == "application/merge-patch+json"
-    assert headers["Authorization"] == "Bearer secret-token"
+    assert headers["authorization"] == "Bearer secret-token"  # header names are case-insensitive
     assert json.loads(body["data"][PROGRESS_KEY])["weightVersion"] == 4
     assert rep.failures == 0
 
