@@ -4,16 +4,12 @@ Why it exists: an RLJob is the user's whole request; this turns it into owned ch
 what they and the driver report back into one status. Ordered, idempotent steps (server-side apply,
 deterministic names), so a reconcile killed halfway and run again creates no duplicates:
 1. parse the spec (a bad spec fails the job with the validation message);
-2. ConfigMaps (rendered runtime config plus the WeightChannel's transport choice once it has one,
-   empty progress channel) and the driver's narrow RBAC;
-3. gang scheduling: check the scheduler's API is served (else Admitted=False and stop here), apply
-   the PodGroup;
-4. RolloutPool, TrainerGroup, WeightChannel (annotations carry suspend/stop, gang size, restart limit,
-   colocation); pool spec.replicas is written only at creation and when the job's
-   rollout.replicas changes, so /scale (HPA, KEDA, the built-in autoscaler) keeps control;
+2. ConfigMaps (job.yaml, the channel's transport choice, the empty progress channel), driver RBAC;
+3. gang: the scheduler's API must be served (else Admitted=False and stop), apply the PodGroup;
+4. RolloutPool, TrainerGroup, WeightChannel (resources.children); the pool is created with
+   spec.replicas and later only re-applied without it, so /scale keeps control;
 5. the driver pod (deleted while suspended; replaced when its pod-template hash changed);
 6. observe children + progress, compute the status (status.job_status), write it once if changed.
-
 Who calls it: lockstep_operator.handlers, for kopf events of the RLJob and of its children.
 """
 

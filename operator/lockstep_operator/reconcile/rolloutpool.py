@@ -2,19 +2,14 @@
 
 Why it exists: the pool is the scaling unit of rollout. Its pods have stable names (like a
 StatefulSet), so a reconcile that dies halfway and runs again finds and keeps what exists. Steps:
-1. router Service (ClusterIP over the pool's Ready engine pods) and the headless engines Service (every
-   engine, ready or not: the driver asks each for its weight version);
-2. replace failed engines (delete Failed pods; they are recreated below once gone);
-3. remove replicas above the desired count (0 while suspended or stopped), create missing ones;
-   replicas below the gang's minimum carry the gang-member keys; replace engines whose pod-template
-   hash differs from a fresh rendering (the spec changed) one at a time (lockstep_operator.policy.roll);
-4. the built-in autoscaler (spec.autoscaling set, not handed to HPA/KEDA with the
-   rl.lockstep.dev/autoscaler=external annotation): record the driver's queue sample once per step,
-   ask lockstep_operator.policy.autoscale.decide_replicas, patch spec.replicas (the /scale field);
-5. the readiness gate of each engine pod (condition rl.lockstep.dev/weights-current: the driver reports
-   it at the current weight version, status.weights_current), then the status: per-engine readiness
-   and weight version (from the progress channel), selector for /scale.
-
+1. router Service (Ready engines) and the headless engines Service (every engine, ready or not);
+2. delete Failed and surplus engines (0 while suspended or stopped), create missing ones (rendered by
+   resources.engines; replicas below min_available are gang members), roll stale ones one at a
+   time (policy.roll);
+3. the built-in autoscaler unless annotated external: record the driver's queue sample once per
+   step, ask policy.autoscale.decide_replicas, patch spec.replicas (the /scale field);
+4. each engine's readiness gate (rl.lockstep.dev/weights-current, from the progress report), then the
+   status: per-engine readiness and weight version, selector for /scale.
 Who calls it: lockstep_operator.handlers (pool events, engine pod events, the periodic re-check).
 """
 
