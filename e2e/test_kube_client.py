@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,16 +210,17 @@ def _throwaway_client_pair(tmp: Path) -> tuple[bytes, bytes]:
     return out
 
 
-def _files_containing(root: str, needle: bytes) -> list[str]:
-    """Regular files up to 64 KiB under `root` (key files are small) that contain `needle`."""
+def _files_containing(root: str, needle: bytes, since: float) -> list[str]:
+    """Regular files directly in `root` (where mkstemp and NamedTemporaryFile write), changed since
+    `since`, up to 64 KiB (key files are small), that contain `needle`."""
     found = []
-    for base, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(base, name)
+    with os.scandir(root) as entries:
+        for entry in entries:
             try:
-                st = os.lstat(path)
-                if stat.S_ISREG(st.st_mode) and st.st_size <= 65536 and needle in Path(path).read_bytes():
-                    found.append(path)
+                st = entry.stat(follow_symlinks=False)
+                fresh = stat.S_ISREG(st.st_mode) and st.st_mtime >= since and st.st_size <= 65536
+                if fresh and needle in Path(entry.path).read_bytes():
+                    found.append(entry.path)
             except OSError:
                 continue
     return found
@@ -226,6 +228,7 @@ def _files_containing(root: str, needle: bytes) -> list[str]:
 
 async def test_inline_client_keys_never_reach_tmp(cluster: ControlPlane, tmp_path: Path) -> None:
     """Inline kubeconfig keys are held in memory files; the old client left them in /tmp for good."""
+    since = time.time() - 1
     key, cert = _throwaway_client_pair(tmp_path)
     marker = key.splitlines()[1]  # a line of the key's base64 body
     config = yaml.safe_load(cluster.kubeconfig.read_text())
@@ -244,6 +247,6 @@ async def test_inline_client_keys_never_reach_tmp(cluster: ControlPlane, tmp_pat
     creds = await load_credentials(str(path))
     async with KubeClient(creds) as kube:  # TLS with that client certificate; authenticated by the token
         assert await kube.get("v1", "Namespace", None, "default") is not None
-        assert _files_containing(tempfile.gettempdir(), marker) == []
+        assert _files_containing(tempfile.gettempdir(), marker, since) == []
     creds.close()
-    assert _files_containing(tempfile.gettempdir(), marker) == []
+    assert _files_containing(tempfile.gettempdir(), marker, since) == []
