@@ -250,3 +250,30 @@ async def test_inline_client_keys_never_reach_tmp(cluster: ControlPlane, tmp_pat
         assert _files_containing(tempfile.gettempdir(), marker, since) == []
     creds.close()
     assert _files_containing(tempfile.gettempdir(), marker, since) == []
+
+
+def test_operator_watches_and_reconciles_through_an_exec_plugin(
+    cluster: ControlPlane, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf's watches and the reconciles both log in through the exec plugin (one credential loader)."""
+    from kopf.testing import KopfRunner
+
+    for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
+        cluster.apply(crd.read_text())
+    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rl.lockstep.dev", "--timeout=60s")
+    path, runs = _exec_kubeconfig(cluster, tmp_path, expires=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    job = yaml.safe_load((ROOT / "examples" / "tiny-local.yaml").read_text())
+    job["metadata"] = {"name": "viaexec"}
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "lockstep_operator.handlers"]
+    with KopfRunner(args, timeout=60):
+        cluster.apply(job, namespace=namespace)
+        cluster.wait_for(
+            lambda: (
+                cluster.kubectl("get", "configmap", "viaexec-config", "-n", namespace, check=False).returncode
+                == 0
+            ),
+            timeout=60,
+            what="the job's config ConfigMap, applied by an operator logged in through the exec plugin",
+        )
+    assert runs.read_text().count("run") >= 1
