@@ -153,7 +153,7 @@ async def direct(kube: KubeClient, manifests: list[dict[str, Any]], concurrency:
 
 
 async def scenarios(cp: ControlPlane, op_pid: int, runs: int, jobs: int) -> None:
-    async with KubeClient(load_credentials(str(cp.kubeconfig))) as kube:
+    async with KubeClient(await load_credentials(str(cp.kubeconfig))) as kube:
         ns = "bench"
         await kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         while not await kube.list("v1", "ServiceAccount", ns):

@@ -19,7 +19,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "LOCKSTEP_OPERATOR_"
-GROUP = "rl.lockstep.dev"
 FIELD_MANAGER = "lockstep-operator"
 
 

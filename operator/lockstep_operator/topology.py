@@ -1,23 +1,13 @@
 """Topology: which weight transport fits the nodes a job's pods landed on, with a one-line reason.
 
 Why it exists: how a new policy version travels from the trainer to the rollout engines depends only on
-what the two sides share (seed §7.2.5): the same GPUs (cuda-ipc), a high-speed RDMA fabric (p2p), an
-ordinary network (broadcast) or only a shared volume (disk-delta). The transport changes the cost of a
-sync, never the policy semantics, so picking it is a pure decision over observed facts.
-
-Who calls it: `lockstep_operator.reconcile.weightchannel` builds `NodeFacts` from the Node objects under
-the trainer and engine pods and writes the `Decision` into WeightChannel status (transport + reason).
-Also `pick_clique`, used by the TrainerGroup reconcile to pack ranks into one NVLink domain.
-
-Rules (the issue's, in order):
-1. colocated (trainer and engines time-share the same GPUs) -> cuda-ipc;
-2. both sides on one network, RDMA resources on every node of both sides, >= 2 nodes per side -> p2p;
-3. both sides on one network without that -> broadcast (NCCL over the pod network);
-4. no shared network but a shared ReadWriteMany volume -> disk-delta;
-5. otherwise nothing is feasible: the decision says why.
-An explicit transport in the spec wins when it is feasible; otherwise the automatic choice is used and
-`Decision.override_rejected` says why the request could not be honoured (the reconcile turns it into a
-condition).
+what the two sides share (seed §7.2.5): the same GPUs (cuda-ipc), an RDMA fabric on >= 2 nodes per
+side (p2p), an ordinary network (broadcast) or only a shared volume (disk-delta). The transport changes
+the cost of a sync, never the policy semantics, so picking it is a pure decision over observed facts;
+an explicit transport wins when feasible, else `Decision.override_rejected` says why (the rules in
+order: docs/operator.md, "Weight transport"). Also `pick_clique`, which packs trainer ranks into one
+NVLink domain. Called by reconcile.weightchannel (NodeFacts from the Node objects under the pods) and
+reconcile.placement.
 """
 
 from __future__ import annotations

@@ -15,13 +15,15 @@ import yaml
 from lockstep.api.rljob import Autoscaling, RLJob
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep.api.trainergroup import TrainerGroupSpec
-from lockstep_operator.reconcile.rljob import child_manifests, driver_manifest, gang_min_member
-from lockstep_operator.reconcile.rolloutpool import engine_manifest
-from lockstep_operator.reconcile.trainergroup import rank_manifest
 from lockstep_operator.resources import config, podgroups
+from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
+from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.engines import engine_manifest
 from lockstep_operator.resources.network import trainer_network_policy
+from lockstep_operator.resources.podgroups import gang_min_member
 from lockstep_operator.resources.pods import rank_env, selector_labels
+from lockstep_operator.resources.ranks import rank_manifest
 from lockstep_operator.resources.services import engines_service, headless_service
 
 GOLDEN = Path(__file__).parent / "golden"

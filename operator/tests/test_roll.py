@@ -15,13 +15,14 @@ import yaml
 from lockstep.api.rljob import RLJob, RLJobSpec
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep.api.trainergroup import TrainerGroupSpec
-from lockstep_operator.reconcile.rljob import child_manifests, driver_manifest, run_config_hash
-from lockstep_operator.reconcile.rolloutpool import engine_manifest
+from lockstep_operator.policy.roll import EngineState, engines_to_roll
 from lockstep_operator.reconcile.status import condition, trainer_status
-from lockstep_operator.reconcile.trainergroup import rank_manifest
+from lockstep_operator.resources.children import child_manifests, run_config_hash
 from lockstep_operator.resources.common import Owner
+from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.engines import engine_manifest
 from lockstep_operator.resources.pods import template_hash_of
-from lockstep_operator.roll import EngineState, engines_to_roll
+from lockstep_operator.resources.ranks import rank_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OWNER = Owner(api_version="rl.lockstep.dev/v1alpha1", kind="RLJob", name="j", uid="u", namespace="ns")

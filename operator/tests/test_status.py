@@ -156,7 +156,7 @@ def test_pool_engine_ready_only_at_the_current_version() -> None:
         selector="a=b",
         current_version=3,
         engine_versions={"p-0": 3, "p-1": 2},
-        min_replicas=2,
+        min_available=2,
         previous=None,
         generation=1,
         now=T0,
@@ -172,7 +172,7 @@ def test_pool_engine_ready_only_at_the_current_version() -> None:
         selector="a=b",
         current_version=None,
         engine_versions={},
-        min_replicas=1,
+        min_available=1,
         previous=None,
         generation=1,
         now=T0,
@@ -183,7 +183,7 @@ def test_pool_engine_ready_only_at_the_current_version() -> None:
         selector="a=b",
         current_version=3,
         engine_versions={},
-        min_replicas=1,
+        min_available=1,
         previous=None,
         generation=1,
         now=T0,
@@ -264,7 +264,7 @@ def test_engine_versions_keyed_by_address_gate_the_engines() -> None:
     verdicts = [weights_current(p, 5, {}, addresses) for p in pods]
     assert [v[0] for v in verdicts] == [True, False, False]
     assert "holds 4" in verdicts[1][1] and "not reported" in verdicts[2][1]  # p-2: new or unreachable
-    st = pool_status(pods, selector="a=b", current_version=5, engine_versions={}, min_replicas=1,
+    st = pool_status(pods, selector="a=b", current_version=5, engine_versions={}, min_available=1,
                      previous=None, generation=1, now=T0, address_versions=addresses)  # fmt: skip
     assert st.ready_replicas == 1 and [e.weight_version for e in st.engines] == [5, 4, None]
     # A name-keyed entry wins over the address (both are the driver's word for the same engine).

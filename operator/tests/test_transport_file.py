@@ -20,10 +20,11 @@ from lockstep.api import DEFAULT_TRANSPORT_FILE, TRANSPORT_KEY, load_transport_c
 from lockstep.api.rljob import RLJob
 from lockstep.api.trainergroup import TrainerGroupSpec
 from lockstep.api.weightchannel import WeightChannelStatus
-from lockstep_operator.reconcile.rljob import child_manifests, gang_min_member
-from lockstep_operator.reconcile.trainergroup import rank_manifest
 from lockstep_operator.resources import config
+from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
+from lockstep_operator.resources.podgroups import gang_min_member
+from lockstep_operator.resources.ranks import rank_manifest
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example/lockstep-runtime:test"

@@ -1,38 +1,41 @@
-"""A small async Kubernetes client: server-side apply, get, list, delete, status patches.
+"""The operator's Kubernetes client: server-side apply, create, get, list, delete, merge patch, discovery.
 
-Why it exists: kopf watches and calls handlers, but creating children needs a client. The official
-client is large and sync; the operator needs a handful of verbs on a known set of kinds, done the
-level-triggered way (server-side apply with one field manager, so re-applying is idempotent and two
-operator replicas never fight over fields). Built on aiohttp (already a kopf dependency).
+Why it exists: the reconciles need a handful of verbs on a known set of kinds, done the level-triggered
+way (server-side apply with our field manager and force: the operator owns these fields, and two
+replicas never fight over them). Credentials and transport are the maintained `kubernetes` client's
+asyncio API (`kubernetes.aio`, on aiohttp like kopf): kubeconfig with exec credential plugins, or
+in-cluster with the ServiceAccount token re-read per request (lockstep.kube); every call is retried on
+429/5xx and on no answer, honouring Retry-After (lockstep.kube.RetryPolicy). Key material inline in a
+kubeconfig goes into anonymous memory files (memfd), never into /tmp. Credentials are never logged.
 
-Who calls it: `lockstep_operator.reconcile.*` (through `KubeClient`), the e2e tests and the bench
-scripts. Credentials come from $KUBECONFIG (token, client certificate, CA) or the in-cluster service
-account; they are never logged.
+Who calls it: the reconciles, the handlers (kopf's login gets the same credentials), e2e tests, bench.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
+import logging
 import os
-import ssl
-import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
 import aiohttp
-import yaml
+from kubernetes.aio.client import ApiClient, Configuration
+from kubernetes.aio.config import kube_config
+from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, in_cluster, use_token_file
 
 from lockstep_operator import metrics
 from lockstep_operator.settings import FIELD_MANAGER
 
 Manifest = dict[str, Any]
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+log = logging.getLogger("lockstep_operator.k8s")
 
 # apiVersion-independent kind -> (plural, namespaced). Only the kinds the operator touches.
 KINDS: dict[str, tuple[str, bool]] = {
@@ -53,12 +56,18 @@ KINDS: dict[str, tuple[str, bool]] = {
     "WeightChannel": ("weightchannels", True),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
 }
+# Inline key material of a kubeconfig user/cluster -> the file key the library reads instead.
+INLINE_FILES = {
+    "client-certificate-data": "client-certificate",
+    "client-key-data": "client-key",
+    "certificate-authority-data": "certificate-authority",
+}
 
 
 class ApiError(Exception):
     """A non-2xx answer of the API server."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, retry_after: str | None = None) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         """HTTP status code (404 not found, 409 conflict, ...)."""
@@ -66,68 +75,77 @@ class ApiError(Exception):
         """Kubernetes Status.reason (NotFound, AlreadyExists, ...)."""
         self.message = message
         """Kubernetes Status.message."""
+        self.retry_after = retry_after
+        """The Retry-After header, if the server sent one."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class Credentials:
-    """Where and how to reach the API server (never logged)."""
+    """A loaded `kubernetes.aio` Configuration plus the memory files holding its key material."""
 
-    server: str
-    """https://host:port of the API server."""
-    token: str | None
-    """Bearer token, if any."""
-    ssl_context: ssl.SSLContext | bool
-    """TLS settings: a context with the CA (and client cert), or False to skip verification."""
+    configuration: Configuration
+    """Server, TLS and the bearer token (refreshed per request by its hook)."""
+    memory_fds: list[int] = field(default_factory=list)
+    """memfd descriptors behind /proc/self/fd/N paths in the configuration (closed by close())."""
+
+    def close(self) -> None:
+        """Release the memory files (after every client built from these credentials is closed)."""
+        for fd in self.memory_fds:
+            os.close(fd)
+        self.memory_fds.clear()
 
 
-def load_credentials(kubeconfig: str | None = None) -> Credentials:
-    """From the given kubeconfig, else $KUBECONFIG, else the in-cluster service account, else ~/.kube/config."""
+async def load_credentials(
+    kubeconfig: str | None = None, *, sa_dir: Path = SERVICE_ACCOUNT_DIR
+) -> Credentials:
+    """From `kubeconfig`, else $KUBECONFIG, else the in-cluster ServiceAccount, else ~/.kube/config."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
-    if not path and (SA_DIR / "token").exists():
-        host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
-        ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
-        return Credentials(f"https://{host}:{port}", (SA_DIR / "token").read_text().strip(), ctx)
-    path = path or str(Path.home() / ".kube" / "config")
-    config = yaml.safe_load(Path(path.split(os.pathsep)[0]).read_text())
-    current = config.get("current-context") or config["contexts"][0]["name"]
-    context = next(c["context"] for c in config["contexts"] if c["name"] == current)
-    cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
-    user: dict[str, Any] = next(
-        (u["user"] for u in config.get("users", []) if u["name"] == context.get("user")), {}
-    )
-    return Credentials(cluster["server"], _token(user), _ssl_context(cluster, user, Path(path).parent))
+    configuration = Configuration()
+    if not path and (sa_dir / "token").exists():
+        in_cluster(configuration, sa_dir=sa_dir)
+        return Credentials(configuration)
+    merger = kube_config.KubeConfigMerger(path or str(Path.home() / ".kube" / "config"))  # type: ignore[no-untyped-call]
+    if merger.config is None:
+        raise ValueError(f"no kubeconfig at {path or '~/.kube/config'}: set KUBECONFIG or run in a pod")
+    fds = _inline_files_to_memory(merger.config.value)
+    loader = kube_config.KubeConfigLoader(config_dict=merger.config, config_base_path=None)  # type: ignore[no-untyped-call]
+    await loader.load_and_set(configuration)  # type: ignore[no-untyped-call]
+    user = loader._user  # the active context's user section (None without one)
+    if user is not None and "tokenFile" in user and "token" not in user:
+        base = loader._get_base_path(user.path)  # type: ignore[no-untyped-call]
+        use_token_file(configuration, Path(base) / user["tokenFile"])
+    elif user is not None and "exec" in user:
+        configuration.refresh_api_key_hook = _exec_refresh(loader)  # type: ignore[assignment]
+    return Credentials(configuration, fds)
 
 
-def _token(user: Mapping[str, Any]) -> str | None:
-    if user.get("token"):
-        return str(user["token"])
-    if user.get("tokenFile"):
-        return Path(user["tokenFile"]).read_text().strip()
-    return None
+def _inline_files_to_memory(config: dict[str, Any]) -> list[int]:
+    """Replace inline base64 key material with /proc/self/fd/N paths of memfd files (Linux), so the
+    library never writes a client key to a temp file. Elsewhere the library's temp files stay."""
+    if not hasattr(os, "memfd_create"):
+        return []
+    fds: list[int] = []
+    for item, section in (("users", "user"), ("clusters", "cluster")):
+        for entry in config.get(item) or []:
+            body = (entry.value if hasattr(entry, "value") else entry).get(section) or {}
+            for data_key, file_key in INLINE_FILES.items():
+                if body.get(data_key):
+                    fd = os.memfd_create(file_key, os.MFD_CLOEXEC)
+                    os.write(fd, base64.b64decode(body.pop(data_key)))
+                    fds.append(fd)
+                    body[file_key] = f"/proc/self/fd/{fd}"
+    return fds
 
 
-def _materialize(data_b64: str) -> str:
-    # ssl wants files; inline kubeconfig data goes to a private temp file.
-    with tempfile.NamedTemporaryFile("wb", suffix=".pem", delete=False) as handle:
-        handle.write(base64.b64decode(data_b64))
-    return handle.name
+def _exec_refresh(loader: Any) -> Callable[[Configuration], Awaitable[None]]:
+    """A hook running the exec credential plugin again once its token expired (when it said when)."""
 
+    async def refresh(configuration: Configuration) -> None:
+        if hasattr(loader, "exec_plugin_expiry"):  # the library re-runs the plugin only when expired
+            await loader.load_from_exec_plugin()
+            configuration.api_key["BearerToken"] = loader.token
 
-def _ssl_context(cluster: Mapping[str, Any], user: Mapping[str, Any], base: Path) -> ssl.SSLContext | bool:
-    if cluster.get("insecure-skip-tls-verify"):
-        return False
-    ca = cluster.get("certificate-authority")
-    if cluster.get("certificate-authority-data"):
-        ca = _materialize(cluster["certificate-authority-data"])
-    ctx = ssl.create_default_context(cafile=str(base / ca) if ca else None)
-    cert, key = user.get("client-certificate"), user.get("client-key")
-    if user.get("client-certificate-data"):
-        cert = _materialize(user["client-certificate-data"])
-    if user.get("client-key-data"):
-        key = _materialize(user["client-key-data"])
-    if cert and key:
-        ctx.load_cert_chain(str(base / cert), str(base / key))
-    return ctx
+    return refresh
 
 
 def api_prefix(api_version: str) -> str:
@@ -145,12 +163,29 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     return path + (f"/{quote(name)}" if name else "")
 
 
-class KubeClient:
-    """Async client; use `async with KubeClient(credentials) as kube:`."""
+def manifest_path(manifest: Mapping[str, Any], *, named: bool = True) -> str:
+    """The REST path of `manifest` (of its collection with named=False)."""
+    meta = manifest["metadata"]
+    name = meta["name"] if named else None
+    return resource_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), name)
 
-    def __init__(self, credentials: Credentials, *, apply_cache_ttl_s: float = 60.0) -> None:
-        self._creds = credentials
-        self._session: aiohttp.ClientSession | None = None
+
+class KubeClient:
+    """Async client; use `async with KubeClient(await load_credentials()) as kube:`."""
+
+    def __init__(
+        self,
+        credentials: Credentials,
+        *,
+        retry: RetryPolicy = RetryPolicy(),
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        timeout_s: float = 60.0,
+        apply_cache_ttl_s: float = 60.0,
+    ) -> None:
+        self.credentials = credentials
+        """What this client authenticates with (kopf's login reads the same)."""
+        self._api: ApiClient | None = None
+        self._retry, self._sleep, self._timeout = retry, sleep, aiohttp.ClientTimeout(total=timeout_s)
         self._applied: dict[tuple[str, str, str, str], tuple[str, float]] = {}
         self._ttl = apply_cache_ttl_s
         self.requests = 0
@@ -161,9 +196,7 @@ class KubeClient:
         status writes: a parent's apply to a child (suspend, stop annotations) must wake the child."""
 
     async def __aenter__(self) -> KubeClient:
-        headers = {"Authorization": f"Bearer {self._creds.token}"} if self._creds.token else {}
-        connector = aiohttp.TCPConnector(ssl=self._creds.ssl_context, limit=32)
-        self._session = aiohttp.ClientSession(self._creds.server, headers=headers, connector=connector)
+        self._api = ApiClient(self.credentials.configuration)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -171,9 +204,9 @@ class KubeClient:
 
     async def close(self) -> None:
         """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._api is not None:
+            await self._api.close()  # type: ignore[no-untyped-call]
+            self._api = None
 
     async def request(
         self,
@@ -184,28 +217,53 @@ class KubeClient:
         content_type: str = "application/json",
         params: Mapping[str, str] | None = None,
     ) -> Manifest:
-        """One API call; returns the decoded JSON body; raises ApiError on a non-2xx answer."""
-        assert self._session is not None, "use `async with KubeClient(...)`"
+        """One API call, retried per the policy; the decoded JSON body; ApiError on a non-2xx answer."""
         self.requests += 1
         metrics.API_REQUESTS.labels(method).inc()
-        data = None if body is None else json.dumps(body)
-        headers = {"Content-Type": content_type} if data is not None else {}
-        async with self._session.request(method, path, data=data, headers=headers, params=params) as resp:
-            text = await resp.text()
-            if resp.status >= 300:
-                try:
-                    status = json.loads(text)
-                except ValueError:
-                    status = {"reason": resp.reason or "", "message": text[:500]}
-                raise ApiError(resp.status, str(status.get("reason", "")), str(status.get("message", "")))
-            answer = cast(Manifest, json.loads(text)) if text else {}
-            if method == "PATCH" and path.endswith("/status") and isinstance(answer.get("metadata"), dict):
-                meta = answer["metadata"]
-                key = (str(answer.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", "")))
-                if len(self.written) > 16384:
-                    self.written.clear()
-                self.written[key] = str(meta.get("resourceVersion", ""))
-            return answer
+        attempt = 1
+        while True:
+            try:
+                answer = await self._once(method, path, body, content_type, params)
+            except ApiError as err:
+                delay = self._retry.delay(attempt, err.status, err.retry_after)
+                if delay is None:
+                    raise
+                log.info("%s %s answered %d; retry %d in %.1fs", method, path, err.status, attempt, delay)
+            except (aiohttp.ClientError, TimeoutError, OSError) as err:
+                delay = self._retry.delay(attempt, None)
+                if delay is None:
+                    raise
+                log.info("%s %s: %s; retry %d in %.1fs", method, path, type(err).__name__, attempt, delay)
+            else:
+                self._remember_status_write(method, path, answer)
+                return answer
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _once(
+        self, method: str, path: str, body: object, content_type: str, params: Mapping[str, str] | None
+    ) -> Manifest:
+        assert self._api is not None, "use `async with KubeClient(...)`"
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        query = list(params.items()) if params else None
+        prepared = await self._api.param_serialize(
+            method, path, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        response = await self._api.call_api(*prepared, _request_timeout=self._timeout)
+        data = await response.read()  # type: ignore[no-untyped-call]
+        if response.status >= 300:
+            raise _api_error(
+                response.status, response.reason or "", data, response.headers.get("Retry-After")
+            )
+        return cast(Manifest, json.loads(data)) if data else {}
+
+    def _remember_status_write(self, method: str, path: str, answer: Manifest) -> None:
+        if method == "PATCH" and path.endswith("/status") and isinstance(answer.get("metadata"), dict):
+            meta = answer["metadata"]
+            key = (str(answer.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", "")))
+            if len(self.written) > 16384:
+                self.written.clear()
+            self.written[key] = str(meta.get("resourceVersion", ""))
 
     async def apply(
         self, manifest: Mapping[str, Any], *, subresource: str | None = None, cache: bool = False
@@ -222,8 +280,7 @@ class KubeClient:
         hit = self._applied.get(key)
         if cache and hit is not None and hit[0] == digest and time.monotonic() - hit[1] < self._ttl:
             return {}
-        path = resource_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
-        path += f"/{subresource}" if subresource else ""
+        path = manifest_path(manifest) + (f"/{subresource}" if subresource else "")
         params = {"fieldManager": FIELD_MANAGER, "force": "true"}
         answer = await self.request(
             "PATCH", path, body=manifest, content_type="application/apply-patch+yaml", params=params
@@ -234,6 +291,15 @@ class KubeClient:
                 self._applied = {k: v for k, v in self._applied.items() if now - v[1] < self._ttl}
             self._applied[key] = (digest, now)
         return answer
+
+    async def create(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> Manifest:
+        """Create `manifest` (POST to its collection); ApiError 409 AlreadyExists when it exists.
+
+        Unlike apply, a create is an Update operation: `field_manager` owns the fields it set, so a
+        later apply that leaves a field out (the pool's spec.replicas) does not take it away.
+        """
+        params = {"fieldManager": field_manager}
+        return await self.request("POST", manifest_path(manifest, named=False), body=manifest, params=params)
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
         """The object, or None when it does not exist."""
@@ -286,3 +352,20 @@ class KubeClient:
                 return False
             raise
         return any(r.get("kind") == kind for r in answer.get("resources", []))
+
+    async def bearer_token(self) -> str | None:
+        """The current bearer token (refreshed by the configuration's hook), for kopf's login."""
+        header = await self.credentials.configuration.get_api_key_with_prefix("BearerToken")
+        return header.split(" ", 1)[-1] if header else None
+
+
+def _api_error(status: int, reason: str, data: bytes, retry_after: str | None) -> ApiError:
+    """An ApiError from the API server's Status body (bounded; never the request's headers)."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    text = data[:500].decode(errors="replace")
+    return ApiError(status, str(body.get("reason") or reason), str(body.get("message") or text), retry_after)

@@ -4,16 +4,12 @@ Why it exists: an RLJob is the user's whole request; this turns it into owned ch
 what they and the driver report back into one status. Ordered, idempotent steps (server-side apply,
 deterministic names), so a reconcile killed halfway and run again creates no duplicates:
 1. parse the spec (a bad spec fails the job with the validation message);
-2. ConfigMaps (rendered runtime config plus the WeightChannel's transport choice once it has one,
-   empty progress channel) and the driver's narrow RBAC;
-3. gang scheduling: check the scheduler's API is served (else Admitted=False and stop here), apply
-   the PodGroup;
-4. RolloutPool, TrainerGroup, WeightChannel (annotations carry suspend/stop, gang size, restart limit,
-   colocation); pool spec.replicas is written only at creation and when the job's
-   rollout.replicas changes, so /scale (HPA, KEDA, the built-in autoscaler) keeps control;
+2. ConfigMaps (job.yaml, the channel's transport choice, the empty progress channel), driver RBAC;
+3. gang: the scheduler's API must be served (else Admitted=False and stop), apply the PodGroup;
+4. RolloutPool, TrainerGroup, WeightChannel (resources.children); the pool is created with
+   spec.replicas and later only re-applied without it, so /scale keeps control;
 5. the driver pod (deleted while suspended; replaced when its pod-template hash changed);
 6. observe children + progress, compute the status (status.job_status), write it once if changed.
-
 Who calls it: lockstep_operator.handlers, for kopf events of the RLJob and of its children.
 """
 
@@ -21,9 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import hashlib
-import json
-from typing import Any
 
 from lockstep.api.rljob import Phase, RLJob, RLJobSpec, RLJobStatus
 from lockstep.api.rolloutpool import RolloutPoolStatus
@@ -32,150 +25,30 @@ from lockstep.api.weightchannel import WeightChannelStatus
 from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
-from lockstep_operator.reconcile.common import (
-    ANN_AVOID_CLIQUE,
-    ANN_CLIQUE,
-    ANN_COLOCATE,
-    ANN_CONFIG_HASH,
-    ANN_GANG_MIN,
-    ANN_JOB_REPLICAS,
-    ANN_RESTART_LIMIT,
-    ANN_SHARED_VOLUME,
-    ANN_STOPPED,
-    ANN_SUSPENDED,
-    annotations_of,
-    previous_status,
-    write_status,
-)
+from lockstep_operator.policy.condition import set_condition
+from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress
-from lockstep_operator.reconcile.status import JobObserved, job_status, set_condition
+from lockstep_operator.reconcile.status import JobObserved, job_status
 from lockstep_operator.resources import config, podgroups
-from lockstep_operator.resources.commands import driver_command, product_label
+from lockstep_operator.resources.annotations import Annotation
+from lockstep_operator.resources.children import child_manifests
+from lockstep_operator.resources.commands import product_label
 from lockstep_operator.resources.common import (
     API_VERSION,
     Owner,
     channel_name,
     driver_name,
-    engines_service_name,
-    job_labels,
-    metadata,
     pool_name,
     progress_name,
-    router_url,
     trainer_name,
-    trainer_url,
 )
-from lockstep_operator.resources.pods import Container, driver_pod, template_hash_of, with_template_hash
-from lockstep_operator.settings import OperatorSettings
+from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.pods import template_hash_of
+from lockstep_operator.settings import FIELD_MANAGER, OperatorSettings
 
-
-def min_replicas(spec: RLJobSpec) -> int:
-    """The pool's minimum replicas (gang members): autoscaling.minReplicas, else replicas."""
-    auto = spec.rollout.autoscaling
-    return int(min(auto.min_replicas, spec.rollout.replicas) if auto else spec.rollout.replicas)
-
-
-def gang_min_member(spec: RLJobSpec) -> int:
-    """All trainer rank pods + the pool's minimum replicas (one PodGroup holds every member)."""
-    return int(spec.trainer.nodes) + min_replicas(spec)
-
-
-NOT_ROLLED = ("suspend", "activeDeadlineSeconds", "backoffLimit")
-"""Top-level spec fields only the operator acts on: editing them never restarts a pod."""
-NOT_ROLLED_ROLLOUT = ("replicas", "autoscaling")
-"""spec.rollout fields that follow /scale: editing them never restarts a pod."""
-
-
-def run_config_hash(spec: RLJobSpec) -> str:
-    """16 hex digits of sha256 over the run config the driver and trainer ranks read (pure).
-
-    That is the spec as rendered into job.yaml minus what only the operator acts on (NOT_ROLLED,
-    NOT_ROLLED_ROLLOUT): scaling, suspend and limits change no running process. It is part of the
-    driver's and the ranks' pod-template hash; engines read no job.yaml (their pod spec says it all).
-    """
-    wire = {k: v for k, v in spec.wire().items() if k not in NOT_ROLLED}
-    wire["rollout"] = {k: v for k, v in wire.get("rollout", {}).items() if k not in NOT_ROLLED_ROLLOUT}
-    text = json.dumps(wire, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def child_manifests(
-    owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str, clique: str = "", avoid_clique: str = ""
-) -> list[Manifest]:
-    """The three child kinds of the job (pure; pool spec.replicas deliberately left out).
-
-    `clique`/`avoid_clique`: the placement plan (reconcile.placement), fixed once per job.
-    """
-    job = owner.name
-    common_ann = {
-        ANN_SUSPENDED: str(suspended).lower(),
-        ANN_STOPPED: stopped,
-        ANN_GANG_MIN: str(gang_min_member(spec)),
-        ANN_SHARED_VOLUME: spec.weight_sync.disk_delta.volume_claim or "",
-    }
-    pool = {
-        "apiVersion": API_VERSION,
-        "kind": "RolloutPool",
-        "metadata": metadata(
-            owner,
-            pool_name(job),
-            job_labels(job),
-            {**common_ann, ANN_JOB_REPLICAS: str(spec.rollout.replicas), ANN_AVOID_CLIQUE: avoid_clique},
-        ),
-        "spec": {
-            "job": job,
-            "model": spec.model.wire(),
-            "engine": _engine_part(spec),
-            "placement": spec.placement.wire(),
-            **({"autoscaling": spec.rollout.autoscaling.wire()} if spec.rollout.autoscaling else {}),
-        },
-    }
-    trainer = {
-        "apiVersion": API_VERSION,
-        "kind": "TrainerGroup",
-        "metadata": metadata(
-            owner,
-            trainer_name(job),
-            job_labels(job),
-            {
-                **common_ann,
-                ANN_RESTART_LIMIT: str(spec.backoff_limit),
-                ANN_CLIQUE: clique,
-                ANN_CONFIG_HASH: run_config_hash(spec),
-            },
-        ),
-        "spec": {
-            "job": job,
-            "model": spec.model.wire(),
-            "trainer": spec.trainer.wire(),
-            "placement": spec.placement.wire(),
-        },
-    }
-    channel = {
-        "apiVersion": API_VERSION,
-        "kind": "WeightChannel",
-        "metadata": metadata(
-            owner, channel_name(job), job_labels(job), {ANN_COLOCATE: str(spec.schedule.colocate).lower()}
-        ),
-        "spec": {
-            "job": job,
-            "trainerGroup": trainer_name(job),
-            "rolloutPool": pool_name(job),
-            "weightSync": spec.weight_sync.wire(),
-        },
-    }
-    return [pool, trainer, channel]
-
-
-def _engine_part(spec: RLJobSpec) -> dict[str, Any]:
-    # RolloutSpec extends EngineSpec; the pool's engine section takes only EngineSpec's fields.
-    from lockstep.api.rljob import EngineSpec
-
-    part: dict[str, Any] = EngineSpec.model_validate(
-        spec.rollout.model_dump(include=set(EngineSpec.model_fields))
-    ).wire()
-    return part
+CREATE_FIELD_MANAGER = f"{FIELD_MANAGER}-create"
+"""Field manager of the pool's create: it owns spec.replicas, which later applies leave to /scale."""
 
 
 async def reconcile_job(
@@ -255,7 +128,7 @@ async def _ensure_gang(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> str |
         owner,
         job=owner.name,
         scheduler=scheduler,
-        min_member=gang_min_member(spec),
+        min_member=podgroups.gang_min_member(spec),
         queue=spec.placement.gang.queue_name,
     )
     if group is not None:
@@ -272,24 +145,15 @@ async def _apply_children(
     )
     existing = await kube.get(API_VERSION, "RolloutPool", owner.namespace, pool["metadata"]["name"])
     if existing is None:
-        # Created with replicas by a create (Update operation): later applies leave replicas to /scale.
+        # Created with replicas by a create (an Update operation of its own field manager): later
+        # applies leave replicas to /scale.
         pool["spec"]["replicas"] = spec.rollout.replicas
-        await kube.request(
-            "POST",
-            f"/apis/{API_VERSION}/namespaces/{owner.namespace}/rolloutpools",
-            body=pool,
-            params={"fieldManager": "lockstep-operator-create"},
-        )
+        await kube.create(pool, field_manager=CREATE_FIELD_MANAGER)
     else:
-        if annotations_of(existing).get(ANN_JOB_REPLICAS) != str(spec.rollout.replicas):
+        if annotations_of(existing).get(Annotation.JOB_REPLICAS) != str(spec.rollout.replicas):
             # The user changed rollout.replicas on the job: that wins over the pool's current count.
-            await kube.merge_patch(
-                API_VERSION,
-                "RolloutPool",
-                owner.namespace,
-                pool["metadata"]["name"],
-                {"spec": {"replicas": spec.rollout.replicas}},
-            )
+            patch = {"spec": {"replicas": spec.rollout.replicas}}
+            await kube.merge_patch(API_VERSION, "RolloutPool", owner.namespace, pool_name(owner.name), patch)
         await kube.apply(pool, cache=True)
     await asyncio.gather(kube.apply(trainer, cache=True), kube.apply(channel, cache=True))
 
@@ -300,9 +164,9 @@ async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tu
         kube.get(API_VERSION, "TrainerGroup", owner.namespace, trainer_name(owner.name)),
         kube.get(API_VERSION, "RolloutPool", owner.namespace, pool_name(owner.name)),
     )
-    if trainer is not None and ANN_CLIQUE in annotations_of(trainer):
-        avoid = annotations_of(pool).get(ANN_AVOID_CLIQUE, "") if pool else ""
-        return annotations_of(trainer)[ANN_CLIQUE], avoid
+    if trainer is not None and Annotation.CLIQUE in annotations_of(trainer):
+        avoid = annotations_of(pool).get(Annotation.AVOID_CLIQUE, "") if pool else ""
+        return annotations_of(trainer)[Annotation.CLIQUE], avoid
     gpus_per_rank = spec.trainer.gpus_per_node if spec.trainer.device.value == "cuda" else 0
     return await plan_cliques(
         kube,
@@ -312,25 +176,6 @@ async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tu
         engines=spec.rollout.replicas,
         gpus_per_engine=spec.rollout.gpus_per_engine,
     )
-
-
-def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
-    """The driver pod of the job (pure); `image` is used when spec.agent.image names none.
-
-    Annotated with its pod-template hash over the pod spec and the run config (run_config_hash).
-    """
-    job = owner.name
-    pod = driver_pod(
-        owner,
-        job=job,
-        container=Container(image=spec.agent.image or image, command=driver_command()),
-        router_url=router_url(job),
-        trainer=trainer_name(job),
-        trainer_url=trainer_url(trainer_name(job), owner.namespace),
-        progress_config_map=progress_name(job),
-        engines_service=engines_service_name(pool_name(job)),
-    )
-    return with_template_hash(pod, {"config": run_config_hash(spec)})
 
 
 async def _ensure_driver(

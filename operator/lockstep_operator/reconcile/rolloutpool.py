@@ -2,19 +2,14 @@
 
 Why it exists: the pool is the scaling unit of rollout. Its pods have stable names (like a
 StatefulSet), so a reconcile that dies halfway and runs again finds and keeps what exists. Steps:
-1. router Service (ClusterIP over the pool's Ready engine pods) and the headless engines Service (every
-   engine, ready or not: the driver asks each for its weight version);
-2. replace failed engines (delete Failed pods; they are recreated below once gone);
-3. remove replicas above the desired count (0 while suspended or stopped), create missing ones;
-   replicas below the gang's minimum carry the gang-member keys; replace engines whose pod-template
-   hash differs from a fresh rendering (the spec changed) one at a time (lockstep_operator.roll);
-4. the built-in autoscaler (spec.autoscaling set, not handed to HPA/KEDA with the
-   rl.lockstep.dev/autoscaler=external annotation): record the driver's queue sample once per step,
-   ask lockstep_operator.autoscale.decide_replicas, patch spec.replicas (the /scale field);
-5. the readiness gate of each engine pod (condition rl.lockstep.dev/weights-current: the driver reports
-   it at the current weight version, status.weights_current), then the status: per-engine readiness
-   and weight version (from the progress channel), selector for /scale.
-
+1. router Service (Ready engines) and the headless engines Service (every engine, ready or not);
+2. delete Failed and surplus engines (0 while suspended or stopped), create missing ones (rendered by
+   resources.engines; replicas below min_available are gang members), roll stale ones one at a
+   time (policy.roll);
+3. the built-in autoscaler unless annotated external: record the driver's queue sample once per
+   step, ask policy.autoscale.decide_replicas, patch spec.replicas (the /scale field);
+4. each engine's readiness gate (rl.lockstep.dev/weights-current, from the progress report), then the
+   status: per-engine readiness and weight version, selector for /scale.
 Who calls it: lockstep_operator.handlers (pool events, engine pod events, the periodic re-check).
 """
 
@@ -28,102 +23,29 @@ from typing import Any
 from lockstep.api.rolloutpool import RolloutPool, RolloutPoolSpec, RolloutPoolStatus
 from pydantic import ValidationError
 
-from lockstep_operator.autoscale import QueueSample, ScalePolicy, decide_replicas
 from lockstep_operator.k8s.client import KubeClient, Manifest
-from lockstep_operator.reconcile.common import (
-    ANN_AUTOSCALER,
-    ANN_AVOID_CLIQUE,
-    ANN_GANG_MIN,
-    ANN_LAST_SCALED,
-    ANN_QUEUE_HISTORY,
-    ANN_SHARED_VOLUME,
-    ANN_STOPPED,
-    ANN_SUSPENDED,
-    annotations_of,
-    previous_status,
-    write_status,
-)
+from lockstep_operator.policy.autoscale import QueueSample, ScalePolicy, decide_replicas
+from lockstep_operator.policy.roll import EngineState, engines_to_roll
+from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
 from lockstep_operator.reconcile.status import engine_ready, pool_status, weights_current
-from lockstep_operator.resources import podgroups
-from lockstep_operator.resources.commands import engine_command, product_label
+from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
     API_VERSION,
     LABEL_REPLICA,
-    WEIGHTS_CURRENT,
     Owner,
     engines_service_name,
     progress_name,
     router_name,
     selector,
 )
-from lockstep_operator.resources.pods import (
-    Container,
-    Placement,
-    engine_pod,
-    selector_labels,
-    template_hash_of,
-    with_template_hash,
-)
+from lockstep_operator.resources.engines import engine_manifest, weights_gate
+from lockstep_operator.resources.pods import selector_labels, template_hash_of
 from lockstep_operator.resources.services import engines_service, router_service
-from lockstep_operator.roll import EngineState, engines_to_roll
 from lockstep_operator.settings import OperatorSettings
 
 HISTORY = 32
 """Queue samples kept in the pool annotation (enough for the policy's window)."""
-
-
-def engine_placement(spec: RolloutPoolSpec, avoid_clique: str | None = None) -> Placement:
-    """GPU requests and node selection of one engine replica."""
-    place = spec.placement
-    return Placement(
-        gpus=spec.engine.gpus_per_engine,
-        product=product_label(place.gpu_product.value),
-        node_selector=dict(place.node_selector),
-        tolerations=[t.wire() for t in place.tolerations],
-        avoid_clique=avoid_clique or None,
-    )
-
-
-def engine_manifest(
-    owner: Owner,
-    spec: RolloutPoolSpec,
-    replica: int,
-    *,
-    gang_min: int,
-    image: str,
-    shared_volume: str | None = None,
-    avoid_clique: str | None = None,
-) -> Manifest:
-    """Engine pod `replica` of the pool (pure), annotated with its pod-template hash (the pod spec:
-    image, command with the engine arguments, resources, placement; never replicas or gang membership)."""
-    gang = spec.placement.gang
-    keys = podgroups.member_keys(
-        job=spec.job,
-        scheduler=gang.scheduler.value,
-        min_member=gang_min,
-        queue=gang.queue_name,
-        member=replica < _pool_min(spec),
-    )
-    container = Container(
-        image=spec.engine.image or image,
-        command=engine_command(spec.engine, spec.model),
-        shared_volume_claim=shared_volume or None,
-    )
-    pod = engine_pod(
-        owner,
-        job=spec.job,
-        pool=owner.name,
-        replica=replica,
-        container=container,
-        placement=engine_placement(spec, avoid_clique),
-        gang=keys,
-    )
-    return with_template_hash(pod)
-
-
-def _pool_min(spec: RolloutPoolSpec) -> int:
-    return int(min(spec.autoscaling.min_replicas, spec.replicas) if spec.autoscaling else spec.replicas)
 
 
 async def reconcile_pool(
@@ -143,7 +65,7 @@ async def reconcile_pool(
     engines = engines_service(owner, job=spec.job, name=engines_service_name(name), selector=labels)
     await kube.apply(engines, cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
-    stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED))
+    stopped = ann.get(Annotation.SUSPENDED) == "true" or bool(ann.get(Annotation.STOPPED))
     desired = 0 if stopped else spec.replicas
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     version = progress.weight_version if progress else None
@@ -160,15 +82,17 @@ async def reconcile_pool(
             owner,
             spec,
             index,
-            gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
+            gang_min=int(ann.get(Annotation.GANG_MIN, "0") or 0),
             image=settings.engine_image if spec.engine.engine.value == "sglang" else settings.runtime_image,
-            shared_volume=ann.get(ANN_SHARED_VOLUME),
-            avoid_clique=ann.get(ANN_AVOID_CLIQUE),
+            shared_volume=ann.get(Annotation.SHARED_VOLUME),
+            avoid_clique=ann.get(Annotation.AVOID_CLIQUE),
         ),
     )
     for pod in live:
-        await _set_weights_gate(kube, pod, weights_current(pod, version, versions, addresses), now)
-    if spec.autoscaling is not None and ann.get(ANN_AUTOSCALER) != "external" and not stopped:
+        gate = weights_gate(pod, weights_current(pod, version, versions, addresses), now)
+        if gate is not None:  # server-side apply of the one condition on pods/status
+            await kube.apply(gate, subresource="status")
+    if spec.autoscaling is not None and ann.get(Annotation.AUTOSCALER) != "external" and not stopped:
         await _autoscale(kube, body, spec, progress, now.timestamp(), settings)
     previous = previous_status(body, RolloutPoolStatus)
     status = pool_status(
@@ -177,7 +101,7 @@ async def reconcile_pool(
         current_version=version,
         engine_versions=versions,
         address_versions=addresses,
-        min_replicas=0 if stopped else _pool_min(spec),
+        min_available=0 if stopped else spec.min_available,
         previous=previous,
         generation=body["metadata"].get("generation"),
         now=now,
@@ -221,7 +145,7 @@ async def _converge_pods(
         )
         for index, pod in by_index.items()
     ]
-    roll = engines_to_roll(states, desired=desired, min_ready=_pool_min(spec))
+    roll = engines_to_roll(states, desired=desired, min_ready=spec.min_available)
     for name in roll:
         await kube.delete("v1", "Pod", owner.namespace, name)
     live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
@@ -230,42 +154,6 @@ async def _converge_pods(
         if index not in by_index:
             await kube.apply(rendered[index])
     return live
-
-
-async def _set_weights_gate(
-    kube: KubeClient, pod: Manifest, verdict: tuple[bool, str], now: dt.datetime
-) -> None:
-    """Set the engine pod's readiness-gate condition (rl.lockstep.dev/weights-current) when it changed.
-
-    Server-side apply of that one condition on pods/status (conditions merge by type), so the kubelet's
-    own conditions are untouched; the kubelet then counts the pod Ready only while it is True.
-    """
-    current, message = verdict
-    value = "True" if current else "False"
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    old = next((c for c in conditions if c.get("type") == WEIGHTS_CURRENT), None)
-    if old is not None and old.get("status") == value and old.get("message") == message:
-        return
-    changed = old is None or old.get("status") != value
-    condition = {
-        "type": WEIGHTS_CURRENT,
-        "status": value,
-        "reason": "WeightsCurrent" if current else "WeightsBehind",
-        "message": message,
-        "lastTransitionTime": now.isoformat().replace("+00:00", "Z")
-        if changed
-        else old.get("lastTransitionTime")
-        if old
-        else None,
-    }
-    meta = pod["metadata"]
-    body = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-        "status": {"conditions": [condition]},
-    }
-    await kube.apply(body, subresource="status")
 
 
 def _dying(pod: Manifest) -> bool:
@@ -286,7 +174,7 @@ async def _autoscale(
     """Record the driver's queue sample once per step and apply the policy's decision."""
     assert spec.autoscaling is not None
     ann = annotations_of(body)
-    history: list[list[Any]] = json.loads(ann.get(ANN_QUEUE_HISTORY, "[]"))
+    history: list[list[Any]] = json.loads(ann.get(Annotation.QUEUE_HISTORY, "[]"))
     patch_ann: dict[str, str] = {}
     fresh = (
         progress is not None
@@ -295,8 +183,8 @@ async def _autoscale(
     )
     if progress and fresh and progress.queue_size is not None and progress.queue_capacity:
         history = [*history, [now, progress.step, progress.queue_size, progress.queue_capacity]][-HISTORY:]
-        patch_ann[ANN_QUEUE_HISTORY] = json.dumps(history)
-    last = json.loads(ann.get(ANN_LAST_SCALED, "null"))
+        patch_ann[Annotation.QUEUE_HISTORY.value] = json.dumps(history)
+    last = json.loads(ann.get(Annotation.LAST_SCALED, "null"))
     policy = ScalePolicy(
         min_replicas=spec.autoscaling.min_replicas,
         max_replicas=spec.autoscaling.max_replicas,
@@ -314,7 +202,7 @@ async def _autoscale(
     patch: dict[str, Any] = {}
     if decision.replicas != spec.replicas:
         patch["spec"] = {"replicas": decision.replicas}
-        patch_ann[ANN_LAST_SCALED] = json.dumps([now, history[-1][1] if history else None])
+        patch_ann[Annotation.LAST_SCALED.value] = json.dumps([now, history[-1][1] if history else None])
     if patch_ann:
         patch["metadata"] = {"annotations": patch_ann}
     if patch:

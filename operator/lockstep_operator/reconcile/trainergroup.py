@@ -1,21 +1,14 @@
 """TrainerGroup reconcile: rank pods `<group>-<rank>` with torchrun env, the headless Service, gang restarts.
 
-Why it exists: the trainer is one torch.distributed world; a single failed rank makes every other
-rank hang in a collective, so the group lives and restarts as a gang. Steps:
+Why it exists: the trainer is one torch.distributed world, so the group lives and restarts as a gang
+(policy.gang_restart says when and which pods go). Steps:
 1. headless Service named like the group (the rank pods' subdomain: stable DNS for MASTER_ADDR) and
    the NetworkPolicy of the rank pods (control port from the driver only; resources.network);
-2. the gang generation is status.restarts; every rank pod carries its generation; pods of an older
-   generation are deleted;
-3. a Failed rank pod of the current generation: while restarts < the restart limit, write
-   restarts + 1 first (so a crash here cannot lose the count), then the next steps delete the old
-   generation; at the limit, condition Failed=True with the rank and its exit reason (the RLJob then
-   fails with it) and the pods are deleted to free the GPUs;
-   a rank whose pod-template hash differs from a fresh rendering (the spec changed) restarts the gang
-   the same way but is not counted: condition UpToDate=False, reason SpecChanged, until every rank
-   runs the new template;
-4. once no old pod is left, create the missing ranks of the current generation, packed into one
-   NVLink domain when the product has them (the clique is picked once and kept in an annotation);
-5. status: world size, ready ranks, restarts, conditions.
+2. observe the rank pods against a fresh rendering of each rank (resources.ranks) and ask
+   gang_restart; a counted restart writes status.restarts first (a crash here cannot lose the count);
+3. delete what the decision says, then create the missing ranks of the current generation, packed
+   into one NVLink domain when the product has them (the clique is picked once, kept in an annotation);
+4. status: world size, ready ranks, restarts, conditions.
 
 Who calls it: lockstep_operator.handlers (group events, rank pod events, the periodic re-check).
 """
@@ -29,107 +22,31 @@ from lockstep.api.trainergroup import TrainerGroup, TrainerGroupSpec, TrainerGro
 from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
-from lockstep_operator.reconcile.common import (
-    ANN_CLIQUE,
-    ANN_CONFIG_HASH,
-    ANN_GANG_MIN,
-    ANN_RESTART_LIMIT,
-    ANN_SHARED_VOLUME,
-    ANN_STOPPED,
-    ANN_SUSPENDED,
-    annotations_of,
-    previous_status,
-    write_status,
-)
+from lockstep_operator.policy.condition import condition, is_true
+from lockstep_operator.policy.gang_restart import GangDecision, RankPod, gang_restart
+from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress
-from lockstep_operator.reconcile.status import condition, is_true, trainer_status
-from lockstep_operator.resources import podgroups
-from lockstep_operator.resources.commands import product_label, trainer_command
+from lockstep_operator.reconcile.status import trainer_status
+from lockstep_operator.resources.annotations import Annotation
+from lockstep_operator.resources.commands import product_label
 from lockstep_operator.resources.common import (
-    ANNOTATION_GANG_GENERATION,
     API_VERSION,
     LABEL_RANK,
     Owner,
-    engines_service_name,
     pool_name,
     progress_name,
-    router_url,
     selector,
 )
 from lockstep_operator.resources.network import trainer_network_policy
-from lockstep_operator.resources.pods import (
-    Container,
-    Placement,
-    rank_pod,
-    selector_labels,
-    template_hash_of,
-    with_template_hash,
-)
+from lockstep_operator.resources.pods import selector_labels, template_hash_of
+from lockstep_operator.resources.ranks import gpus_per_pod, rank_manifest
 from lockstep_operator.resources.services import headless_service
 from lockstep_operator.settings import OperatorSettings
 
 
-def gpus_per_pod(spec: TrainerGroupSpec) -> int:
-    """GPUs requested by one rank pod (0 for CPU trainers)."""
-    return int(spec.trainer.gpus_per_node) if spec.trainer.device.value == "cuda" else 0
-
-
-def rank_manifest(
-    owner: Owner,
-    spec: TrainerGroupSpec,
-    rank: int,
-    *,
-    generation: int,
-    gang_min: int,
-    clique: str | None,
-    image: str,
-    shared_volume: str | None = None,
-    config_hash: str = "",
-) -> Manifest:
-    """Rank pod `rank` of generation `generation` (pure), annotated with its pod-template hash.
-
-    The hash covers the pod spec, the group's spec and `config_hash` (the run config the ranks read
-    from job.yaml, set by the RLJob reconcile); never the generation or gang-membership metadata.
-    """
-    place = spec.placement
-    placement = Placement(
-        gpus=gpus_per_pod(spec),
-        product=product_label(place.gpu_product.value),
-        clique=clique or None,
-        node_selector=dict(place.node_selector),
-        tolerations=[t.wire() for t in place.tolerations],
-    )
-    keys = podgroups.member_keys(
-        job=spec.job,
-        scheduler=place.gang.scheduler.value,
-        min_member=gang_min,
-        queue=place.gang.queue_name,
-        member=True,
-    )
-    container = Container(
-        image=spec.trainer.image or image,
-        command=trainer_command(),
-        shared_volume_claim=shared_volume or None,
-    )
-    pod = rank_pod(
-        owner,
-        job=spec.job,
-        trainer=owner.name,
-        rank=rank,
-        nodes=spec.trainer.nodes,
-        generation=generation,
-        container=container,
-        placement=placement,
-        gang=keys,
-        router_url=router_url(spec.job),
-        engines_service=engines_service_name(pool_name(spec.job)),
-    )
-    return with_template_hash(pod, {"config": config_hash, "group": spec.wire()})
-
-
 def _generation(pod: Manifest) -> int:
-    return int(((pod["metadata"].get("annotations") or {}).get(ANNOTATION_GANG_GENERATION)) or -1)
+    return int((annotations_of(pod).get(Annotation.GANG_GENERATION)) or -1)
 
 
 def _why(pod: Manifest) -> str:
@@ -165,37 +82,41 @@ async def reconcile_trainer(
     await kube.apply(policy, cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     restarts = previous.restarts if previous else 0
-    limit = int(ann.get(ANN_RESTART_LIMIT) or settings.gang_restart_limit_default)
     failed_before = (
         condition(previous.conditions, "Failed")
         if previous and is_true(previous.conditions, "Failed")
         else None
     )
-    failed = failed_before.message if failed_before else None
-    stopped = ann.get(ANN_SUSPENDED) == "true" or bool(ann.get(ANN_STOPPED)) or failed is not None
     expected = {r: template_hash_of(m) for r, m in _rendered(owner, spec, ann, restarts, settings).items()}
-    current = [
-        p for p in pods if _generation(p) == restarts and template_hash_of(p) == expected.get(_rank(p))
-    ]
-    stale = [p for p in pods if _generation(p) == restarts and p not in current]
-    broken = [p for p in current if not _terminating(p) and (p.get("status") or {}).get("phase") == "Failed"]
-    if broken and not stopped:
-        if restarts < limit:
-            restarts += 1  # written before any deletion: the count survives a crash of this reconcile
-            await _write(kube, body, previous, spec, [], restarts, None, now, generation, None)
-        else:
-            failed, stopped = f"{_why(broken[0])}; gang restart limit {limit} reached", True
-    # A spec change (a rank whose pod-template hash differs) restarts the whole gang too, without
-    # counting against the limit: every rank is deleted, the new ones start once all are gone.
-    rolling = expected.get(0) if stale and not stopped else None
-    keep = [] if stopped or any(not _terminating(p) for p in stale) else current
-    keep = [p for p in keep if _generation(p) == restarts and not _terminating(p)]
-    for pod in pods:
-        if pod not in keep and not _terminating(pod):
-            await kube.delete("v1", "Pod", namespace, pod["metadata"]["name"])
-    if not stopped and len(keep) == len(pods):  # nothing old or terminating left: start the missing ranks
-        await _create_missing(kube, owner, spec, body, keep, restarts, settings)
-    await _write(kube, body, previous, spec, keep, restarts, failed, now, generation, rolling)
+    decision = gang_restart(
+        [_observed(p, expected) for p in pods],
+        restarts=restarts,
+        limit=int(ann.get(Annotation.RESTART_LIMIT) or settings.gang_restart_limit_default),
+        stopped=ann.get(Annotation.SUSPENDED) == "true" or bool(ann.get(Annotation.STOPPED)),
+        failed=failed_before.message if failed_before else None,
+    )
+    if decision.restarts > restarts:  # written before any deletion: the count survives a crash here
+        await _write(kube, body, previous, spec, [], decision, None, now, generation)
+    for pod_name in decision.delete:
+        await kube.delete("v1", "Pod", namespace, pod_name)
+    keep = [p for p in pods if p["metadata"]["name"] in decision.keep]
+    if decision.start_missing:
+        await _create_missing(kube, owner, spec, body, keep, decision.restarts, settings)
+    rolling = expected.get(0) if decision.rolling else None
+    await _write(kube, body, previous, spec, keep, decision, rolling, now, generation)
+
+
+def _observed(pod: Manifest, expected: dict[int, str | None]) -> RankPod:
+    """A rank pod as the gang policy sees it (its template compared with a fresh rendering)."""
+    failed = (pod.get("status") or {}).get("phase") == "Failed"
+    return RankPod(
+        name=pod["metadata"]["name"],
+        generation=_generation(pod),
+        current_template=template_hash_of(pod) == expected.get(_rank(pod)),
+        terminating=_terminating(pod),
+        failed=failed,
+        why=_why(pod) if failed else "",
+    )
 
 
 def _rendered(
@@ -208,11 +129,11 @@ def _rendered(
             spec,
             rank,
             generation=restarts,
-            gang_min=int(ann.get(ANN_GANG_MIN, "0") or 0),
-            clique=ann.get(ANN_CLIQUE),
-            shared_volume=ann.get(ANN_SHARED_VOLUME),
+            gang_min=int(ann.get(Annotation.GANG_MIN, "0") or 0),
+            clique=ann.get(Annotation.CLIQUE),
+            shared_volume=ann.get(Annotation.SHARED_VOLUME),
             image=settings.runtime_image,
-            config_hash=ann.get(ANN_CONFIG_HASH, ""),
+            config_hash=ann.get(Annotation.CONFIG_HASH, ""),
         )
         for rank in range(spec.trainer.nodes)
     }
@@ -240,7 +161,7 @@ async def _create_missing(
     if not missing:
         return
     ann = annotations_of(body)
-    clique = ann.get(ANN_CLIQUE)
+    clique = ann.get(Annotation.CLIQUE)
     if clique is None:
         clique = await _choose_clique(kube, spec) or ""
         meta = body["metadata"]
@@ -249,9 +170,9 @@ async def _create_missing(
             "TrainerGroup",
             meta["namespace"],
             meta["name"],
-            {"metadata": {"annotations": {ANN_CLIQUE: clique}}},
+            {"metadata": {"annotations": {Annotation.CLIQUE.value: clique}}},
         )
-    rendered = _rendered(owner, spec, {**ann, ANN_CLIQUE: clique}, restarts, settings)
+    rendered = _rendered(owner, spec, {**ann, Annotation.CLIQUE.value: clique}, restarts, settings)
     for rank in missing:
         await kube.apply(rendered[rank])
 
@@ -275,11 +196,10 @@ async def _write(
     previous: TrainerGroupStatus | None,
     spec: TrainerGroupSpec,
     live: list[Manifest],
-    restarts: int,
-    failed: str | None,
+    decision: GangDecision,
+    rolling: str | None,
     now: dt.datetime,
     generation: Any,
-    rolling: str | None,
 ) -> None:
     progress, _ = read_progress(
         await kube.get("v1", "ConfigMap", body["metadata"]["namespace"], progress_name(spec.job))
@@ -288,8 +208,8 @@ async def _write(
         live,
         nodes=spec.trainer.nodes,
         gpus_per_node=spec.trainer.gpus_per_node,
-        restarts=restarts,
-        failed=failed,
+        restarts=decision.restarts,
+        failed=decision.failed,
         previous=previous,
         step=progress.step if progress else None,
         rolling=rolling,

@@ -23,9 +23,10 @@ from lockstep.api.weightchannel import WeightChannel, WeightChannelStatus
 from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
-from lockstep_operator.reconcile.common import ANN_COLOCATE, annotations_of, previous_status, write_status
+from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.progress import read_progress
 from lockstep_operator.reconcile.status import channel_status
+from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import API_VERSION, progress_name, selector
 from lockstep_operator.resources.pods import selector_labels
 from lockstep_operator.topology import Decision, NodeFacts, Transport, choose_transport
@@ -60,7 +61,7 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
         spec = WeightChannel.model_validate(body).spec
     except ValidationError:
         return
-    colocated = annotations_of(body).get(ANN_COLOCATE) == "true"
+    colocated = annotations_of(body).get(Annotation.COLOCATE) == "true"
     sel_t = selector(selector_labels(spec.job, trainer=spec.trainer_group))
     sel_e = selector(selector_labels(spec.job, pool=spec.rollout_pool))
     cache: dict[str, NodeFacts] = {}

@@ -21,11 +21,6 @@ LABEL_POOL = f"{GROUP}/pool"
 LABEL_TRAINER = f"{GROUP}/trainer"
 LABEL_RANK = f"{GROUP}/rank"
 LABEL_REPLICA = f"{GROUP}/replica"
-ANNOTATION_GANG_GENERATION = f"{GROUP}/gang-generation"
-"""On rank pods: the TrainerGroup restart count they belong to (a gang restart bumps it)."""
-ANNOTATION_POD_TEMPLATE_HASH = f"{GROUP}/pod-template-hash"
-"""On every pod: the hash of what it was rendered from (resources.pods.pod_template_hash); a pod whose
-hash differs from a fresh rendering is rolled (engines one at a time, ranks as a gang, the driver)."""
 
 Role = Literal["driver", "engine", "trainer"]
 Manifest = dict[str, Any]

@@ -1,27 +1,19 @@
 """Gang scheduling: the pod group object and per-pod keys for Volcano, Kueue and scheduler-plugins.
 
 Why it exists: a job whose trainer ranks are placed but whose engines wait (or the reverse) holds GPUs
-and makes no progress. All gang members (every trainer rank + the pool's minimum replicas) go into
-ONE group, since no scheduler gang-schedules across groups. Engines above the minimum are not members
-(they may come and go with autoscaling). The driver is CPU-only and not a member.
-
-Who calls it: the RLJob reconcile (creates the group object when the scheduler has one) and the pool /
-trainer reconciles (stamp the member keys on pods). The reconcile checks first that the scheduler's
-CRD is served; if not, it sets a condition instead of applying (`group_api`).
-
-Keys (from the schedulers' docs):
-- volcano: PodGroup scheduling.volcano.sh/v1beta1 (spec.minMember, spec.queue); pods carry the
-  annotation scheduling.k8s.io/group-name and schedulerName volcano.
-- scheduler-plugins: PodGroup scheduling.x-k8s.io/v1alpha1 (spec.minMember, scheduleTimeoutSeconds);
-  pods carry the label scheduling.x-k8s.io/pod-group and the coscheduling scheduler's name.
-- kueue (plain pod groups): no group object; pods carry kueue.x-k8s.io/queue-name and
-  kueue.x-k8s.io/pod-group-name labels and the kueue.x-k8s.io/pod-group-total-count annotation.
-- none: nothing.
+and makes no progress. All gang members (every trainer rank + the pool's min_available engines) go
+into ONE group, since no scheduler gang-schedules across groups; engines above the minimum come and
+go with autoscaling, and the CPU-only driver is not a member. The keys of each scheduler (PodGroup
+APIs, pod labels and annotations, scheduler names) are listed in docs/operator.md, "Placement and
+gang scheduling". Called by the RLJob reconcile (the group object, after checking with `group_api`
+that the scheduler's API is served) and the engine and rank builders (the member keys).
 """
 
 from __future__ import annotations
 
 from typing import Literal
+
+from lockstep.api.rljob import RLJobSpec
 
 from lockstep_operator.resources.common import Manifest, Owner, gang_name, job_labels, metadata
 from lockstep_operator.resources.pods import Gang
@@ -35,6 +27,11 @@ GROUP_API: dict[str, tuple[str, str]] = {
 }
 """(apiVersion, kind) whose presence proves the scheduler is installed; kueue creates Workloads itself."""
 SCHEDULER_NAMES = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+
+
+def gang_min_member(spec: RLJobSpec) -> int:
+    """All trainer rank pods + the pool's min_available engines (one PodGroup holds every member)."""
+    return int(spec.trainer.nodes) + spec.rollout.min_available
 
 
 def group_api(scheduler: Scheduler) -> tuple[str, str] | None:

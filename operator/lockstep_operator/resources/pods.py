@@ -18,9 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
-    ANNOTATION_GANG_GENERATION,
-    ANNOTATION_POD_TEMPLATE_HASH,
     CONFIG_FILE,
     CONFIG_MOUNT,
     CONTROL_PORT,
@@ -296,7 +295,7 @@ def rank_pod(
         {"name": "control", "containerPort": CONTROL_PORT},
     ]
     labels = {**job_labels(job, "trainer", trainer=trainer, rank=str(rank)), **gang.labels}
-    annotations = {**gang.annotations, ANNOTATION_GANG_GENERATION: str(generation)}
+    annotations = {**gang.annotations, Annotation.GANG_GENERATION.value: str(generation)}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -358,13 +357,13 @@ def with_template_hash(pod: Manifest, inputs: Mapping[str, Any] | None = None) -
     """A copy of `pod` annotated with its pod_template_hash (rl.lockstep.dev/pod-template-hash)."""
     out = copy.deepcopy(pod)
     annotations = out["metadata"].setdefault("annotations", {})
-    annotations[ANNOTATION_POD_TEMPLATE_HASH] = pod_template_hash(pod, inputs)
+    annotations[Annotation.POD_TEMPLATE_HASH.value] = pod_template_hash(pod, inputs)
     return out
 
 
 def template_hash_of(pod: Mapping[str, Any]) -> str | None:
     """The pod-template hash a live pod was created with (None: created without one)."""
-    return ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_POD_TEMPLATE_HASH)
+    return ((pod.get("metadata") or {}).get("annotations") or {}).get(Annotation.POD_TEMPLATE_HASH)
 
 
 def selector_labels(

@@ -240,9 +240,21 @@ class Autoscaling(ApiModel):
     """Bounds within which the replica count may move (by `kubectl scale` or an autoscaler)."""
 
     min_replicas: int = Field(default=1, ge=0, le=4096)
-    """Fewest replicas."""
+    """Fewest replicas the pool may be scaled to. The job still needs one engine to make progress:
+    the gang and the job's readiness count at least one while replicas > 0."""
     max_replicas: int = Field(ge=1, le=4096)
     """Most replicas."""
+
+
+def min_available(replicas: int, autoscaling: Autoscaling | None) -> int:
+    """The engines a pool must have ready, defined once (pure).
+
+    autoscaling.minReplicas (capped at replicas), else replicas; at least one while replicas > 0,
+    since a job makes no progress without an engine. The gang's engine members, the job's readiness,
+    the pool's MinAvailableBreached and the roll's floor all use it.
+    """
+    floor = min(autoscaling.min_replicas, replicas) if autoscaling is not None else replicas
+    return max(floor, 1 if replicas > 0 else 0)
 
 
 class SessionSpec(ApiModel):
@@ -312,6 +324,11 @@ class RolloutSpec(EngineSpec):
     """Sampling parameters."""
     session: SessionSpec = Field(default_factory=SessionSpec, json_schema_extra=EMPTY_DEFAULT)
     """Session server settings."""
+
+    @property
+    def min_available(self) -> int:
+        """The engines the pool must have ready (`min_available` over replicas and autoscaling)."""
+        return min_available(self.replicas, self.autoscaling)
 
 
 # -------------------------------------------------------------------------------------------- trainer

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
-from lockstep.api.rljob import Autoscaling, EngineSpec, ModelSpec, PlacementSpec
+from lockstep.api.rljob import Autoscaling, EngineSpec, ModelSpec, PlacementSpec, min_available
 
 
 class RolloutPoolSpec(ApiModel):
@@ -33,6 +33,11 @@ class RolloutPoolSpec(ApiModel):
     """What each replica runs."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=EMPTY_DEFAULT)
     """Where the replicas go."""
+
+    @property
+    def min_available(self) -> int:
+        """The engines the pool must have ready (lockstep.api.rljob.min_available)."""
+        return min_available(self.replicas, self.autoscaling)
 
 
 class EngineStatus(ApiModel):

@@ -4,8 +4,8 @@ Why it exists: in a cluster the operator learns the job's step, weight version, 
 queue size only from the ConfigMap `<job>-progress`, the one object the driver pod's ServiceAccount
 may get/patch. `ProgressTracker` turns the loop's per-step metrics into a `ProgressReport` (pure, no
 I/O); a `ProgressReporter` delivers it: `NullReporter` for a local `lockstep run`,
-`ConfigMapReporter` in a pod (a JSON merge patch on the API server with the pod's ServiceAccount
-token, no kubernetes client), which adds every engine's weight version by address
+`ConfigMapReporter` in a pod (a JSON merge patch through the `kubernetes` client with the pod's
+ServiceAccount token, re-read per request; lockstep.kube), which adds every engine's weight version by address
 (`EngineVersionProbe` over the pool's headless Service) so the operator can gate engine readiness. A failed report is logged and counted, never raised: a flaky API server
 must not stop training.
 
@@ -15,25 +15,24 @@ lockstep.cli.driver (`reporter_from_env` picks the reporter), the e2e test of th
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
 from lockstep.driver.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
+from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, use_token_file
 
 if TYPE_CHECKING:
     from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-"""Where Kubernetes mounts the pod's ServiceAccount token, ca.crt and namespace."""
 CONFIGMAP_ENV = "LOCKSTEP_PROGRESS_CONFIGMAP"
 """Env var the operator sets on the driver pod: the progress ConfigMap's name (resources/pods.py)."""
 JOB_ENV = "LOCKSTEP_JOB"
@@ -276,38 +275,21 @@ class ConfigMapReporter:
         return f"/api/v1/namespaces/{self.namespace}/configmaps/{self.name}"
 
     def report(self, report: ProgressReport) -> bool:
-        import httpx
-
         if self.probe is not None and report.weight_version is not None:
             fields = {**report.model_dump(), "engine_address_versions": self.probe.versions()}
             report = ProgressReport.model_validate(fields)
         body = progress_patch(report)
-        delay = self.backoff_s
-        for attempt in range(1, self.attempts + 1):
-            try:
-                token = self.token_path.read_text().strip()
-                verify: ssl.SSLContext | bool = (
-                    ssl.create_default_context(cafile=str(self.ca_path)) if self.ca_path is not None else True
-                )
-                with httpx.Client(base_url=self.api_url, verify=verify, timeout=self.timeout_s) as http:
-                    r = http.patch(
-                        self.path,
-                        json=body,
-                        headers={
-                            "Authorization": f"Bearer {token}",
-                            "Content-Type": "application/merge-patch+json",
-                        },
-                    )
-                if r.status_code < 300:
-                    return True
-                self.last_error = f"HTTP {r.status_code}: {_message(r)}"
-                if r.status_code in (400, 401, 403, 404, 422):
-                    break  # retrying does not fix a refused or malformed patch
-            except (OSError, httpx.HTTPError) as e:
-                self.last_error = f"{type(e).__name__}: {e}"
-            if attempt < self.attempts:
-                self.sleep(delay)
-                delay *= 2
+        policy = RetryPolicy(attempts=self.attempts, initial_s=self.backoff_s, max_s=30.0)
+        attempt = 1
+        while True:
+            status, retry_after = self._patch(body)
+            if status is not None and status < 300:
+                return True
+            delay = policy.delay(attempt, status, retry_after)
+            if delay is None:  # a refused or malformed patch (4xx) or the tries are used up
+                break
+            self.sleep(delay)
+            attempt += 1
         self.failures += 1
         log.warning(
             "progress report to ConfigMap %s/%s failed (%d so far): %s",
@@ -318,13 +300,41 @@ class ConfigMapReporter:
         )
         return False
 
+    def _patch(self, body: dict[str, Any]) -> tuple[int | None, str | None]:
+        """One merge patch; (HTTP status or None without an answer, Retry-After); records last_error."""
+        from kubernetes.client import ApiClient, Configuration, CoreV1Api
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
-def _message(r: object) -> str:
+        conf = Configuration(host=self.api_url)
+        conf.ssl_ca_cert = str(self.ca_path) if self.ca_path is not None else None
+        conf.retries = False  # our policy retries (the library's would retry connects silently)
+        try:
+            use_token_file(conf, self.token_path)
+            with ApiClient(conf) as api:
+                CoreV1Api(api).patch_namespaced_config_map(
+                    self.name,
+                    self.namespace,
+                    body,
+                    _content_type="application/merge-patch+json",
+                    _request_timeout=self.timeout_s,
+                )
+            return 200, None
+        except ApiException as e:
+            self.last_error = f"HTTP {e.status}: {_message(e.body)}"
+            return int(e.status or 0), (e.headers or {}).get("Retry-After")
+        except (OSError, ValueError, HTTPError) as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            return None, None
+
+
+def _message(body: object) -> str:
     """The API server's Status message of a failed response (bounded; no request headers)."""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else str(body or "")
     try:
-        msg = r.json().get("message", "")  # type: ignore[attr-defined]
-    except ValueError:
-        msg = getattr(r, "text", "")
+        msg = json.loads(text).get("message", "")
+    except (ValueError, AttributeError):
+        msg = text
     return str(msg)[:300]
 
 

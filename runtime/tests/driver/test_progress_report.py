@@ -89,12 +89,18 @@ def test_failed_preflight_names_the_differing_tensors() -> None:
 class _Recorder(BaseHTTPRequestHandler):
     status: ClassVar[int] = 200
     seen: ClassVar[list[tuple[str, str, dict[str, str], Any]]] = []
+    first: ClassVar[list[tuple[int, dict[str, str]]]] = []
+    """(status, headers) answered before `status` (a scripted 429 or 503 first)."""
 
     def do_PATCH(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append((self.path, self.headers["Content-Type"], dict(self.headers), body))
-        self.send_response(type(self).status)
+        headers = {k.lower(): v for k, v in self.headers.items()}  # header names are case-insensitive
+        type(self).seen.append((self.path, self.headers["Content-Type"], headers, body))
+        status, extra = type(self).first.pop(0) if type(self).first else (type(self).status, {})
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        for key, value in extra.items():
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(json.dumps({"kind": "Status", "message": "nope"}).encode())
 
@@ -104,7 +110,7 @@ class _Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def api() -> Iterator[tuple[str, type[_Recorder]]]:
-    handler = type("Handler", (_Recorder,), {"seen": [], "status": 200})
+    handler = type("Handler", (_Recorder,), {"seen": [], "status": 200, "first": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
@@ -123,7 +129,7 @@ def test_configmap_reporter_sends_a_merge_patch_with_the_token(
     (path, ctype, headers, body) = handler.seen[0]
     assert path == "/api/v1/namespaces/ns1/configmaps/job-progress"
     assert ctype == "application/merge-patch+json"
-    assert headers["Authorization"] == "Bearer secret-token"
+    assert headers["authorization"] == "Bearer secret-token"  # header names are case-insensitive
     assert json.loads(body["data"][PROGRESS_KEY])["weightVersion"] == 4
     assert rep.failures == 0
 
@@ -148,6 +154,22 @@ def test_failed_report_is_counted_not_raised_and_never_logs_the_token(
         "http://127.0.0.1:9", "ns", "x", token_path=tmp_path / "token", ca_path=None, sleep=lambda s: None
     )
     assert unreachable.report(ProgressReport()) is False and unreachable.failures == 1
+
+
+def test_throttled_report_is_retried_after_the_servers_retry_after(
+    api: tuple[str, type[_Recorder]], tmp_path: Path
+) -> None:
+    """429 then 200 (the real API server cannot be made to throttle on demand: a loopback server
+    answers the scripted statuses); the pause is the server's Retry-After, not the backoff."""
+    url, handler = api
+    handler.first.extend([(429, {"Retry-After": "2"}), (503, {})])
+    (tmp_path / "token").write_text("t")
+    slept: list[float] = []
+    rep = ConfigMapReporter(
+        url, "ns1", "j-progress", token_path=tmp_path / "token", ca_path=None, sleep=slept.append
+    )
+    assert rep.report(ProgressReport(step=1))
+    assert slept == [2.0, 1.0] and len(handler.seen) == 3 and rep.failures == 0
 
 
 def test_reporter_from_env(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockstep_operator.autoscale import QueueSample, ScalePolicy, decide_replicas
+from lockstep_operator.policy.autoscale import QueueSample, ScalePolicy, decide_replicas
 
 POLICY = ScalePolicy(min_replicas=1, max_replicas=4, window_s=60, cooldown_s=100)
 

@@ -1,0 +1,43 @@
+"""When a job has failed, and why (the job's failure policy; JobSet's failure_policy.go is the model).
+
+Rules in order, the first that matches wins: the trainer group failed (its gang restart limit was
+reached: its reason and message), the pre-flight weight-equality check failed (the tensors that
+differ), the driver reported a fatal error, the driver pod failed. Separately, a job running longer
+than spec.activeDeadlineSeconds fails with DeadlineExceeded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from lockstep.api.common import ConditionStatus
+from lockstep.api.rljob import Phase, RLJobSpec
+
+from lockstep_operator.policy.condition import condition
+from lockstep_operator.policy.job_observed import JobObserved, Verdict
+
+
+def job_failure(obs: JobObserved) -> Verdict | None:
+    """The Failed verdict for what the children and the driver report, or None."""
+    failed = condition(obs.trainer.conditions, "Failed") if obs.trainer is not None else None
+    if failed is not None and failed.status == ConditionStatus.TRUE:
+        return Verdict(Phase.FAILED, failed.reason, f"trainer: {failed.message}")
+    progress = obs.progress
+    if progress is not None and progress.preflight == "failed":
+        names = ", ".join(progress.preflight_mismatched) or "(not named by the driver)"
+        return Verdict(
+            Phase.FAILED, "PreflightFailed", f"weight-equality check failed; tensors that differ: {names}"
+        )
+    if progress is not None and progress.error:
+        return Verdict(Phase.FAILED, "DriverError", progress.error)
+    if obs.driver_phase == "Failed":
+        return Verdict(Phase.FAILED, "DriverFailed", "the driver pod failed")
+    return None
+
+
+def deadline_exceeded(spec: RLJobSpec, start_time: dt.datetime | None, now: dt.datetime) -> Verdict | None:
+    """Failed with DeadlineExceeded once the job ran longer than spec.activeDeadlineSeconds."""
+    deadline = spec.active_deadline_seconds
+    if not deadline or start_time is None or (now - start_time).total_seconds() <= deadline:
+        return None
+    return Verdict(Phase.FAILED, "DeadlineExceeded", f"running longer than activeDeadlineSeconds={deadline}")

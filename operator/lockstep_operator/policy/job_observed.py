@@ -1,0 +1,46 @@
+"""What the RLJob reconcile observed about its children: the input of every job policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockstep.api.progress import ProgressReport
+from lockstep.api.rljob import Phase
+from lockstep.api.rolloutpool import RolloutPoolStatus
+from lockstep.api.trainergroup import TrainerGroupStatus
+from lockstep.api.weightchannel import WeightChannelStatus
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+"""Phases a job never leaves."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobObserved:
+    """What the RLJob reconcile observed about its children."""
+
+    pool: RolloutPoolStatus | None
+    """Status of the owned RolloutPool (None before it exists or reports)."""
+    trainer: TrainerGroupStatus | None
+    """Status of the owned TrainerGroup."""
+    channel: WeightChannelStatus | None
+    """Status of the owned WeightChannel."""
+    progress: ProgressReport | None
+    """The driver's last progress report."""
+    progress_problem: str | None
+    """Why the progress document could not be read, if it could not."""
+    driver_phase: str | None
+    """Pod phase of the driver pod (None when it does not exist)."""
+    gang_problem: str | None
+    """Why the gang scheduler cannot be used (its CRDs are not served), if so."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A phase with the reason and message it is shown with."""
+
+    phase: Phase
+    """The job's phase."""
+    reason: str
+    """CamelCase reason (also the reason of Progressing, Complete or Failed)."""
+    message: str
+    """Human-readable detail."""

@@ -1,0 +1,58 @@
+"""Every annotation key the operator reads or writes, in one enum under the API group's prefix.
+
+Why it exists: the RLJob reconcile tells its children what their specs do not carry (suspended,
+stopped, the gang's size, the restart limit, the placement plan) through annotations it owns by
+server-side apply; pods carry their gang generation and pod-template hash; users set one key
+(`autoscaler`). One enum keeps the keys under one prefix (rl.lockstep.dev, the API group, as the
+labels are) and makes a typo a NameError instead of a silently ignored key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from lockstep_operator.resources.common import GROUP
+
+
+class Annotation(enum.StrEnum):
+    """Annotation keys (values are the literal keys on live objects: renaming one needs a migration)."""
+
+    SUSPENDED = f"{GROUP}/suspended"
+    """On pool and trainer: "true" while the job is suspended (no pods; spec.replicas kept)."""
+    STOPPED = f"{GROUP}/stopped"
+    """On pool and trainer: the job's terminal phase once it finished or failed (pods deleted)."""
+    GANG_MIN = f"{GROUP}/gang-min-member"
+    """On pool and trainer: the gang's minMember (all trainer rank pods + the pool's min_available)."""
+    RESTART_LIMIT = f"{GROUP}/restart-limit"
+    """On the trainer: gang restarts allowed (the RLJob's backoffLimit)."""
+    COLOCATE = f"{GROUP}/colocate"
+    """On the channel: "true" when trainer and engines share GPUs (schedule.colocate)."""
+    SHARED_VOLUME = f"{GROUP}/shared-volume"
+    """On pool and trainer: the ReadWriteMany claim mounted at /shared (weightSync.diskDelta.volumeClaim)."""
+    JOB_REPLICAS = f"{GROUP}/job-replicas"
+    """On the pool: the RLJob's rollout.replicas last copied into pool spec.replicas."""
+    CLIQUE = f"{GROUP}/clique"
+    """On the trainer: the NVLink domain its ranks were packed into ("" = none)."""
+    AVOID_CLIQUE = f"{GROUP}/avoid-clique"
+    """On the pool: the trainer's NVLink domain, which engines stay out of ("" = no rule)."""
+    CONFIG_HASH = f"{GROUP}/config-hash"
+    """On the trainer: hash of the run config the ranks read from job.yaml (resources.children.
+    run_config_hash); part of the rank pods' template hash, so a learning-rate edit restarts the gang."""
+    QUEUE_HISTORY = f"{GROUP}/queue-history"
+    """On the pool: recent [time, step, queueSize, capacity] samples for the autoscaling policy."""
+    LAST_SCALED = f"{GROUP}/last-scaled"
+    """On the pool: [time, step] of the last autoscaling change."""
+    AUTOSCALER = f"{GROUP}/autoscaler"
+    """On the pool, set by users: "external" when HPA/KEDA drive /scale (the built-in policy stays off)."""
+    GANG_GENERATION = f"{GROUP}/gang-generation"
+    """On rank pods: the TrainerGroup restart count they belong to (a gang restart bumps it)."""
+    POD_TEMPLATE_HASH = f"{GROUP}/pod-template-hash"
+    """On every pod: the hash of what it was rendered from (resources.pods.pod_template_hash); a pod
+    whose hash differs from a fresh rendering is rolled (engines one at a time, ranks as a gang)."""
+
+
+def annotations_of(body: Mapping[str, Any]) -> dict[str, str]:
+    """metadata.annotations of an object ({} when none)."""
+    return dict((body.get("metadata") or {}).get("annotations") or {})

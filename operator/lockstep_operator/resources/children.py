@@ -1,0 +1,118 @@
+"""The RLJob's three child kinds (RolloutPool, TrainerGroup, WeightChannel) and the run config hash.
+
+Why it exists: the job tells its children what their specs do not carry (suspend, stop, the gang's
+size, the restart limit, the placement plan) through annotations it owns by server-side apply; the
+pool's spec.replicas is left out on purpose (set once at creation, then /scale owns it). The run
+config hash decides which edits of the job restart the driver and the ranks (docs/operator.md,
+"Spec changes roll pods"). Called by the RLJob reconcile; golden-tested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from lockstep.api.rljob import EngineSpec, RLJobSpec
+
+from lockstep_operator.resources.annotations import Annotation
+from lockstep_operator.resources.common import (
+    API_VERSION,
+    Manifest,
+    Owner,
+    channel_name,
+    job_labels,
+    metadata,
+    pool_name,
+    trainer_name,
+)
+from lockstep_operator.resources.podgroups import gang_min_member
+
+NOT_ROLLED = ("suspend", "activeDeadlineSeconds", "backoffLimit")
+"""Top-level spec fields only the operator acts on: editing them never restarts a pod."""
+NOT_ROLLED_ROLLOUT = ("replicas", "autoscaling")
+"""spec.rollout fields that follow /scale: editing them never restarts a pod."""
+
+
+def run_config_hash(spec: RLJobSpec) -> str:
+    """16 hex digits of sha256 over the run config the driver and trainer ranks read (pure).
+
+    That is the spec as rendered into job.yaml minus what only the operator acts on (NOT_ROLLED,
+    NOT_ROLLED_ROLLOUT): scaling, suspend and limits change no running process. It is part of the
+    driver's and the ranks' pod-template hash; engines read no job.yaml (their pod spec says it all).
+    """
+    wire = {k: v for k, v in spec.wire().items() if k not in NOT_ROLLED}
+    wire["rollout"] = {k: v for k, v in wire.get("rollout", {}).items() if k not in NOT_ROLLED_ROLLOUT}
+    text = json.dumps(wire, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def engine_part(spec: RLJobSpec) -> dict[str, Any]:
+    """The pool's `engine` section: RolloutSpec extends EngineSpec, the pool takes only EngineSpec's fields."""
+    part: dict[str, Any] = EngineSpec.model_validate(
+        spec.rollout.model_dump(include=set(EngineSpec.model_fields))
+    ).wire()
+    return part
+
+
+def child_manifests(
+    owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str, clique: str = "", avoid_clique: str = ""
+) -> list[Manifest]:
+    """The three child kinds of the job (pure; pool spec.replicas deliberately left out).
+
+    `clique`/`avoid_clique`: the placement plan (reconcile.placement), fixed once per job.
+    """
+    job = owner.name
+    common_ann = {
+        Annotation.SUSPENDED.value: str(suspended).lower(),
+        Annotation.STOPPED.value: stopped,
+        Annotation.GANG_MIN.value: str(gang_min_member(spec)),
+        Annotation.SHARED_VOLUME.value: spec.weight_sync.disk_delta.volume_claim or "",
+    }
+    pool_ann = {
+        **common_ann,
+        Annotation.JOB_REPLICAS.value: str(spec.rollout.replicas),
+        Annotation.AVOID_CLIQUE.value: avoid_clique,
+    }
+    pool = {
+        "apiVersion": API_VERSION,
+        "kind": "RolloutPool",
+        "metadata": metadata(owner, pool_name(job), job_labels(job), pool_ann),
+        "spec": {
+            "job": job,
+            "model": spec.model.wire(),
+            "engine": engine_part(spec),
+            "placement": spec.placement.wire(),
+            **({"autoscaling": spec.rollout.autoscaling.wire()} if spec.rollout.autoscaling else {}),
+        },
+    }
+    trainer_ann = {
+        **common_ann,
+        Annotation.RESTART_LIMIT.value: str(spec.backoff_limit),
+        Annotation.CLIQUE.value: clique,
+        Annotation.CONFIG_HASH.value: run_config_hash(spec),
+    }
+    trainer = {
+        "apiVersion": API_VERSION,
+        "kind": "TrainerGroup",
+        "metadata": metadata(owner, trainer_name(job), job_labels(job), trainer_ann),
+        "spec": {
+            "job": job,
+            "model": spec.model.wire(),
+            "trainer": spec.trainer.wire(),
+            "placement": spec.placement.wire(),
+        },
+    }
+    channel_ann = {Annotation.COLOCATE.value: str(spec.schedule.colocate).lower()}
+    channel = {
+        "apiVersion": API_VERSION,
+        "kind": "WeightChannel",
+        "metadata": metadata(owner, channel_name(job), job_labels(job), channel_ann),
+        "spec": {
+            "job": job,
+            "trainerGroup": trainer_name(job),
+            "rolloutPool": pool_name(job),
+            "weightSync": spec.weight_sync.wire(),
+        },
+    }
+    return [pool, trainer, channel]

@@ -1,0 +1,125 @@
+"""Table tests of the job's failure, success and phase policies (policy/job_*.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from lockstep.api.progress import ProgressReport
+from lockstep.api.rljob import Phase
+from lockstep.api.weightchannel import WeightChannelStatus
+from lockstep_operator.policy.job_failure import deadline_exceeded, job_failure
+from lockstep_operator.policy.job_observed import JobObserved
+from lockstep_operator.policy.job_phase import job_phase
+from lockstep_operator.policy.job_success import job_success
+from policy_fixtures import T0, job_spec, seen
+
+FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
+    ("healthy", seen(), None),
+    (
+        "trainer failed",
+        seen(trainer_failed="rank 0 OOMKilled"),
+        ("GangRestartLimitExceeded", "trainer: rank 0 OOMKilled"),
+    ),
+    (
+        "preflight failed",
+        seen(progress=ProgressReport(preflight="failed", preflight_mismatched=["w1", "w2"])),
+        ("PreflightFailed", "weight-equality check failed; tensors that differ: w1, w2"),
+    ),
+    (
+        "preflight failed unnamed",
+        seen(progress=ProgressReport(preflight="failed")),
+        ("PreflightFailed", "weight-equality check failed; tensors that differ: (not named by the driver)"),
+    ),
+    (
+        "driver error",
+        seen(progress=ProgressReport(error="non-finite loss")),
+        ("DriverError", "non-finite loss"),
+    ),
+    ("driver pod failed", seen(driver="Failed"), ("DriverFailed", "the driver pod failed")),
+    (
+        "trainer wins over driver",
+        seen(trainer_failed="x", driver="Failed"),
+        ("GangRestartLimitExceeded", "trainer: x"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("obs", "want"), [c[1:] for c in FAILURES], ids=[c[0] for c in FAILURES])
+def test_job_failure_table(obs: JobObserved, want: tuple[str, str] | None) -> None:
+    verdict = job_failure(obs)
+    assert (None if verdict is None else (verdict.reason, verdict.message)) == want
+    assert verdict is None or verdict.phase == Phase.FAILED
+
+
+@pytest.mark.parametrize(
+    ("deadline", "started", "elapsed_s", "exceeded"),
+    [(None, T0, 10**6, False), (60, None, 10**6, False), (60, T0, 60, False), (60, T0, 61, True)],
+    ids=["no-deadline", "not-started", "at-deadline", "past-deadline"],
+)
+def test_deadline_table(
+    deadline: int | None, started: dt.datetime | None, elapsed_s: int, exceeded: bool
+) -> None:
+    verdict = deadline_exceeded(
+        job_spec(activeDeadlineSeconds=deadline), started, T0 + dt.timedelta(seconds=elapsed_s)
+    )
+    assert (verdict is not None) == exceeded
+    assert verdict is None or (verdict.reason, verdict.message) == (
+        "DeadlineExceeded",
+        "running longer than activeDeadlineSeconds=60",
+    )
+
+
+@pytest.mark.parametrize(
+    ("progress", "succeeded"),
+    [(None, False), (ProgressReport(step=3), False), (ProgressReport(step=4, done=True), True)],
+    ids=["no-report", "running", "done"],
+)
+def test_job_success_table(progress: ProgressReport | None, succeeded: bool) -> None:
+    verdict = job_success(job_spec(), seen(progress=progress))
+    assert (verdict is not None) == succeeded
+    assert verdict is None or (verdict.phase, verdict.reason) == (Phase.SUCCEEDED, "Completed")
+
+
+PASSED = WeightChannelStatus(preflight_passed=True)
+PHASES: list[tuple[str, dict[str, object], JobObserved, Phase | None, tuple[Phase, str]]] = [
+    ("terminal is sticky", {}, seen(driver="Failed"), Phase.SUCCEEDED, (Phase.SUCCEEDED, "Terminal")),
+    (
+        "failure first",
+        {},
+        seen(driver="Failed", progress=ProgressReport(done=True)),
+        None,
+        (Phase.FAILED, "DriverFailed"),
+    ),
+    ("success", {}, seen(progress=ProgressReport(done=True)), Phase.RUNNING, (Phase.SUCCEEDED, "Completed")),
+    ("suspended", {"suspend": True}, seen(), Phase.RUNNING, (Phase.SUSPENDED, "Suspended")),
+    ("children missing", {}, seen(ranks=None), None, (Phase.PENDING, "CreatingChildren")),
+    ("pods not ready", {}, seen(engines=0), Phase.PENDING, (Phase.PROVISIONING, "WaitingForPods")),
+    ("running stays running", {}, seen(engines=0), Phase.RUNNING, (Phase.RUNNING, "Running")),
+    ("check pending", {}, seen(), Phase.PROVISIONING, (Phase.PREFLIGHT, "PreflightRunning")),
+    ("check passed", {}, seen(channel=PASSED), Phase.PREFLIGHT, (Phase.RUNNING, "PreflightPassed")),
+    (
+        "no check, init pending",
+        {"weightSync": {"checkWeightUpdateEqual": False}},
+        seen(),
+        None,
+        (Phase.PREFLIGHT, "Initializing"),
+    ),
+    (
+        "no check, init done",
+        {"weightSync": {"checkWeightUpdateEqual": False}},
+        seen(progress=ProgressReport(step=0)),
+        None,
+        (Phase.RUNNING, "Initialized"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "obs", "previous", "want"), [c[1:] for c in PHASES], ids=[c[0] for c in PHASES]
+)
+def test_job_phase_table(
+    spec: dict[str, object], obs: JobObserved, previous: Phase | None, want: tuple[Phase, str]
+) -> None:
+    verdict = job_phase(job_spec(**spec), obs, previous)
+    assert (verdict.phase, verdict.reason) == want
