@@ -81,7 +81,13 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def test_dense_qwen3_maps_onto_transformer_config() -> None:
     shape = ModelShape.from_hf(bigger_config(rope_theta=1_000_000.0))
-    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (28, 1024, 16, 8, 128)
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (
+        28,
+        1024,
+        16,
+        8,
+        128,
+    )
     assert shape.rope_theta == 1_000_000.0 and shape.tie_embeddings and not shape.is_moe
     kw = transformer_config_kwargs(shape, ParallelLayout(tensor=2, pipeline=4), bf16=True, cuda=True)
     assert kw["num_query_groups"] == 8 and kw["kv_channels"] == 128 and kw["ffn_hidden_size"] == 3072
@@ -109,7 +115,9 @@ def test_transformer_config_builds_on_cpu() -> None:
     pytest.importorskip("megatron.core")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = TransformerConfig(**transformer_config_kwargs(_moe_shape(), ParallelLayout(), bf16=False, cuda=False))
+    cfg = TransformerConfig(
+        **transformer_config_kwargs(_moe_shape(), ParallelLayout(), bf16=False, cuda=False)
+    )
     assert cfg.num_moe_experts == 8 and cfg.qk_layernorm and cfg.num_query_groups == 2
 
 
@@ -122,7 +130,7 @@ def test_transformer_config_builds_on_cpu() -> None:
     ],
 )
 def test_unsupported_config_fields_are_refused_by_name(overrides: dict[str, Any], needle: str) -> None:
-    with pytest.raises(UnsupportedModel, match="config.json") as err:
+    with pytest.raises(UnsupportedModel, match=r"config\.json") as err:
         ModelShape.from_hf(tiny_config(**overrides))
     assert needle in str(err.value)
 
@@ -187,7 +195,9 @@ def test_gated_fc1_shards_keep_gate_and_up_pairs() -> None:
     assert torch.equal(unshard(name, [shard(name, full, r, 2) for r in range(2)]), full)
 
 
-def _round_trip(shape: ModelShape, hf: dict[str, torch.Tensor], spec_sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+def _round_trip(
+    shape: ModelShape, hf: dict[str, torch.Tensor], spec_sizes: dict[str, int]
+) -> dict[str, torch.Tensor]:
     """HF -> every rank's local shards (all TP/EP/ETP/PP coordinates) -> canonical -> HF."""
     tp, pp, ep, etp = (spec_sizes.get(k, 1) for k in ("tp", "pp", "ep", "etp"))
     canonical: dict[str, list[tuple[ShardSpec, torch.Tensor]]] = {}
@@ -197,7 +207,9 @@ def _round_trip(shape: ModelShape, hf: dict[str, torch.Tensor], spec_sizes: dict
                 for xr in range(etp):
                     spec = ShardSpec(tr, tp, pr, pp, er, ep, xr, etp)
                     layers = stage_layers(shape, pr, pp)
-                    local = canonical_to_local(shape, hf_to_canonical(shape, hf.__getitem__, set(hf), layers), spec)
+                    local = canonical_to_local(
+                        shape, hf_to_canonical(shape, hf.__getitem__, set(hf), layers), spec
+                    )
                     for name, t in local.items():
                         canonical.setdefault(local_to_canonical_name(name, spec, shape), []).append((spec, t))
     full = {}
@@ -221,12 +233,16 @@ def test_dense_round_trip_is_byte_identical(sizes: dict[str, int]) -> None:
         hf = _hf_state(config)
         back = _round_trip(ModelShape.from_hf(config), hf, sizes)
         assert set(back) == set(hf)
-        assert all(torch.equal(back[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(back[k], hf[k])]
+        assert all(torch.equal(back[k], hf[k]) for k in hf), [
+            k for k in hf if not torch.equal(back[k], hf[k])
+        ]
 
 
 @pytest.mark.parametrize("spelling", ["fused", "per-expert"])
 @pytest.mark.parametrize(
-    "sizes", [{}, {"ep": 2}, {"ep": 4, "etp": 2}, {"ep": 2, "pp": 2}], ids=["single", "ep2", "ep4-etp2", "ep2-pp2"]
+    "sizes",
+    [{}, {"ep": 2}, {"ep": 4, "etp": 2}, {"ep": 2, "pp": 2}],
+    ids=["single", "ep2", "ep4-etp2", "ep2-pp2"],
 )
 def test_moe_round_trip_is_byte_identical(spelling: str, sizes: dict[str, int]) -> None:
     config = tiny_moe_config(num_hidden_layers=4, mlp_only_layers=[2], tie_word_embeddings=False)
@@ -246,8 +262,12 @@ def test_ep_ranks_hold_disjoint_contiguous_experts() -> None:
     for er in range(4):
         spec = ShardSpec(ep_rank=er, ep_size=4)
         local = canonical_to_local(shape, hf_to_canonical(shape, hf.__getitem__, set(hf), range(2)), spec)
-        names = sorted(n for n in local if ".local_experts." in n and n.startswith("decoder.layers.0.") and "fc1" in n)
-        assert names == [f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight" for j in range(2)]
+        names = sorted(
+            n for n in local if ".local_experts." in n and n.startswith("decoder.layers.0.") and "fc1" in n
+        )
+        assert names == [
+            f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight" for j in range(2)
+        ]
         held += [local_to_canonical_name(n, spec, shape) for n in names]
         # local expert j of EP rank r is global expert 2r + j: compare the bytes
         assert torch.equal(local[names[1]], hf["model.layers.0.mlp.experts.gate_up_proj"][2 * er + 1])
@@ -272,7 +292,9 @@ def megatron_world() -> Any:
 
 
 @pytest.mark.parametrize("builtin", ["builtin:tiny", "builtin:tiny-moe"])
-def test_checkpoint_loads_into_real_megatron_modules_and_back(megatron_world: Any, builtin: str, tmp_path: Path) -> None:
+def test_checkpoint_loads_into_real_megatron_modules_and_back(
+    megatron_world: Any, builtin: str, tmp_path: Path
+) -> None:
     """The checkpoint file -> a megatron-core GPTModel (every parameter set, strictly) -> HF, byte-identical."""
     from lockstep.train.megatron.model import HFReader, build_gpt, load_into, local_weights
 
@@ -280,7 +302,9 @@ def test_checkpoint_loads_into_real_megatron_modules_and_back(megatron_world: An
     shape = ModelShape.from_checkpoint(path)
     model = build_gpt(shape, ParallelLayout(), ShardSpec(), bf16=False, cuda=False)
     load_into(model, local_weights(shape, path, ShardSpec()))
-    canonical = {local_to_canonical_name(n, ShardSpec(), shape): p.detach() for n, p in model.named_parameters()}
+    canonical = {
+        local_to_canonical_name(n, ShardSpec(), shape): p.detach() for n, p in model.named_parameters()
+    }
     reader = HFReader(path)
     back = canonical_model_to_hf(shape, canonical, detect_expert_layout(reader.names))
     assert set(back) == reader.names
@@ -300,7 +324,7 @@ def test_loading_refuses_missing_or_foreign_tensors(megatron_world: Any, tmp_pat
     with pytest.raises(KeyError, match=r"missing \['decoder.layers.1.self_attention.linear_qkv.weight'\]"):
         load_into(model, broken)
     wrong = dict(weights, **{"decoder.final_layernorm.weight": torch.zeros(3)})
-    with pytest.raises(ValueError, match="decoder.final_layernorm.weight: checkpoint shard has shape"):
+    with pytest.raises(ValueError, match=r"decoder\.final_layernorm\.weight: checkpoint shard has shape"):
         load_into(model, wrong)
 
 
@@ -316,7 +340,9 @@ def test_expert_units_are_whole_layers_and_flush_at_pre_gather_bytes_times_ep() 
         stream.append((f"model.layers.{layer}.self_attn.o_proj.weight", torch.zeros(64, 64)))
         for kind in ("linear_fc1", "linear_fc2"):
             for j in range(per):
-                stream.append((f"decoder.layers.{layer}.mlp.experts.local_experts.{j}.{kind}.weight", torch.zeros(size)))
+                stream.append(
+                    (f"decoder.layers.{layer}.mlp.experts.local_experts.{j}.{kind}.weight", torch.zeros(size))
+                )
 
     def gather_ep(chunk: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         return [(f"{n}#r{r}", t) for n, t in chunk for r in range(ep)]  # what every EP rank contributes
@@ -334,7 +360,10 @@ def test_expert_units_are_whole_layers_and_flush_at_pre_gather_bytes_times_ep() 
 
 
 def test_group_key_keeps_scales_with_their_weight() -> None:
-    assert group_key("model.layers.0.self_attn.q_proj.weight_scale_inv") == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        group_key("model.layers.0.self_attn.q_proj.weight_scale_inv")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert group_key("decoder.layers.7.mlp.experts.local_experts.3.linear_fc2.weight") == (
         "decoder.layers.7.mlp.experts.linear_fc2"
     )
