@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import tempfile
@@ -72,7 +73,9 @@ def run_mode(
 ) -> dict[str, Any]:
     from lockstep.train.megatron import MegatronBackend, MegatronConfig
 
+    gc.collect()
     torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() / GIB
     backend = MegatronBackend(MegatronConfig(model_path=path, micro_batch_size=mbs, lr=1e-5, **kw))
     loss = partial(policy_loss, config=PolicyLossConfig())
     steps, peaks, resident, offs, ons = [], [], [], [], []
@@ -89,12 +92,12 @@ def run_mode(
             backend.train_step(replace(batch, old_logprobs=old), loss)
             torch.cuda.synchronize()
             steps.append(time.perf_counter() - t0)
-            peaks.append(torch.cuda.max_memory_allocated() / GIB)
+            peaks.append(torch.cuda.max_memory_allocated() / GIB - base)
             if kw.get("offload", "none") != "none":
                 t0 = time.perf_counter()
                 backend.offload()
                 offs.append(time.perf_counter() - t0)
-            resident.append(torch.cuda.memory_allocated() / GIB)
+            resident.append(torch.cuda.memory_allocated() / GIB - base)
             print(
                 f"  {name} step {i + 1}: {steps[-1]:.3f} s, peak {peaks[-1]:.2f} GiB, resident {resident[-1]:.2f} GiB",
                 flush=True,
@@ -175,10 +178,14 @@ def main() -> None:
                 "state_dir": Path(tmp) / "st2",
             },
         }
+        bandwidth = export_bandwidth(path, args.mbs)
+        print(
+            f"export_weights {bandwidth['export_gb_s']:.1f} GB/s, device copy {bandwidth['device_copy_gb_s']:.0f} GB/s",
+            flush=True,
+        )
         rows = []
         for name, kw in modes.items():
             rows.append(run_mode(path, name, kw, batches, args.mbs))
-        bandwidth = export_bandwidth(path, args.mbs)
     plain_weights = rows[0].pop("_weights")
     for r in rows:
         w = r.pop("_weights", plain_weights)

@@ -536,9 +536,20 @@ class MegatronBackend:
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
         ]
+        for bare in (self.bare, self.ref_bare):
+            if bare is not None:  # config -> no_sync -> DDP -> config: break the cycle, free memory now
+                bare.config.no_sync_func = None
+                bare.config.finalize_model_grads_func = None
+        self.bare = self.model = self.optimizer = self.ref_bare = self.ref_model = None
         destroy_parallel(self.groups)
         if self._tmp is not None:
             self._tmp.cleanup()
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _loss_adapter(

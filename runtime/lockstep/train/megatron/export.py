@@ -84,14 +84,22 @@ class MegatronExport:
     # -- the stream ------------------------------------------------------------------------------
 
     def _local(self) -> list[tuple[str, Any]]:
-        """(canonical name, local parameter) of this rank, a tied output layer left out."""
-        out = []
+        """(canonical name, local parameter) of this rank, a tied output layer left out.
+
+        Dense tensors keep the model's order; experts follow, ordered by (layer, fc1|fc2, expert) so
+        that each atomic unit (all local experts of one layer and kind) is contiguous.
+        """
+        dense, experts = [], []
         for name, p in self.model.named_parameters():
             canonical = local_to_canonical_name(name, self.groups.spec, self.shape)
             if canonical == "output_layer.weight" and self.shape.tie_embeddings:
                 continue
-            out.append((canonical, p))
-        return out
+            key = expert_key(canonical)
+            if key is None:
+                dense.append((canonical, p))
+            else:
+                experts.append(((key[0], key[2], key[1]), (canonical, p)))
+        return dense + [named for _, named in sorted(experts, key=lambda e: e[0])]
 
     def _stream(self) -> Iterator[NamedTensor]:
         import torch

@@ -77,6 +77,20 @@ def random_hf_state(path: Path, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+def bind_missing_te_gemm() -> None:
+    """Work around megatron-core 0.16.1 without Transformer Engine: every MoE router forward raises.
+
+    Its moe_utils imports `te_general_gemm` inside `try: import transformer_engine` and its `except
+    ImportError` branch only sets HAVE_TE = False, so the router's gating linear hits a NameError on
+    `if te_general_gemm is not None`. Binding the name to None (the value that code tests for) sends
+    the router down its own torch.mm path; with Transformer Engine installed nothing changes.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt(shape: ModelShape, layout: ParallelLayout, spec: ShardSpec, *, bf16: bool, cuda: bool) -> Any:
     """This rank's GPTModel (the layers of its stage; embedding on the first, output layer on the last).
 
@@ -86,6 +100,8 @@ def build_gpt(shape: ModelShape, layout: ParallelLayout, spec: ShardSpec, *, bf1
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if shape.is_moe:
+        bind_missing_te_gemm()
     config = TransformerConfig(**transformer_config_kwargs(shape, layout, bf16=bf16, cuda=cuda))
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     theta = shape.rope_theta
