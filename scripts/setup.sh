@@ -16,6 +16,6 @@ fi
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-  .venv/bin/python -m pip install -q -e ".[runtime,p2p,dev]"
+  .venv/bin/python -m pip install -q -e ".[runtime,p2p,megatron,dev]"
   echo "$want" > "$stamp"
 fi

@@ -206,6 +206,30 @@ RULES: Final[tuple[Rule, ...]] = (
         "the megatron backend needs CUDA: set trainer.backend to fsdp for cpu ranks, or device to cuda",
     ),
     Rule(
+        "fsdp-data-parallel-only",
+        TrainerSpec,
+        field("backend")
+        .eq("fsdp")
+        .implies(
+            field(_par + "tensor").eq(1)
+            & field(_par + "pipeline").eq(1)
+            & field(_par + "context").eq(1)
+            & field(_par + "expert").eq(1)
+            & field(_par + "expertTensor").eq(1)
+        ),
+        "parallelism",
+        "the fsdp backend is data parallel only (FSDP2 shards every parameter over all ranks): set "
+        "trainer.parallelism's sizes to 1, or trainer.backend to megatron",
+    ),
+    Rule(
+        "stream-optimizer-state-megatron",
+        TrainerSpec,
+        field("streamOptimizerStateToDisk").eq(True).implies(field("backend").eq("megatron")),
+        "streamOptimizerStateToDisk",
+        "optimizer state streamed from disk is built in the megatron backend: set "
+        "trainer.streamOptimizerStateToDisk to false or trainer.backend to megatron",
+    ),
+    Rule(
         "fsdp-offload-not-disk",
         TrainerSpec,
         field("offload").eq("disk").implies(field("backend").eq("megatron")),

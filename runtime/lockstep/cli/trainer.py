@@ -149,16 +149,16 @@ def run_rank(job: Any, args: argparse.Namespace) -> int:
     from lockstep.tasks import load_task
     from lockstep.train.common.losses import sft_loss
     from lockstep.train.common.packing import pack_sft
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+    from lockstep.train.factory import build_backend
 
     s = settings_from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
-    backend = FSDPBackend(
-        FSDPConfig(model_path=model_dir, lr=s.sft_learning_rate or s.learning_rate, grad_clip=s.grad_clip,
-                   micro_batch_size=s.micro_batch_size, seed=s.seed, device=str(job.spec.trainer.device))
-    )  # fmt: skip
+    lr = s.sft_learning_rate or s.learning_rate
+    backend = build_backend(
+        job, model_dir, lr=lr, grad_clip=s.grad_clip, micro_batch_size=s.micro_batch_size, seed=s.seed
+    )
     try:
         want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
         if backend.world_size != want and backend.rank == 0:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from lockstep.driver.trainer import Trainer
     from lockstep.models import TinyTokenizer
     from lockstep.serving.client import EngineClient
-    from lockstep.train.fsdp import FSDPBackend
+    from lockstep.train.backend import TrainBackend
     from lockstep.types import Sample
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,6 @@ def check_supported(job: RLJob) -> None:
     """Refuse manifest features this runtime does not build yet; the error names the fields."""
     spec = job.spec
     problems = []
-    if str(spec.trainer.backend) != "fsdp":
-        problems.append("spec.trainer.backend: only 'fsdp' runs in `lockstep run` today; set it to fsdp")
     if spec.model.lora is not None:
         problems.append("spec.model.lora: LoRA is not built yet; remove it")
     if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
@@ -263,23 +261,18 @@ def _build_trainer(
     return LocalTrainer(parts)
 
 
-def build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> FSDPBackend:
-    """The FSDP2 trainer (one rank here; torchrun env makes it one of many)."""
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+def build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> TrainBackend:
+    """The trainer backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
+    from lockstep.train.factory import build_backend as make
 
-    trainer = job.spec.trainer
-    cuda = str(trainer.device) == "cuda"
-    return FSDPBackend(
-        FSDPConfig(
-            model_path=model_dir,
-            lr=settings.learning_rate,
-            grad_clip=settings.grad_clip,
-            micro_batch_size=settings.micro_batch_size,
-            seed=settings.seed,
-            device=str(trainer.device),
-            dtype="bfloat16" if cuda and str(trainer.precision) == "bf16" else "float32",
-            with_ref=job.spec.algorithm.kl.coef > 0,
-        )
+    s = settings
+    return make(
+        job,
+        model_dir,
+        lr=s.learning_rate,
+        grad_clip=s.grad_clip,
+        micro_batch_size=s.micro_batch_size,
+        seed=s.seed,
     )
 
 

@@ -120,6 +120,8 @@ def train_on_groups(c: TrainerParts, groups: list[Group]) -> dict[str, float]:
 def push_weights(c: TrainerParts, version: int) -> dict[str, float]:
     """Publish the trainer's current weights to every engine as `version`."""
     report = c.transport.push(c.backend.export_weights(), version)
+    if str(c.job.spec.trainer.offload) != "none":
+        c.backend.offload()  # seed §7.1: wait for the next batch off the GPU; the next call brings it back
     return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
 
 

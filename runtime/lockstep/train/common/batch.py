@@ -72,3 +72,40 @@ class TrainBatch:
             rewards=cut(self.rewards),
             routed_experts=self.routed_experts[start:stop],
         )
+
+    def padded(self, rows: int) -> TrainBatch:
+        """This batch with copies of row 0 appended up to `rows` rows that train nothing.
+
+        The added rows have a zero loss mask, advantage and reward (and no R3 payload), so a backend
+        can run equal-sized micro-batches (pipeline schedules, data-parallel shards) without changing
+        the loss, the token count or any metric.
+        """
+        import torch
+
+        missing = rows - self.size
+        if missing <= 0:
+            return self
+        first = self.rows(0, 1)
+
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None, zero: bool = False) -> torch.Tensor | None:
+            if a is None or b is None:
+                return None
+            return torch.cat([a, (torch.zeros_like(b) if zero else b).expand(missing, *b.shape[1:])])
+
+        def cat_t(a: torch.Tensor, b: torch.Tensor, zero: bool = False) -> torch.Tensor:
+            out = cat(a, b, zero)
+            assert out is not None
+            return out
+
+        return replace(
+            self,
+            input_ids=cat_t(self.input_ids, first.input_ids),
+            attention_mask=cat_t(self.attention_mask, first.attention_mask),
+            loss_mask=cat_t(self.loss_mask, first.loss_mask, zero=True),
+            rollout_logprobs=cat_t(self.rollout_logprobs, first.rollout_logprobs),
+            advantages=cat_t(self.advantages, first.advantages, zero=True),
+            old_logprobs=cat(self.old_logprobs, first.old_logprobs),
+            ref_logprobs=cat(self.ref_logprobs, first.ref_logprobs),
+            rewards=cat(self.rewards, first.rewards, zero=True),
+            routed_experts=[*self.routed_experts, *[None] * missing] if self.routed_experts else [],
+        )

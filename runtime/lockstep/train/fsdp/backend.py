@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lockstep.train.backend import StepResult
+from lockstep.train.common.dist import init_distributed
 from lockstep.train.common.logprobs import token_logprobs
 from lockstep.train.common.r3 import RoutingRecord, build_replay, hf_routing, routing_dims
 from lockstep.train.fsdp import checkpoint as ckpt
-from lockstep.train.fsdp.dist import init_distributed
 
 if TYPE_CHECKING:
     import torch
@@ -63,8 +63,14 @@ class FSDPConfig:
     r3_replay: bool = True
     """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
     measures r3_routing_mismatch (what replay would fix)."""
+    offload: str = "none"
+    """trainer.offload: `cpu` keeps parameters, gradients and optimizer state in host memory with
+    FSDP2's CPUOffloadPolicy (moved to the GPU layer by layer for compute, the optimizer step runs on
+    the host); `none` keeps them on the device (offload() then moves only the optimizer state)."""
 
     def __post_init__(self) -> None:
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"offload {self.offload!r}: FSDP offloads to host memory only; use none or cpu")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -118,9 +124,14 @@ class FSDPBackend:
         # An explicit mesh of the trainer's own device type: the default mesh follows the machine (CUDA
         # when present) and would move a CPU trainer's parameters onto the GPU.
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if self.config.offload == "cpu" and self.device_type == "cuda":
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
         if frozen:
             model.requires_grad_(False)
             model.eval()
@@ -166,6 +177,7 @@ class FSDPBackend:
         import torch
         import torch.distributed as dist
 
+        self.onload()  # a no-op unless offload() ran since the last step
         total = torch.tensor([float(batch.num_tokens)], device=self.device)
         dist.all_reduce(total)
         denom = max(total.item(), 1.0)
@@ -253,8 +265,11 @@ class FSDPBackend:
         return ckpt.load(self, Path(directory))
 
     def offload(self) -> None:
-        """CPU runs keep everything in host memory; on CUDA, free the optimizer's device memory."""
-        if self.device_type == "cuda":
+        """CPU runs keep everything in host memory; on CUDA, free the optimizer's device memory.
+
+        With offload cpu, FSDP2's CPUOffloadPolicy already keeps all state in host memory: a no-op.
+        """
+        if self.device_type == "cuda" and self.config.offload == "none":
             import torch
 
             for state in self.optimizer.state.values():
@@ -264,10 +279,11 @@ class FSDPBackend:
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
-        if self.device_type == "cuda":
+        """Undo `offload` (Adam's step counters stay on the host, where AdamW keeps them)."""
+        if self.device_type == "cuda" and self.config.offload == "none":
             for state in self.optimizer.state.values():
                 for k, v in state.items():
-                    if hasattr(v, "to") and not getattr(v, "is_cuda", True):
+                    if k != "step" and hasattr(v, "to") and not getattr(v, "is_cuda", True):
                         state[k] = v.to(self.device, non_blocking=True)
 
     def close(self) -> None:

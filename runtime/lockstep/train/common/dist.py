@@ -1,10 +1,11 @@
-"""Process-group set-up for the FSDP2 backend: torchrun env, or a single in-process rank.
+"""Process-group set-up of a trainer backend: torchrun env, or a single in-process rank.
 
 Why it exists: `lockstep run` on a laptop is one process with world size 1 (no ports, no env), while
 trainer pods get RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from torchrun. Both end up with an
 initialised default process group: gloo on CPU, NCCL on CUDA.
 
-Who calls it: lockstep.train.fsdp.backend.
+Who calls it: lockstep.train.fsdp.backend and lockstep.train.megatron.parallel (shared here so neither
+backend imports the other).
 """
 
 from __future__ import annotations

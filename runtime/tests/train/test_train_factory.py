@@ -1,0 +1,50 @@
+"""lockstep.train.factory: the manifest's trainer.backend picks the backend; what cannot run says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lockstep.api import load_manifest
+from lockstep.models.tiny import materialize_builtin
+from lockstep.train.factory import build_backend
+
+EXAMPLES = Path(__file__).parents[3] / "examples"
+
+
+def _job(name: str, **trainer: object) -> object:
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    doc["spec"]["trainer"].update(trainer)
+    return load_manifest(yaml.safe_dump(doc))
+
+
+def test_fsdp_is_built_from_the_manifest(tmp_path: Path) -> None:
+    from lockstep.train.fsdp import FSDPBackend
+
+    path = materialize_builtin("builtin:tiny", tmp_path, seed=0)
+    backend = build_backend(_job("tiny-local.yaml"), path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
+    try:
+        assert isinstance(backend, FSDPBackend)
+        assert backend.config.offload == "none" and backend.config.micro_batch_size == 4
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_megatron_without_cuda_is_refused_naming_the_fields(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    path = materialize_builtin("builtin:tiny", tmp_path, seed=0)
+    job = _job("tiny-megatron.yaml")
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs CUDA .*set trainer\.device to cuda on a GPU node, or trainer\.backend to fsdp",
+    ):
+        build_backend(job, path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
+
+
+def test_megatron_trains_bf16_only(tmp_path: Path) -> None:
+    job = _job("tiny-megatron.yaml", precision="fp8")
+    with pytest.raises(ValueError, match=r"^spec\.trainer\.precision: the megatron backend trains bf16"):
+        build_backend(job, tmp_path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
