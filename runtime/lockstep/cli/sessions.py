@@ -56,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from lockstep.models.registry import names
+    from lockstep.models.families import names
     from lockstep.rollout.session.engine import ReplicaPool
     from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 
