@@ -10,7 +10,7 @@ Rank 0 of `lockstep trainer --serve` reads it to resolve `auto`. Both sides impo
 lives in lockstep.api (pydantic only, no torch).
 
 Who calls it: lockstep_operator.resources.config (writes, `TransportChoice.to_json`),
-lockstep.driver.transports (reads, `load_transport_choice`), tests.
+lockstep.weights.factory (reads, `load_transport_choice`), tests.
 """
 
 from __future__ import annotations

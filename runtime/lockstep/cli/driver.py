@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from lockstep.api import ManifestError, load_manifest
     from lockstep.cli.run import configure_logging, execute
-    from lockstep.driver.state import latest_checkpoint
+    from lockstep.trainer.state import latest_checkpoint
 
     configure_logging()
     try:

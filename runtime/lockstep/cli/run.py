@@ -71,9 +71,9 @@ def execute(
     from lockstep.driver import run
     from lockstep.driver.loop import install_sigint
     from lockstep.driver.remote import TrainerUnreachable
-    from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
     from lockstep.rollout.async_worker import RolloutFailed
     from lockstep.serving.client import EngineUnreachable
+    from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 
     stop = threading.Event()
     if install_signal:
@@ -145,7 +145,7 @@ def _reward_summary(run_dir: Path) -> str:
 
 def _preflight_summary(run_dir: Path) -> str:
     """ ", pre-flight passed (N tensors equal ...)" when this run's pre-flight wrote its result."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
+    from lockstep.trainer.protocol import PREFLIGHT_FILE
     from lockstep.weights.preflight import PreflightResult
 
     path = run_dir / PREFLIGHT_FILE

@@ -10,7 +10,7 @@ else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved aga
 replaced and new engines get the current version, else LOCKSTEP_ROUTER_URL, which reaches one engine
 only: the router is for rollouts), and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
 driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
-every rank with exit 0. See docs/trainer.md and lockstep.driver.trainer_server.
+every rank with exit 0. See docs/trainer.md and lockstep.trainer.server.
 
 Without --serve the command only proves the sharded load / SFT / gather / save path: it runs the
 job's SFT warm start (spec.algorithm.sftWarmStart) if any and writes an HF-layout checkpoint to --out.
@@ -105,9 +105,9 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
 
     from lockstep.api import TRANSPORT_KEY
     from lockstep.cli.run import configure_logging
-    from lockstep.driver.membership import members_from
-    from lockstep.driver.trainer_server import serve
     from lockstep.serving.client import EngineUnreachable
+    from lockstep.serving.membership import members_from
+    from lockstep.trainer.server import serve
 
     configure_logging()
     members = members_from(args.engine_url, os.environ)
@@ -143,15 +143,15 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
 
 def run_rank(job: Any, args: argparse.Namespace) -> int:
     """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.steps import SFT_ITEM_BASE
     from lockstep.models import TinyTokenizer, resolve_checkpoint
     from lockstep.tasks import load_task
     from lockstep.train.common.losses import sft_loss
     from lockstep.train.common.packing import pack_sft
     from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+    from lockstep.trainer.local import SFT_ITEM_BASE
+    from lockstep.trainer.settings import TrainerSettings
 
-    s = settings_from_job(job)
+    s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
@@ -167,7 +167,7 @@ def run_rank(job: Any, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         steps = args.sft_steps if args.sft_steps is not None else s.sft_steps
-        rows = s.batch_groups * s.samples_per_prompt
+        rows = s.sft_rows
         loss = float("nan")
         for k in range(steps):
             # Each rank trains on its own slice of the global batch (data parallel over FSDP shards).

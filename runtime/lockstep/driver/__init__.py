@@ -3,8 +3,9 @@
 Why it exists: `lockstep run` (one machine) and the driver pod (cluster) both call `run(job, ...)`:
 it builds the components (components.py) and runs the synchronous loop (loop.py) or, for
 spec.schedule.mode "fully-async", `lockstep.driver.fully_async.run_fully_async(job, components)`.
-The policy is behind the `Trainer` protocol (trainer.py): in this process (LocalTrainer) or the
-trainer group's ranks over HTTP (remote.py, served by trainer_server.py).
+The policy is behind the `Trainer` protocol (lockstep.trainer.protocol): in this process
+(lockstep.trainer.local.LocalTrainer) or the trainer group's ranks over HTTP (remote.py, served by
+lockstep.trainer.server).
 
 Who calls it: lockstep.cli.run, lockstep.cli.driver.
 """
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lockstep.driver.components import build_components
+from lockstep.driver.fully_async import run_fully_async
+from lockstep.driver.loop import run_sync
 
 if TYPE_CHECKING:
     import threading
@@ -33,16 +38,11 @@ def run(
 
     `stop` (e.g. set by the SIGINT handler) ends the loop after the current step.
     """
-    from lockstep.driver.components import build_components
-    from lockstep.driver.loop import run_sync
-
     components = build_components(job, run_dir, steps=steps, resume=resume, **build_options)
     if stop is not None:
         components.stop = stop
     try:
         if str(job.spec.schedule.mode) == "fully-async":
-            from lockstep.driver.fully_async import run_fully_async  # type: ignore[attr-defined,unused-ignore]
-
             state = run_fully_async(job, components)
         else:
             state = run_sync(components)

@@ -6,7 +6,7 @@ started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs
 EngineClient per engine on the shared LoopThread loop, the trainer backend, the weight transport, the
 task and its rollout (plugins loaded and validated), and the metrics sink. The trainer is either in
 this process (LocalTrainer: the FSDP2 backend as one rank and the weight transport of
-lockstep.driver.transports, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
+lockstep.weights.factory, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
 (RemoteTrainer, when a trainer URL is given: the driver pod of a cluster).
 
 `Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
@@ -26,23 +26,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import RunSettings, settings_from_job
-from lockstep.driver.transports import check_transport, needs_tensor_updates
+from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models.moe import routing_shape
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
+from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
+from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, load_task
-from lockstep.train.common.losses import PolicyLossConfig
-from lockstep.train.common.mismatch import MismatchConfig
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.weights.factory import check_transport, needs_tensor_updates
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.driver.trainer import Trainer
-    from lockstep.models import TinyTokenizer
-    from lockstep.serving.client import EngineClient
-    from lockstep.train.fsdp import FSDPBackend
+    from lockstep.trainer.protocol import Trainer
     from lockstep.types import Sample
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ class Components:
     rollout: Rollout
     """Scored-sample production: `rollout.run_sample(sample)` (the async worker's GenerateSample)
     and `rollout.generate_group(...)`."""
-    loss: PolicyLossConfig
-    """The RL loss settings."""
     metrics: MetricsSink
     """Per-step JSON lines + Prometheus."""
     pad_id: int = 0
@@ -105,37 +104,8 @@ class Components:
         self.closers.clear()
 
 
-def loss_config(job: RLJob) -> PolicyLossConfig:
-    """The RL loss settings of the manifest (spec.algorithm)."""
-    alg = job.spec.algorithm
-    return PolicyLossConfig(
-        estimator=str(alg.advantage_estimator),
-        eps_clip_low=alg.eps_clip,
-        eps_clip_high=alg.eps_clip_high if alg.eps_clip_high is not None else alg.eps_clip,
-        kl_coef=alg.kl.coef,
-        kl_estimator=str(alg.kl.estimator),
-        mismatch=MismatchConfig(str(alg.mismatch.correction), alg.mismatch.low, alg.mismatch.high),
-    )
-
-
-def check_supported(job: RLJob) -> None:
-    """Refuse manifest features this runtime does not build yet; the error names the fields."""
-    spec = job.spec
-    problems = []
-    if str(spec.trainer.backend) != "fsdp":
-        problems.append("spec.trainer.backend: only 'fsdp' runs in `lockstep run` today; set it to fsdp")
-    if spec.model.lora is not None:
-        problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def check_r3_model(job: RLJob, model_dir: Path) -> None:
     """R3 replays MoE routing: refuse it on a dense checkpoint, naming the field and the fix."""
-    from lockstep.models.moe import routing_shape
-
     if job.spec.algorithm.r3 and routing_shape(model_dir) is None:
         raise ValueError(
             f"spec.algorithm.r3: {job.spec.model.checkpoint} is a dense model (its config.json has no "
@@ -163,9 +133,6 @@ def build_components(
     With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
-    from lockstep.models import TinyTokenizer, resolve_checkpoint
-    from lockstep.serving.client import EngineClient
-
     check_supported(job)
     if trainer_url is None:
         check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
@@ -211,7 +178,6 @@ def build_components(
         trainer=trainer,
         task=task,
         rollout=rollout,
-        loss=loss_config(job),
         metrics=metrics,
         pad_id=tokenizer.pad_token_id,
         closers=closers,
@@ -249,46 +215,20 @@ def _build_trainer(
 ) -> Trainer:
     """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process."""
     if trainer_url is not None:
-        from lockstep.driver.remote import RemoteTrainer
-
         remote = RemoteTrainer(trainer_url, run_dir=run_dir)
         closers.append(remote.close)
         remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
         return remote
-    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
-
-    backend = build_backend(job, settings, model_dir)
+    backend = build_backend(job, settings.trainer, model_dir)
     closers.append(backend.close)
-    parts = build_trainer_parts(job, settings, run_dir, model_dir, backend, runner, clients, closers)
+    parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, runner, clients, closers)
     return LocalTrainer(parts)
-
-
-def build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> FSDPBackend:
-    """The FSDP2 trainer (one rank here; torchrun env makes it one of many)."""
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
-
-    trainer = job.spec.trainer
-    cuda = str(trainer.device) == "cuda"
-    return FSDPBackend(
-        FSDPConfig(
-            model_path=model_dir,
-            lr=settings.learning_rate,
-            grad_clip=settings.grad_clip,
-            micro_batch_size=settings.micro_batch_size,
-            seed=settings.seed,
-            device=str(trainer.device),
-            dtype="bfloat16" if cuda and str(trainer.precision) == "bf16" else "float32",
-            with_ref=job.spec.algorithm.kl.coef > 0,
-        )
-    )
 
 
 def _build_rollout(
     job: RLJob, settings: RunSettings, tokenizer: TinyTokenizer, task: Task, clients: list[EngineClient]
 ) -> Rollout:
     """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
-    from lockstep.serving.payloads import SamplingParams
-
     sampling = SamplingParams(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,

@@ -31,14 +31,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from lockstep.driver.state import DriverState
+from tqdm import tqdm
+
+from lockstep.driver.loop import run_reported, start
+from lockstep.driver.steps import EVAL_GROUP_BASE
+from lockstep.observability.plot import plot_metrics
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
 from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter, load_group_filter
 from lockstep.rollout.staleness import StalenessStats
-from lockstep.types import Group
+from lockstep.trainer.state import DriverState
+from lockstep.types import Group, Sample
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
@@ -420,11 +425,6 @@ class ComponentHooks:
 
     async def evaluate(self, version: int) -> EvalOutcome:
         """Mean reward on the task's eval split, one sample per item at the eval temperature (as sync)."""
-        from dataclasses import replace
-
-        from lockstep.driver.steps import EVAL_GROUP_BASE
-        from lockstep.types import Sample
-
         c = self.c
         sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
         rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
@@ -464,15 +464,10 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     (kinds train/eval) and metrics.png (plus the queue and staleness panels). The end (done or a fatal
     error) goes to the progress channel.
     """
-    from lockstep.driver.loop import run_reported
-
     return run_reported(components, lambda: _run_fully_async(job, components))
 
 
 def _run_fully_async(job: RLJob, components: Components) -> DriverState:
-    from lockstep.driver.loop import start
-    from lockstep.observability.plot import plot_metrics
-
     c = components
     spec = job.spec
     pause_mode = str(spec.weight_sync.pause_mode)
@@ -481,8 +476,6 @@ def _run_fully_async(job: RLJob, components: Components) -> DriverState:
     filters = filters_for_job(job)
     # resume, SFT warm start once, engines == trainer before step 1 (pre-flight when asked)
     state = start(c, settings.eval_interval)
-    from tqdm import tqdm
-
     bar = tqdm(
         initial=state.step, total=settings.steps, desc="lockstep fully-async", unit="step", dynamic_ncols=True
     )

@@ -18,10 +18,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from tqdm import tqdm
+
 from lockstep.driver.components import Components
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed, collect_batch, evaluate
+from lockstep.driver.steps import collect_batch, evaluate
 from lockstep.observability.plot import plot_metrics
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.state import DriverState
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def start(c: Components, eval_interval: int | None) -> DriverState:
     if state is None and c.resume:
         raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
     state = state or DriverState()
-    if not state.sft_done and c.settings.sft_steps > 0:
+    if not state.sft_done and c.settings.trainer.sft_steps > 0:
         if eval_interval:
             c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
         for k, m in enumerate(c.trainer.warm_start()):
@@ -112,8 +115,6 @@ class _progress:
     """A tqdm bar on stderr (a no-op object when tqdm is missing)."""
 
     def __init__(self, initial: int, total: int) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(initial=initial, total=total, desc="lockstep", unit="step", dynamic_ncols=True)
 
     def __enter__(self) -> Any:

@@ -1,7 +1,7 @@
 """RemoteTrainer: the Trainer protocol over HTTP to rank 0 of the trainer group (`lockstep trainer --serve`).
 
 Why it exists: in a cluster the driver pod has no GPU; the TrainerGroup's ranks hold the policy. The
-driver sends one command per loop step (lockstep.driver.wire) to rank 0, which runs it on all ranks
+driver sends one command per loop step (lockstep.trainer.wire) to rank 0, which runs it on all ranks
 and replies. Errors raised on the trainer come back typed and are raised here as the same
 exceptions the in-process trainer raises, so `lockstep driver` keeps its exit codes:
 non-finite loss -> NonFiniteLoss (exit 4), pre-flight failure -> PreflightFailed (exit 5), bad
@@ -24,9 +24,9 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.wire import (
+from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
+from lockstep.trainer.state import DriverState
+from lockstep.trainer.wire import (
     API_PREFIX,
     INSTANCE_HEADER,
     DriverStateWire,
@@ -84,7 +84,7 @@ def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
 
 
 class RemoteTrainer:
-    """The Trainer protocol (lockstep.driver.trainer) served by a trainer group's rank 0."""
+    """The Trainer protocol (lockstep.trainer.protocol) served by a trainer group's rank 0."""
 
     def __init__(
         self,
@@ -129,8 +129,6 @@ class RemoteTrainer:
         return reply.metrics
 
     def _mirror_preflight(self, result: PreflightResult | None) -> None:
-        from lockstep.driver.steps import PREFLIGHT_FILE
-
         if self.run_dir is None:
             return
         path = Path(self.run_dir) / PREFLIGHT_FILE

@@ -22,13 +22,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
-from lockstep.driver.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
-
-if TYPE_CHECKING:
-    from lockstep.weights.preflight import PreflightResult
+from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
+from lockstep.trainer.protocol import PREFLIGHT_FILE
+from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +164,6 @@ class DriverProgress:
 
 def _read_preflight(run_dir: Path) -> PreflightResult | None:
     """The PreflightResult first_push wrote into the run dir, or None when the check did not run."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
-    from lockstep.weights.preflight import PreflightResult
-
     path = run_dir / PREFLIGHT_FILE
     if not path.exists():
         return None

@@ -301,6 +301,7 @@ def resolve_checkpoint(model: str, cache_dir: str | os.PathLike[str] | None = No
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
+
 # ------------------------------------------------------------------------------------- tiny-moe
 # Why: R3 (rollout routing replay, seed §4.1) only means something on a mixture-of-experts
 # model, and every CPU test and a laptop `lockstep run` need one offline. It is transformers'

@@ -10,7 +10,7 @@ every time; disk-delta, broadcast and P2P exist to avoid that at scale.
 The engines are reached through `reload(model_path, version)` callbacks so this module stays
 synchronous and independent of the caller's event loop; only the newest `keep` versions stay on disk.
 
-Who calls it: lockstep.driver.transports builds it for `lockstep run` when spec.weightSync.transport
+Who calls it: lockstep.weights.factory builds it for `lockstep run` when spec.weightSync.transport
 is auto (the one-machine default), and uses its `write` for the disk-delta baseline checkpoint.
 """
 
@@ -28,6 +28,9 @@ from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
     import torch
+
+MODEL_FILES = ("config.json", "tiny_tokenizer.json", "chat_template.jinja")
+"""Non-weight files a version directory carries so an engine can load it alone."""
 
 Reload = Callable[[str, int], None]
 """(model_path, version) -> None; raises when the engine refused the update."""

@@ -12,8 +12,8 @@ from lockstep.api import load_manifest
 from lockstep.api.manifest import ManifestError
 from lockstep.cli.run import execute
 from lockstep.driver import run
-from lockstep.driver.state import DriverState, latest_checkpoint
 from lockstep.observability.metrics import read_jsonl
+from lockstep.trainer.state import DriverState, latest_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-async.yaml"
 

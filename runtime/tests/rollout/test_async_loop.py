@@ -21,8 +21,8 @@ from lockstep.driver.fully_async import (
     EvalOutcome,
     check_schedule,
 )
-from lockstep.driver.state import DriverState
 from lockstep.rollout.async_worker import Prompt
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
 

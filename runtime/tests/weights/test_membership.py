@@ -22,13 +22,13 @@ import pytest
 import torch
 import yaml
 from lockstep.api import RLJob, load_manifest
-from lockstep.driver.membership import ServiceMembers, StaticMembers, members_from
-from lockstep.driver.pushes import MembershipChanged
-from lockstep.driver.transports import build_transport
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
+from lockstep.serving.membership import ServiceMembers, StaticMembers, members_from
+from lockstep.weights.factory import build_transport
+from lockstep.weights.members import MembershipChanged
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 HOSTS = ["127.0.0.1", "127.0.0.2"]
 
 
@@ -216,7 +216,7 @@ def test_members_from_flags_and_env() -> None:
 
 
 def test_rank0_waits_for_a_serving_engine_and_names_the_service_when_none(engines: Engines) -> None:
-    from lockstep.driver.trainer_server import _wait_for_engines
+    from lockstep.trainer.server import _wait_for_engines
 
     listed: list[str] = []
     now = [0.0]

@@ -1,7 +1,7 @@
 """SPMD over a trainer group: rank 0 leads, the other ranks mirror every backend call, data parallel.
 
 Why it exists: a TrainBackend call is collective ("all ranks call every method collectively"), but
-the trainer's commands (lockstep.driver.trainer_server) run code with data-dependent control flow on
+the trainer's commands (lockstep.trainer.server) run code with data-dependent control flow on
 rank 0 (the pre-flight only runs its logprob probe when the checksums match; a transport may stop
 reading the export early). Instead of mirroring each command's control flow on every rank, rank 0
 wraps its backend in `LeaderBackend`: each call first tells the other ranks which call comes next
@@ -14,7 +14,7 @@ micro-batches, which FSDP's all-gathers need), computes logprobs / gradients on 
 are combined: logprobs are all-gathered back to the full [B, T-1], loss metrics are averaged weighted
 by each rank's trained tokens. The loss, gradient norm and token count already come out global.
 
-Who calls it: lockstep.driver.trainer_server (rank 0: LeaderBackend; ranks > 0: follow).
+Who calls it: lockstep.trainer.server (rank 0: LeaderBackend; ranks > 0: follow).
 """
 
 from __future__ import annotations

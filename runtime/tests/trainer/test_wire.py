@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 from lockstep.driver.remote import RemoteTrainer, TrainerCommandError, TrainerUnreachable
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.trainer_server import CommandServer, _serve_http
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.server import CommandServer, _serve_http
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult, TensorMismatch
 
@@ -220,7 +220,7 @@ def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
     served: tuple[ScriptedTrainer, str], tmp_path: Path
 ) -> None:
     """The progress channel reads preflight.json from the driver's run dir, as with a local trainer."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
+    from lockstep.trainer.protocol import PREFLIGHT_FILE
 
     trainer, url = served
     remote = RemoteTrainer(url, run_dir=tmp_path)

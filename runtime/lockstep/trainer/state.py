@@ -9,7 +9,7 @@ replaced atomically, so `latest` always names a complete checkpoint.
 Layout: RUN_DIR/checkpoints/step_NNNNNN/ (HF config + safetensors + optimizer + RNG + state) and
 RUN_DIR/checkpoints/latest.
 
-Who calls it: lockstep.driver.trainer (LocalTrainer.save / load_latest: in the driver's process, or on
+Who calls it: lockstep.trainer.local (LocalTrainer.save / load_latest: in the driver's process, or on
 the trainer ranks of a cluster, whose checkpoints then carry the driver's state), cli/driver.
 """
 

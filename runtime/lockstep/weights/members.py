@@ -3,7 +3,7 @@
 Why it exists: a rollout pool's engines change while a job runs (a replaced pod, a scale-up, an engine
 roll) and a new engine starts from the base checkpoint (version 0); it only becomes Ready (the
 operator's rl.lockstep.dev/weights-current gate) once a push gave it the current version. So before
-every push `MemberTransport` asks its `EngineMembers` (lockstep.driver.membership) for the engines of
+every push `MemberTransport` asks its `EngineMembers` (lockstep.serving.membership) for the engines of
 the moment and has a follower adapt the transport:
 
 - from-disk (auto): a full checkpoint per version and a reload per engine; the reloads are simply set
@@ -22,7 +22,7 @@ engine that left (gone from the list) is dropped. An engine that was reached bef
 answers fails the push, named in the error. Each push reports `weights_engines` (how many engines it
 reached) and logs which.
 
-Who calls it: lockstep.driver.transports.build_transport (wraps every transport it builds).
+Who calls it: lockstep.weights.factory.build_transport (wraps every transport it builds).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from lockstep.driver.membership import EngineMembers
+from lockstep.serving.client import EngineClient
+from lockstep.serving.membership import EngineMembers, probe_health
 
 if TYPE_CHECKING:
     import torch
 
-    from lockstep.driver.transports import LocalDiskDelta
-    from lockstep.serving.client import EngineClient
     from lockstep.serving.loop import LoopThread
     from lockstep.weights.broadcast import BroadcastTransport
+    from lockstep.weights.disk_delta_local import LocalDiskDelta
     from lockstep.weights.from_disk import FromDiskTransport
     from lockstep.weights.transport import TransferReport, WeightTransport
 
@@ -60,16 +60,6 @@ class Follower(Protocol):
     def close(self) -> None:
         """Release the transport and what the follower built."""
         ...
-
-
-def probe_health(url: str, timeout_s: float = 2.0) -> bool:
-    """True when the engine at `url` answers GET /health with 200 (one try; a new engine's first sign)."""
-    import httpx
-
-    try:
-        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 class MemberTransport:
@@ -155,8 +145,6 @@ class FromDiskFollower:
         """Clients built here for engines that joined later (closed here)."""
 
     def _client(self, url: str) -> EngineClient:
-        from lockstep.serving.client import EngineClient
-
         if url in self.given:
             return self.given[url]
         if url not in self.own:

@@ -4,8 +4,8 @@ Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps
 engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
 every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
 of the run (LocalTrainer over a LeaderBackend: the weight transport to every engine of the pool, found
-again before each push through lockstep.driver.membership, the task's text functions) and serves lockstep.driver.wire on an aiohttp server;
-ranks > 0 follow rank 0's backend calls (lockstep.driver.spmd). Weights go from the ranks to the
+again before each push through lockstep.serving.membership, the task's text functions) and serves lockstep.trainer.wire on an aiohttp server;
+ranks > 0 follow rank 0's backend calls (lockstep.trainer.spmd). Weights go from the ranks to the
 engines directly; the driver only sends token IDs and receives metrics.
 
 HTTP semantics: a body that does not validate is a 400 naming the field; an unknown command a 404; a
@@ -32,8 +32,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.wire import (
+from lockstep.models import resolve_checkpoint
+from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
+from lockstep.serving.membership import probe_health
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.settings import TrainerSettings
+from lockstep.trainer.spmd import LeaderBackend, control_group, follow
+from lockstep.trainer.wire import (
     API_PREFIX,
     INSTANCE_HEADER,
     DriverStateWire,
@@ -51,11 +58,12 @@ from lockstep.driver.wire import (
     TrainRequest,
     VersionRequest,
 )
+from lockstep.weights.factory import check_transport, wait_for_transport, with_transport
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.driver.membership import EngineMembers
-    from lockstep.driver.trainer import ServedTrainer
+    from lockstep.serving.membership import EngineMembers
+    from lockstep.trainer.protocol import ServedTrainer
     from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
@@ -91,7 +99,7 @@ COMMANDS: dict[str, Command] = {
     "load_latest": Command(Empty, _load),
     "shutdown": Command(Empty, lambda t, _: OkReply()),
 }
-"""The wire's commands (lockstep.driver.wire documents them)."""
+"""The wire's commands (lockstep.trainer.wire documents them)."""
 
 
 def _error(
@@ -239,13 +247,8 @@ def serve(
     (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until
     shutdown. Ranks > 0: follow rank 0 (they push nothing themselves).
     """
-    from lockstep.driver.components import build_backend, check_supported
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.spmd import LeaderBackend, control_group, follow
-    from lockstep.models import resolve_checkpoint
-
     check_supported(job)
-    settings = settings_from_job(job)
+    settings = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)
     want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
@@ -270,9 +273,7 @@ def serve(
 
 
 def _resolve_transport(job: RLJob, path: Path, *, timeout_s: float, in_pod: bool) -> RLJob:
-    """`job` with spec.weightSync.transport resolved (lockstep.driver.transports); logs the choice."""
-    from lockstep.driver.transports import wait_for_transport, with_transport
-
+    """`job` with spec.weightSync.transport resolved (lockstep.weights.factory); logs the choice."""
     found = wait_for_transport(job, path, in_pod=in_pod, timeout_s=timeout_s)
     log.info("weight transport %s, chosen by the %s: %s", found.transport, found.source, found.reason)
     return with_transport(job, found.transport)
@@ -289,13 +290,7 @@ def _serve_rank0(
     engine_timeout_s: float,
     on_listening: Callable[[int], None] | None,
 ) -> int:
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
-    from lockstep.driver.transports import check_transport
-    from lockstep.serving.client import EngineClient
-    from lockstep.serving.loop import LoopThread
-
-    settings = settings_from_job(job)
+    settings = TrainerSettings.from_job(job)
     check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
@@ -342,8 +337,6 @@ def _wait_for_engines(
 ) -> list[str]:
     """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
     at a later push. Raises TimeoutError naming the membership source after `timeout_s`."""
-    from lockstep.driver.pushes import probe_health
-
     healthy = healthy or probe_health
     deadline = clock() + timeout_s
     while True:

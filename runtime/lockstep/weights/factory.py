@@ -9,7 +9,7 @@ maps the manifest onto the weights package's transports, for engines reachable f
   with every engine (stock SGLang included), needs no process group or RDMA library, and a single
   machine always shares a disk; the faster transports are opt-in by name.
 - `broadcast` -> BroadcastTransport over a weight-update group (gloo on CPU, NCCL on CUDA).
-- `disk-delta` -> DiskDeltaTransport (in LocalDiskDelta): byte deltas under run_dir/delta/, one
+- `disk-delta` -> DiskDeltaTransport (in lockstep.weights.disk_delta_local.LocalDiskDelta): byte deltas under run_dir/delta/, one
   checkpoint copy per engine, patched and reloaded. The first update publishes nothing: its baseline is
   the trainer's export at the first push, verified byte-identical on both sides.
   spec.weightSync.diskDelta.path names the shared volume in a cluster; a local run keeps its deltas in
@@ -21,8 +21,8 @@ maps the manifest onto the weights package's transports, for engines reachable f
   cuda the engine must be another process (a CUDA IPC handle cannot be opened by its creator), so it
   is refused for in-process engines and on a machine without CUDA.
 
-Every transport built here is wrapped in lockstep.driver.pushes.MemberTransport: before each push it
-asks the engine membership (lockstep.driver.membership: a fixed list, or every address of the pool's
+Every transport built here is wrapped in lockstep.weights.members.MemberTransport: before each push it
+asks the engine membership (lockstep.serving.membership: a fixed list, or every address of the pool's
 headless Service in a cluster) and the transport follows it, so an engine that joined gets the pushed
 version too (from-disk: a full reload; disk-delta: a caught-up copy; broadcast: a new weight-update
 group), p2p and cuda-ipc refuse a changed set with an error naming the fix, and each push reports
@@ -36,44 +36,46 @@ nodes the pods landed on and writes it into the job's config ConfigMap (lockstep
 file means the one-machine rule above.
 
 Who calls it: lockstep.driver.components (`check_transport` before engines start),
-lockstep.driver.trainer.build_trainer_parts (`build_transport` once engines are ready) and
-lockstep.driver.trainer_server (`wait_for_transport`, `with_transport` on rank 0).
+lockstep.trainer.local.build_trainer_parts (`build_transport` once engines are ready) and
+lockstep.trainer.server (`wait_for_transport`, `with_transport` on rank 0).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
+from lockstep.api import RLJob
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
+from lockstep.serving.membership import EngineMembers, StaticMembers
+from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
+from lockstep.weights.disk_delta_local import LocalDiskDelta
+from lockstep.weights.from_disk import MODEL_FILES, FromDiskTransport
+from lockstep.weights.ipc import CudaIpcTransport
+from lockstep.weights.members import (
+    BroadcastFollower,
+    DiskDeltaFollower,
+    FixedFollower,
+    Follower,
+    FromDiskFollower,
+    MemberTransport,
+)
+from lockstep.weights.p2p import P2PTransport, http_target
+from lockstep.weights.pipeline import PipelineConfig
 
 if TYPE_CHECKING:
-    import torch
-
-    from lockstep.api import RLJob
-    from lockstep.driver.membership import EngineMembers
-    from lockstep.driver.pushes import MemberTransport
     from lockstep.serving.client import EngineClient
     from lockstep.serving.loop import LoopThread
-    from lockstep.weights.disk_delta import DiskDeltaTransport
-    from lockstep.weights.from_disk import FromDiskTransport
-    from lockstep.weights.pipeline import PipelineConfig
     from lockstep.weights.st_bytes import ChecksumAlgorithm
-    from lockstep.weights.transport import TransferReport
 
 log = logging.getLogger(__name__)
 
 FIELD = "spec.weightSync.transport"
 """The manifest field every refusal names."""
-
-MODEL_FILES = ("config.json", "tiny_tokenizer.json", "chat_template.jinja")
-"""Non-weight files a from-disk version directory carries so an engine can load it alone."""
-
 
 LOCAL_RULE = "auto: from-disk (no transport file from the operator; one machine shares a disk)"
 """The reason logged when `auto` falls back to the one-machine rule."""
@@ -143,13 +145,11 @@ def wait_for_transport(
 
 def with_transport(job: RLJob, transport: str) -> RLJob:
     """A copy of `job` whose spec.weightSync.transport is `transport` (validated like the manifest)."""
-    from lockstep.api import RLJob as Job
-
     if str(job.spec.weight_sync.transport) == transport:
         return job
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     wire["spec"]["weightSync"]["transport"] = transport
-    return Job.model_validate(wire)
+    return RLJob.model_validate(wire)
 
 
 def needs_tensor_updates(job: RLJob) -> bool:
@@ -199,20 +199,10 @@ def build_transport(
     """The transport named by spec.weightSync.transport for `clients` (see the module docstring).
 
     `clients` are the engines known (and ready) now; `members` (default: exactly those) is asked again
-    before every push, and the transport follows it (lockstep.driver.pushes).
+    before every push, and the transport follows it (lockstep.weights.members).
     `master_address`: where the engines reach this process for the broadcast weight-update group
     (loopback on one machine; rank 0's MASTER_ADDR on a trainer pod).
     """
-    from lockstep.driver.membership import StaticMembers
-    from lockstep.driver.pushes import (
-        BroadcastFollower,
-        DiskDeltaFollower,
-        FixedFollower,
-        Follower,
-        FromDiskFollower,
-        MemberTransport,
-    )
-
     ws = job.spec.weight_sync
     name = str(ws.transport)
     urls = sorted(c.base_url for c in clients)
@@ -220,7 +210,6 @@ def build_transport(
     pause_mode = str(ws.pause_mode)
     follower: Follower
     if name == "broadcast":
-        from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 
         def make(engines: list[str], group_name: str) -> BroadcastTransport:
             return BroadcastTransport(
@@ -237,15 +226,11 @@ def build_transport(
     elif name == "disk-delta":
         follower = DiskDeltaFollower(_disk_delta(job, run_dir, model_dir, urls))
     elif name == "p2p":
-        from lockstep.weights.p2p import P2PTransport, http_target
-
         fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
         follower = FixedFollower(
             P2PTransport([http_target(u) for u in urls], config=_pipeline(job)), urls, fix
         )
     elif name == "cuda-ipc":
-        from lockstep.weights.ipc import CudaIpcTransport
-
         (url,) = urls  # check_transport allowed one engine only
         fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
         inner = CudaIpcTransport(url, device=device, config=_pipeline(job), pause_mode=pause_mode)
@@ -260,15 +245,11 @@ def build_transport(
 
 
 def _pipeline(job: RLJob) -> PipelineConfig:
-    from lockstep.weights.pipeline import PipelineConfig
-
     return PipelineConfig(bucket_bytes=job.spec.weight_sync.bucket_mib << 20)
 
 
 def _from_disk(run_dir: Path, model_dir: Path) -> FromDiskTransport:
     """Full checkpoints under run_dir/weights/; the engines' reloads are set before each push."""
-    from lockstep.weights.from_disk import FromDiskTransport
-
     return FromDiskTransport(run_dir / "weights", [], config_dir=model_dir, extra_files=MODEL_FILES)
 
 
@@ -283,126 +264,3 @@ def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> 
         pause_mode=str(job.spec.weight_sync.pause_mode),
         checksum=cast("ChecksumAlgorithm", str(spec.checksum)),  # the API enum has the same values
     )
-
-
-class LocalDiskDelta:
-    """WeightTransport: disk-delta with one checkpoint copy per engine, patched here and reloaded there.
-
-    The first push (version 0 after an SFT warm start, or the resumed version) is the transport's first
-    update. Its byte baseline is the trainer's export at that moment, written once as an HF checkpoint
-    (run_dir/delta-base/): after a warm start or a resume the trainer no longer holds the bytes of
-    spec.model.checkpoint, and deltas must start from what the engines hold. Every engine gets a copy
-    (run_dir/engine-copies/<engine address>/); `first_update` publishes nothing and verifies the
-    trainer's layout and every copy against the baseline; each engine then reloads its verified copy
-    (so engines hold exactly the baseline even after the pre-flight filled them with noise). Later
-    pushes publish deltas under run_dir/delta/, patch every copy, then reload. The three directories
-    are caches of this process: each start of the run builds them again from the trainer's export.
-
-    Membership (`follow`): an engine that joins after the first update gets a copy of the baseline,
-    verified against it (init_local) and caught up through every published delta (apply_delta walks
-    the chain: deltas are never pruned), before the next push patches and reloads it like the others;
-    an engine that left loses its copy. In a cluster run_dir must be on the shared volume, mounted at
-    the same path in the engine pods (the operator mounts it at /shared in both): the engines read
-    their copies from there (the operator sets LOCKSTEP_RUN_DIR on it for the trainer ranks).
-    """
-
-    name = "disk-delta"
-
-    def __init__(
-        self,
-        run_dir: Path,
-        model_dir: Path,
-        urls: Sequence[str],
-        *,
-        encoding: str = "xor",
-        level: int = 1,
-        pause_mode: str = "retract",
-        checksum: ChecksumAlgorithm = "xxh3-128",
-    ) -> None:
-        self.run_dir = Path(run_dir)
-        """Where delta/, delta-base/ and engine-copies/ live."""
-        self.model_dir = Path(model_dir)
-        """The initial checkpoint (its config and tokenizer files go into the baseline)."""
-        self.urls = list(urls)
-        """The engines the next push reaches (`follow` sets them)."""
-        self.pause_mode = pause_mode
-        """How generation pauses around each engine's reload."""
-        self.encoding = encoding
-        """spec.weightSync.diskDelta.encoding."""
-        self.level = level
-        """spec.weightSync.diskDelta.zstdLevel."""
-        self.checksum = checksum
-        """spec.weightSync.diskDelta.checksum: xxh3-128, blake3 or adler32 (the index records it)."""
-        self.inner: DiskDeltaTransport | None = None
-        """The disk-delta transport, built at the first push."""
-        self.base_version = 0
-        """The first update's version (the baseline's)."""
-        self.baseline: Path | None = None
-        """The baseline checkpoint (under run_dir/delta-base/), written by the first update."""
-
-    def copy_of(self, url: str) -> Path:
-        """run_dir/engine-copies/<host_port>: the engine's own checkpoint copy."""
-        key = "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in url.split("://", 1)[-1])
-        return self.run_dir / "engine-copies" / key
-
-    def follow(self, urls: Sequence[str]) -> None:
-        """Make the next push reach exactly `urls` (see the class docstring)."""
-        from lockstep.weights.disk_delta import apply_delta, http_reload, init_local
-
-        self.urls = list(urls)
-        if self.inner is None or self.baseline is None:
-            return  # the first update copies the baseline for every engine of the moment
-        base, root = self.baseline, self.run_dir / "delta"
-        subscribers = []
-        for url in self.urls:
-            local = self.copy_of(url)
-            if not local.is_dir():
-                shutil.copytree(base, local)
-                init_local(local, root, self.base_version)
-                caught = apply_delta(root, local, self.inner.publisher.version)
-                log.info("disk-delta: new engine %s: copy at version %d (%d deltas)", url, caught.to_version,
-                         len(caught.versions))  # fmt: skip
-            subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
-        kept = {p.name for p, _ in subscribers}
-        for old in (self.run_dir / "engine-copies").glob("*"):
-            if old.name not in kept:
-                shutil.rmtree(old, ignore_errors=True)  # that engine left
-        self.inner.subscribers = subscribers
-
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        if self.inner is not None:
-            return self.inner.push(named_tensors, version)
-        return self._first_update(list(named_tensors), version)
-
-    def _first_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        from lockstep.weights.disk_delta import DeltaPublisher, DiskDeltaTransport, http_reload
-        from lockstep.weights.from_disk import FromDiskTransport
-
-        root, base, copies = (
-            self.run_dir / "delta",
-            self.run_dir / "delta-base",
-            self.run_dir / "engine-copies",
-        )
-        for stale in (root, base, copies):
-            shutil.rmtree(stale, ignore_errors=True)
-        writer = FromDiskTransport(base, [], config_dir=self.model_dir, extra_files=MODEL_FILES)
-        baseline, _, _ = writer.write(tensors, version)
-        subscribers = []
-        for url in self.urls:
-            local = self.copy_of(url)
-            shutil.copytree(baseline, local)
-            subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
-        encoding: Any = self.encoding  # one of the codec's encodings (the API enum)
-        publisher = DeltaPublisher(
-            root, baseline, encoding=encoding, level=self.level, base_version=version, checksum=self.checksum
-        )
-        self.inner = DiskDeltaTransport(publisher, subscribers)
-        self.base_version, self.baseline = version, baseline
-        report = self.inner.first_update(tensors)
-        for local, reload in subscribers:
-            reload(local, version)
-        return report
-
-    def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()

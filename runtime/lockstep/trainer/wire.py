@@ -1,7 +1,7 @@
 """The driver <-> trainer command wire: one pydantic model per request and reply (extra="forbid").
 
 Why it exists: in a cluster the driver sends the trainer group's rank 0 one command per loop step
-(lockstep.driver.remote -> lockstep.driver.trainer_server). Everything that crosses is validated at
+(lockstep.driver.remote -> lockstep.trainer.server). Everything that crosses is validated at
 the boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group
 carries every field the loss needs, token-exact: prompt and response token IDs, the loss mask, the
 engine's rollout logprobs, the reward, the status and the weight version of every token (staleness
@@ -21,7 +21,7 @@ command carries the group's instance ID (INSTANCE_HEADER): a group that restarte
 attached holds the last checkpoint's policy, not the one the driver trained, and refuses (409
 `restarted`); the driver then restarts and resumes.
 
-Who calls it: lockstep.driver.remote (client), lockstep.driver.trainer_server (server), tests.
+Who calls it: lockstep.driver.remote (client), lockstep.trainer.server (server), tests.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lockstep.driver.state import DriverState
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult
 
@@ -152,7 +152,7 @@ class VersionRequest(_Strict):
 
 
 class DriverStateWire(_Strict):
-    """lockstep.driver.state.DriverState on the wire (saved in the trainer's checkpoint)."""
+    """lockstep.trainer.state.DriverState on the wire (saved in the trainer's checkpoint)."""
 
     step: int = Field(ge=0)
     """RL optimizer steps done."""

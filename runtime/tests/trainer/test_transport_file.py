@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 from lockstep.api import RLJob, TransportChoice, TransportFileError, load_manifest, load_transport_choice
-from lockstep.driver.transports import (
+from lockstep.weights.factory import (
     LOCAL_RULE,
     TransportNotChosen,
     TransportResolution,
@@ -31,7 +31,7 @@ from lockstep.driver.transports import (
     with_transport,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 CHOICE = TransportChoice(transport="broadcast", reason="one network without RDMA", observed_generation=1)
 
 

@@ -9,10 +9,10 @@ engine pod's IP, ready or not, so an engine that is not Ready because it still h
 test names its engines (`StaticMembers`, `--engine-url`).
 
 The DNS resolver lives here because two parts of the driver need it: the weight pushes
-(lockstep.driver.transports.MemberTransport) and the progress report's per-engine versions
+(lockstep.weights.factory.MemberTransport) and the progress report's per-engine versions
 (lockstep.driver.report.EngineVersionProbe).
 
-Who calls it: lockstep.driver.transports, lockstep.driver.report, lockstep.driver.trainer_server,
+Who calls it: lockstep.weights.factory, lockstep.driver.report, lockstep.trainer.server,
 lockstep.cli.trainer, tests (an injected resolver maps one name to loopback addresses).
 """
 
@@ -22,6 +22,8 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import httpx
 
 ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
 """Env var the operator sets on the driver and rank pods: the pool's headless Service listing every engine."""
@@ -106,3 +108,11 @@ def members_from(
     if env.get(ROUTER_URL_ENV):
         return StaticMembers((env[ROUTER_URL_ENV],))
     return None
+
+
+def probe_health(url: str, timeout_s: float = 2.0) -> bool:
+    """True when the engine at `url` answers GET /health with 200 (one try; a new engine's first sign)."""
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False

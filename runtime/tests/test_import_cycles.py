@@ -1,0 +1,106 @@
+"""No import cycle between our modules (lockstep and lockstep_operator), function-local imports included.
+
+Why: a cycle hidden behind a function-local import is a layering bug waiting for its first top-level
+import. The graph is grimp's (the library import-linter builds its contracts on), which records every
+import statement of a module: top level, inside functions and under TYPE_CHECKING alike.
+"""
+
+from __future__ import annotations
+
+import grimp
+import pytest
+
+PACKAGES = ("lockstep", "lockstep_operator")
+
+
+def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """One cycle (a -> b -> ... -> a) per strongly connected set of modules, sorted; [] when acyclic."""
+    modules = sorted(graph.modules)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in modules}
+    cycles = []
+    for component in _strongly_connected(modules, edges):
+        if len(component) > 1 or component[0] in edges[component[0]]:
+            cycles.append(_cycle_through(component, edges))
+    return sorted(cycles)
+
+
+def _strongly_connected(modules: list[str], edges: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (the runtime's import graph is deep enough to matter)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in modules:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            targets = edges.get(node, [])
+            if i < len(targets):
+                work.append((node, i + 1))
+                nxt = targets[i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                found.append(sorted(component))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return found
+
+
+def _cycle_through(component: list[str], edges: dict[str, list[str]]) -> list[str]:
+    """The shortest cycle from the component's first module back to itself (breadth-first)."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in edges[node]:
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt in members and nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{start} is in a strongly connected set but no cycle returns to it")
+
+
+def test_no_import_cycle_between_our_modules() -> None:
+    cycles = import_cycles(grimp.build_graph(*PACKAGES, cache_dir=None))
+    assert not cycles, "import cycles (break each by moving what both need to a lower module):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+
+
+@pytest.mark.parametrize(
+    ("imports", "expected"),
+    [
+        pytest.param([("a", "b"), ("b", "c")], [], id="chain"),
+        pytest.param([("a", "b"), ("b", "a")], [["a", "b", "a"]], id="pair"),
+        pytest.param([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")], [["a", "b", "c", "a"]], id="triangle"),
+        pytest.param(
+            [("x.a", "x.b"), ("x.b", "x.a"), ("y", "y")], [["x.a", "x.b", "x.a"], ["y", "y"]], id="two"
+        ),
+    ],
+)
+def test_the_detector_names_each_cycle(imports: list[tuple[str, str]], expected: list[list[str]]) -> None:
+    graph = grimp.ImportGraph()
+    for importer, imported in imports:
+        graph.add_import(importer=importer, imported=imported)
+    assert import_cycles(graph) == expected
