@@ -155,7 +155,14 @@ def build_components(
         for client in clients:
             runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
         trainer = _build_trainer(
-            job, settings, run_dir, model_dir, runner, clients, closers, trainer_url, trainer_timeout_s
+            job,
+            settings,
+            run_dir,
+            model_dir,
+            [c.base_url for c in clients],
+            closers,
+            trainer_url,
+            trainer_timeout_s,
         )
         rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
@@ -207,8 +214,7 @@ def _build_trainer(
     settings: RunSettings,
     run_dir: Path,
     model_dir: Path,
-    runner: LoopThread,
-    clients: list[EngineClient],
+    engine_urls: list[str],
     closers: list[Callable[[], None]],
     trainer_url: str | None,
     trainer_timeout_s: float,
@@ -221,7 +227,7 @@ def _build_trainer(
         return remote
     backend = build_backend(job, settings.trainer, model_dir)
     closers.append(backend.close)
-    parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, runner, clients, closers)
+    parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, engine_urls, closers)
     return LocalTrainer(parts)
 
 

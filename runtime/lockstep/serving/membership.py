@@ -1,19 +1,15 @@
-"""Which engines a weight push must reach: a static URL list, or every pod behind the pool's headless Service.
+"""Which engines a weight update must reach: a static URL list, or every pod behind the pool's headless Service.
 
-Why it exists: in a cluster the rollout pool's engines come and go (a replaced pod, a scale-up, an
-engine roll), and a push through the load-balanced router reaches one engine only. Pushes therefore
-go to each engine's own address, and the set of addresses is asked for again before every push: the
-headless Service `<pool>-engines` (LOCKSTEP_ENGINES_SERVICE, publishNotReadyAddresses) lists every
-engine pod's IP, ready or not, so an engine that is not Ready because it still holds an old version
-(a new pod starts from the base checkpoint) is pushed to, and then becomes Ready. A local run or a
-test names its engines (`StaticMembers`, `--engine-url`).
+Why it exists: in a cluster the rollout pool's engines come and go, and an update through the
+load-balanced router reaches one engine only. Updates therefore go to each engine's own address,
+asked for again before every update: the headless Service `<pool>-engines` (LOCKSTEP_ENGINES_SERVICE,
+publishNotReadyAddresses) lists every engine pod's IP, ready or not, so a new engine (base checkpoint,
+not Ready) is updated and then becomes Ready. A local run or a test names its engines
+(`StaticMembers`, `--engine-url`). It sits below the driver and the trainer because both ask it: the
+trainer's weight updates (lockstep.weights.transport.EngineSet) and the driver's progress report.
 
-The DNS resolver lives here because two parts of the driver need it: the weight pushes
-(lockstep.weights.factory.MemberTransport) and the progress report's per-engine versions
-(lockstep.driver.report.EngineVersionProbe).
-
-Who calls it: lockstep.weights.factory, lockstep.driver.report, lockstep.trainer.server,
-lockstep.cli.trainer, tests (an injected resolver maps one name to loopback addresses).
+Who calls it: lockstep.weights.transport, lockstep.trainer, lockstep.driver.report, lockstep.cli.trainer,
+tests (an injected resolver maps one name to loopback addresses).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.models import TinyTokenizer
+from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
 from lockstep.train.common.losses import policy_loss, sft_loss
 from lockstep.train.common.mismatch import mismatch_weights
@@ -33,12 +34,10 @@ from lockstep.trainer.state import DriverState, checkpoints_dir, latest_checkpoi
 from lockstep.types import Group, SampleStatus
 from lockstep.weights.factory import build_transport
 from lockstep.weights.preflight import LogprobProbe, PreflightResult, check_weight_update_equal
+from lockstep.weights.transport import EngineSet, update_members
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.serving.client import EngineClient
-    from lockstep.serving.loop import LoopThread
-    from lockstep.serving.membership import EngineMembers
     from lockstep.train.backend import TrainBackend
     from lockstep.weights.transport import WeightTransport
 
@@ -62,10 +61,12 @@ class TrainerParts:
     """The sharded policy (on rank 0 of a group: lockstep.trainer.spmd.LeaderBackend)."""
     transport: WeightTransport
     """How versions reach the engines."""
+    engines: EngineSet
+    """The engines each push reaches (asked again before every push)."""
     pad_id: int
     """Padding token ID for packing."""
     engine_urls: list[str]
-    """The engines known at start (the pre-flight reads them back); each push asks the membership again."""
+    """The engines known at start (the pre-flight reads them back)."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
     """Chat messages -> prompt token IDs (with the generation prompt), as the rollout renders them."""
     encode: Callable[[str], list[int]]
@@ -122,6 +123,8 @@ class LocalTrainer:
 
         probe_prompt = c.render(c.task.item(0, "train").messages)
         t0 = c.clock()
+        urls = c.engines.targets(version)
+        c.transport.follow(urls)
         result = check_weight_update_equal(
             list(c.engine_urls),
             c.transport,
@@ -134,6 +137,7 @@ class LocalTrainer:
             ),
             seed=c.settings.seed,
         )
+        c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
         log.info("pre-flight %s: %s", "passed" if result.passed else "FAILED", result.message)
         if not result.passed:
@@ -182,7 +186,8 @@ class LocalTrainer:
 
     def push(self, version: int) -> dict[str, float]:
         """Push the trainer's current weights to every engine as `version`."""
-        report = self.parts.transport.push(self.parts.backend.export_weights(), version)
+        c = self.parts
+        report = update_members(c.transport, c.engines, c.backend.export_weights(), version)
         return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
 
     def save(self, state: DriverState) -> str:
@@ -266,23 +271,24 @@ def build_trainer_parts(
     run_dir: Path,
     model_dir: Path,
     backend: TrainBackend,
-    runner: LoopThread,
-    clients: Sequence[EngineClient],
+    engine_urls: Sequence[str],
     closers: list[Callable[[], None]],
     master_address: str = "127.0.0.1",
     members: EngineMembers | None = None,
 ) -> TrainerParts:
-    """The trainer side of a run: transport to `clients`' engines, the task's text functions.
+    """The trainer side of a run: the transport to the engines `engine_urls` (ready now), the task's
+    text functions.
 
     `closers` receives the transport's close (the caller already owns the backend's);
     `master_address` is where engines reach this process (broadcast's weight-update group);
-    `members` is where each push finds the engines of the moment (default: exactly `clients`; a
+    `members` is where each push finds the engines of the moment (default: exactly `engine_urls`; a
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
     tokenizer = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
-    transport = build_transport(job, run_dir, model_dir, runner, clients, device, master_address, members)
+    urls = sorted(u.rstrip("/") for u in engine_urls)
+    transport = build_transport(job, run_dir, model_dir, urls, device, master_address)
     closers.append(transport.close)
     return TrainerParts(
         job=job,
@@ -290,8 +296,9 @@ def build_trainer_parts(
         run_dir=Path(run_dir),
         backend=backend,
         transport=transport,
+        engines=EngineSet(members or StaticMembers(tuple(urls)), urls),
         pad_id=tokenizer.pad_token_id,
-        engine_urls=[c.base_url for c in clients],
+        engine_urls=[u.rstrip("/") for u in engine_urls],
         render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
         encode=tokenizer.encode,
         task=task,

@@ -33,8 +33,6 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from lockstep.models import resolve_checkpoint
-from lockstep.serving.client import EngineClient
-from lockstep.serving.loop import LoopThread
 from lockstep.serving.membership import probe_health
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
@@ -294,22 +292,13 @@ def _serve_rank0(
     check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
-    runner = LoopThread()
-    closers.append(runner.close)
     try:
         engine_urls = _wait_for_engines(members, engine_timeout_s)
-        clients = [EngineClient(u) for u in engine_urls]
-
-        def close_clients() -> None:
-            for client in clients:
-                runner.run(client.aclose())
-
-        closers.append(close_clients)
         # Engines join the broadcast weight-update group at rank 0's address: MASTER_ADDR under torchrun
         # (the headless Service's DNS name of rank 0 in a pod).
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         parts = build_trainer_parts(
-            job, settings, out, model_dir, leader, runner, clients, closers, master, members
+            job, settings, out, model_dir, leader, engine_urls, closers, master, members
         )
         server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
         log.info(

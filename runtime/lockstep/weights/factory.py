@@ -1,43 +1,16 @@
 """The weight transport of a run, chosen by spec.weightSync.transport (seed §7.2).
 
-Why it exists: the driver pushes every new version through one `WeightTransport`; which one depends
-on the manifest and on what the engines of this process can do. This module is the one place that
-maps the manifest onto the weights package's transports, for engines reachable from this process:
+Why it exists: this is the one place that maps the manifest onto the transports of this package.
+`auto` on one machine is from-disk (full checkpoints reloaded by every engine: works with stock SGLang,
+needs no process group or RDMA library, and one machine always shares a disk); the faster transports
+are opt-in by name. In a cluster the operator's WeightChannel resolves `auto` from the nodes the pods
+landed on and writes its choice into the job's ConfigMap; `resolve_transport` (pure) and
+`wait_for_transport` read it on rank 0 of the trainer group. `check_transport` refuses, before
+anything starts, a transport this process cannot run. docs/weights.md and docs/trainer.md explain
+each transport and the `auto` rule.
 
-- `auto` (one machine) -> from-disk: each version is written as a full HF checkpoint under
-  run_dir/weights/ and the engines reload it (POST /update_weights_from_disk). Chosen because it works
-  with every engine (stock SGLang included), needs no process group or RDMA library, and a single
-  machine always shares a disk; the faster transports are opt-in by name.
-- `broadcast` -> BroadcastTransport over a weight-update group (gloo on CPU, NCCL on CUDA).
-- `disk-delta` -> DiskDeltaTransport (in lockstep.weights.disk_delta_local.LocalDiskDelta): byte deltas under run_dir/delta/, one
-  checkpoint copy per engine, patched and reloaded. The first update publishes nothing: its baseline is
-  the trainer's export at the first push, verified byte-identical on both sides.
-  spec.weightSync.diskDelta.path names the shared volume in a cluster; a local run keeps its deltas in
-  the run dir.
-- `p2p` -> P2PTransport: Mooncake TransferEngine over loopback TCP into each engine's receive buffer.
-- `cuda-ipc` -> CudaIpcTransport to the single colocated engine, which must accept tensor updates.
-  With trainer.device cpu the same code shares host memory (the documented CPU path of
-  lockstep.weights.ipc, used to run it without a GPU; in-process engines only); with trainer.device
-  cuda the engine must be another process (a CUDA IPC handle cannot be opened by its creator), so it
-  is refused for in-process engines and on a machine without CUDA.
-
-Every transport built here is wrapped in lockstep.weights.members.MemberTransport: before each push it
-asks the engine membership (lockstep.serving.membership: a fixed list, or every address of the pool's
-headless Service in a cluster) and the transport follows it, so an engine that joined gets the pushed
-version too (from-disk: a full reload; disk-delta: a caught-up copy; broadcast: a new weight-update
-group), p2p and cuda-ipc refuse a changed set with an error naming the fix, and each push reports
-`weights_engines`.
-
-In a cluster `auto` is not decided here: the operator's WeightChannel picks the transport from the
-nodes the pods landed on and writes it into the job's config ConfigMap (lockstep.api.transport_choice,
-/etc/lockstep/transport.json in a rank pod). `resolve_transport` (pure) and `wait_for_transport`
-(waits for that file with an injected clock) turn `auto` into the channel's choice on rank 0 of
-`lockstep trainer --serve`; an explicit transport in the spec always wins, and outside a pod a missing
-file means the one-machine rule above.
-
-Who calls it: lockstep.driver.components (`check_transport` before engines start),
-lockstep.trainer.local.build_trainer_parts (`build_transport` once engines are ready) and
-lockstep.trainer.server (`wait_for_transport`, `with_transport` on rank 0).
+Who calls it: lockstep.driver.components (`check_transport`), lockstep.trainer.local
+(`build_transport`), lockstep.trainer.server (`wait_for_transport`, `with_transport`).
 """
 
 from __future__ import annotations
@@ -49,27 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import RLJob
+from lockstep.api import RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
-from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.disk_delta_local import LocalDiskDelta
 from lockstep.weights.from_disk import MODEL_FILES, FromDiskTransport
 from lockstep.weights.ipc import CudaIpcTransport
-from lockstep.weights.members import (
-    BroadcastFollower,
-    DiskDeltaFollower,
-    FixedFollower,
-    Follower,
-    FromDiskFollower,
-    MemberTransport,
-)
 from lockstep.weights.p2p import P2PTransport, http_target
 from lockstep.weights.pipeline import PipelineConfig
+from lockstep.weights.transport import WeightTransport
 
 if TYPE_CHECKING:
-    from lockstep.serving.client import EngineClient
-    from lockstep.serving.loop import LoopThread
     from lockstep.weights.st_bytes import ChecksumAlgorithm
 
 log = logging.getLogger(__name__)
@@ -154,13 +117,12 @@ def with_transport(job: RLJob, transport: str) -> RLJob:
 
 def needs_tensor_updates(job: RLJob) -> bool:
     """Whether in-process engines must accept /update_weights_from_tensor (only cuda-ipc sends it)."""
-    return str(job.spec.weight_sync.transport) == "cuda-ipc"
+    return job.spec.weight_sync.transport is Transport.CUDA_IPC
 
 
 def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool) -> None:
     """Refuse, before anything starts, a transport this process cannot run; the error names the field."""
-    name = str(job.spec.weight_sync.transport)
-    if name != "cuda-ipc":
+    if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
     if max(job.spec.rollout.replicas, 1) != 1:
         raise ValueError(
@@ -190,77 +152,41 @@ def build_transport(
     job: RLJob,
     run_dir: Path,
     model_dir: Path,
-    runner: LoopThread,
-    clients: Sequence[EngineClient],
+    urls: Sequence[str],
     device: str,
     master_address: str = "127.0.0.1",
-    members: EngineMembers | None = None,
-) -> MemberTransport:
-    """The transport named by spec.weightSync.transport for `clients` (see the module docstring).
+) -> WeightTransport:
+    """The transport named by spec.weightSync.transport, reaching the engines `urls` (ready now).
 
-    `clients` are the engines known (and ready) now; `members` (default: exactly those) is asked again
-    before every push, and the transport follows it (lockstep.weights.members).
-    `master_address`: where the engines reach this process for the broadcast weight-update group
-    (loopback on one machine; rank 0's MASTER_ADDR on a trainer pod).
+    Before every update the trainer asks the membership again and the transport follows it
+    (lockstep.weights.transport.update_members). `master_address`: where the engines reach this process
+    for the broadcast weight-update group (loopback on one machine; rank 0's MASTER_ADDR in a pod).
     """
     ws = job.spec.weight_sync
-    name = str(ws.transport)
-    urls = sorted(c.base_url for c in clients)
-    members = members or StaticMembers(tuple(urls))
-    pause_mode = str(ws.pause_mode)
-    follower: Follower
-    if name == "broadcast":
-
-        def make(engines: list[str], group_name: str) -> BroadcastTransport:
-            return BroadcastTransport(
-                [EngineTarget(u) for u in engines],
-                backend="nccl" if device == "cuda" else "gloo",
-                device=device,
-                config=_pipeline(job),
-                pause_mode=pause_mode,
-                master_address=master_address,
-                group_name=group_name,
+    urls = sorted(urls)
+    pipeline = PipelineConfig(bucket_bytes=ws.bucket_mib << 20)
+    transport: WeightTransport
+    match ws.transport:
+        case Transport.AUTO:  # one machine: full checkpoints under run_dir/weights/, engines reload them
+            transport = FromDiskTransport(
+                run_dir / "weights", [], config_dir=model_dir, extra_files=MODEL_FILES
             )
-
-        follower = BroadcastFollower(make, urls)
-    elif name == "disk-delta":
-        follower = DiskDeltaFollower(_disk_delta(job, run_dir, model_dir, urls))
-    elif name == "p2p":
-        fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
-        follower = FixedFollower(
-            P2PTransport([http_target(u) for u in urls], config=_pipeline(job)), urls, fix
-        )
-    elif name == "cuda-ipc":
-        (url,) = urls  # check_transport allowed one engine only
-        fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
-        inner = CudaIpcTransport(url, device=device, config=_pipeline(job), pause_mode=pause_mode)
-        follower = FixedFollower(inner, urls, fix)
-    elif name == "auto":
-        follower = FromDiskFollower(_from_disk(run_dir, model_dir), runner, clients)
-    else:
-        raise ValueError(
-            f"{FIELD}: unknown transport {name!r}; use auto, broadcast, disk-delta, p2p or cuda-ipc"
-        )
-    return MemberTransport(members, follower, urls)
-
-
-def _pipeline(job: RLJob) -> PipelineConfig:
-    return PipelineConfig(bucket_bytes=job.spec.weight_sync.bucket_mib << 20)
-
-
-def _from_disk(run_dir: Path, model_dir: Path) -> FromDiskTransport:
-    """Full checkpoints under run_dir/weights/; the engines' reloads are set before each push."""
-    return FromDiskTransport(run_dir / "weights", [], config_dir=model_dir, extra_files=MODEL_FILES)
-
-
-def _disk_delta(job: RLJob, run_dir: Path, model_dir: Path, urls: list[str]) -> LocalDiskDelta:
-    spec = job.spec.weight_sync.disk_delta
-    return LocalDiskDelta(
-        run_dir,
-        model_dir,
-        urls,
-        encoding=str(spec.encoding),
-        level=spec.zstd_level,
-        pause_mode=str(job.spec.weight_sync.pause_mode),
-        checksum=cast("ChecksumAlgorithm", str(spec.checksum)),  # the API enum has the same values
-    )
+        case Transport.BROADCAST:
+            backend = "nccl" if device == "cuda" else "gloo"
+            engines = [EngineTarget(u) for u in urls]
+            transport = BroadcastTransport(
+                engines, backend=backend, device=device, config=pipeline, pause_mode=ws.pause_mode,
+                master_address=master_address,
+            )  # fmt: skip
+        case Transport.DISK_DELTA:
+            transport = LocalDiskDelta(
+                run_dir, model_dir, urls, encoding=ws.disk_delta.encoding, level=ws.disk_delta.zstd_level,
+                pause_mode=ws.pause_mode, checksum=cast("ChecksumAlgorithm", ws.disk_delta.checksum),
+            )  # fmt: skip
+        case Transport.P2P:
+            transport = P2PTransport([http_target(u) for u in urls], config=pipeline)
+        case Transport.CUDA_IPC:
+            (url,) = urls  # check_transport allowed one engine only
+            transport = CudaIpcTransport(url, device=device, config=pipeline, pause_mode=ws.pause_mode)
+    transport.follow(urls)
+    return transport

@@ -13,7 +13,7 @@ The weight version is set only after every bucket arrived.
 On CPU the same code shares host memory (file-descriptor or file-name handles), which lets the
 end-to-end test run without a GPU; the measured path is CUDA.
 
-Who calls it: the driver when the rollout pool is colocated; tests (gpu-marked) and bench/weights_ipc.py.
+Who calls it: the trainer when the rollout pool is colocated; tests (gpu-marked) and bench/weights_ipc.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.tensor_codec import dumps_named_tensors
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
-from lockstep.weights.transport import TransferReport
+from lockstep.weights.transport import TransferReport, refuse_change
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +95,11 @@ class CudaIpcTransport:
             self.timeout_s,
         )
         del views, flat  # the engine has copied the bucket: the storage may be freed now
+
+    def follow(self, urls: list[str]) -> None:
+        """One colocated engine, bound at start: any other engine set is refused, naming the fix."""
+        fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
+        refuse_change(self.name, [self.client.base_url], urls, fix)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         t0 = self.clock()

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
-from lockstep.weights.transport import TransferReport
+from lockstep.weights.transport import TransferReport, refuse_change
 
 if TYPE_CHECKING:
     import torch
@@ -236,6 +236,8 @@ class P2PTarget:
     """Its receive buffer and layout."""
     commit: Commit
     """Loads and activates the version once every source has written."""
+    url: str = ""
+    """The engine's base URL (http_target sets it; the engine set `follow` compares)."""
 
 
 class _Staging:
@@ -402,6 +404,11 @@ class P2PTransport:
             pipe.add(info.session_id, data, info.buffer_ptr + slot.offset, name)
         pipe.flush()  # the next target's bytes go to the other half while this write flies
 
+    def follow(self, urls: list[str]) -> None:
+        """The targets' receive buffers are bound at start: a changed engine set is refused, naming the fix."""
+        fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
+        refuse_change(self.name, [t.url for t in self.all_targets], urls, fix)
+
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         with self._lock:
             return self._push(named_tensors, version)
@@ -460,4 +467,4 @@ def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
         if r.status_code != 200:
             raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
 
-    return P2PTarget(info=info, commit=commit)
+    return P2PTarget(info=info, commit=commit, url=base)
