@@ -36,7 +36,7 @@ class TransportChoice(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
 
     transport: ChosenTransport
-    """The transport the ranks push with (the WeightChannel's status.transport)."""
+    """The transport the ranks update the engines' weights with (the WeightChannel's status.transport)."""
     reason: str = Field(min_length=1, max_length=1024)
     """Why it was chosen (the WeightChannel's status.reason), logged by the trainer."""
     observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")

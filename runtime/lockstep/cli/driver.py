@@ -6,7 +6,7 @@ same loop as `lockstep run` against that URL instead of starting engines. The dr
 and the buffer (rollout, eval, progress, staleness); the policy lives where the trainer is:
 
 - with --trainer-url or LOCKSTEP_TRAINER_URL (the driver pod: http://<trainer>-0.<trainer>.<ns>.svc:29600)
-  the TrainerGroup's ranks (`lockstep trainer --serve`) take every train step, push the weights to
+  the TrainerGroup's ranks (`lockstep trainer --serve`) take every train step, update the engines' weights
   the engines themselves and keep the checkpoints; the driver resumes from the trainer's latest
   checkpoint (the pod restarts OnFailure) and tells the ranks to shut down when the job is done;
 - without it the trainer runs inside this process as one FSDP2 rank, resuming from the run dir's

@@ -4,9 +4,9 @@ Why it exists: the TrainerGroup's ranks own the policy of a cluster job. The ope
 `torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod. Each rank
 joins the process group from the torchrun env (gloo on CPU, NCCL on CUDA) and loads the policy
 FSDP2-sharded; rank 0 serves the driver's commands on --port (default 29600) and every rank runs
-each command collectively: SFT warm start, the first push (with the pre-flight check), RL train
-steps (data parallel over the ranks), weight pushes straight to every engine of the pool (--engine-url,
-else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved again before every push so
+each command collectively: SFT warm start, the first update (with the pre-flight check), RL train
+steps (data parallel over the ranks), weight updates straight to every engine of the pool (--engine-url,
+else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved again before every update so
 replaced and new engines get the current version, else LOCKSTEP_ROUTER_URL, which reaches one engine
 only: the router is for rollouts), and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
 driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
@@ -66,7 +66,7 @@ def register(subparsers: Any) -> None:
         "--engine-url",
         action="append",
         default=[],
-        help="an engine the ranks push weights to, repeatable (default: every address of "
+        help="an engine whose weights the ranks update, repeatable (default: every address of "
         "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")

@@ -68,7 +68,7 @@ class Components:
     engines: list[EngineServer]
     """Engines started in-process by this run (empty when external URLs were given)."""
     trainer: Trainer
-    """The policy: train steps, pushes to the engines, checkpoints (local or remote)."""
+    """The policy: train steps, updates to the engines, checkpoints (local or remote)."""
     task: Task
     """Prompts and the default reward."""
     rollout: Rollout

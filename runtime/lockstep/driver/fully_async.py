@@ -4,7 +4,7 @@ Why it exists: in the sync loop (`lockstep.driver.loop`) the engines wait for th
 trainer waits for the slowest trajectory of each batch. Here a background worker
 (lockstep.rollout.async_worker) keeps a fixed number of trajectories in flight on the engines while the
 trainer trains on complete groups taken from the buffer (lockstep.rollout.buffer). After each update
-interval the new weights are pushed with in-flight requests retracted and continued under the new
+interval the engines' weights are updated with in-flight requests retracted and continued under the new
 version, so one trajectory may span versions; the staleness of every consumed group is measured (S_old,
 S_post, delta_gen, token-weighted, coverage) and optionally bounded. Evaluation runs as a background
 task: each score is logged on the step whose weights it evaluated, with its latency, however late it
@@ -13,10 +13,10 @@ arrives.
 Rollout and training need separate resources: colocate (trainer and engines sharing GPUs) cannot overlap
 them, so it is refused at start (seed §10, fail early); so is pause mode abort.
 
-Structure: `AsyncLoop` is the loop itself, written against small hooks (`LoopHooks`: train, publish,
+Structure: `AsyncLoop` is the loop itself, written against small hooks (`LoopHooks`: train, update_weights,
 evaluate, save, log) and a `GenerateSample` callable, so it is testable and benchmarkable on its own;
 `run_fully_async(job, components)` builds the hooks from the sync driver's Components (same training
-step, weight push, checkpoint layout, metrics file and plot as the sync loop) and runs the loop on the
+step, weight update, checkpoint layout, metrics file and plot as the sync loop) and runs the loop on the
 components' event loop thread, where every EngineClient lives. Training and weight export run in a
 worker thread, so generation continues while the trainer trains.
 
@@ -122,7 +122,7 @@ class AsyncSettings:
     """Per-trajectory limit (spec.agent.timeoutSeconds); an over-long trajectory is aborted, its group
     dropped at put."""
     eval_pins_version: bool = True
-    """When evaluation shares the rollout engines, the next publish waits for running evaluations so a
+    """When evaluation shares the rollout engines, the next weight update waits for running evaluations so a
     score never mixes checkpoints (training and generation continue meanwhile; only the update waits)."""
 
     def __post_init__(self) -> None:
@@ -156,13 +156,13 @@ class EvalResult:
     """One evaluation, attributed to the step whose weights it evaluated."""
 
     step: int
-    """Steps done when the evaluated weights were published (the sync loop's eval step numbering)."""
+    """Steps done when the engines were updated to the evaluated weights (the sync loop's eval step numbering)."""
     version: int
     """The weight version evaluated."""
     metrics: dict[str, float]
     """Scores from the evaluate hook."""
     latency_s: float
-    """Seconds from launch (right after the publish) to the score."""
+    """Seconds from launch (right after the weight update) to the score."""
     mixed_versions: bool
     """True when the engines reported a version other than `version` on evaluation tokens (the score
     mixes checkpoints; possible only when evaluation does not pin the version)."""
@@ -175,8 +175,8 @@ class LoopHooks(Protocol):
         """One optimizer step on complete groups (blocking; runs in a worker thread)."""
         ...
 
-    async def publish(self, version: int) -> dict[str, float]:
-        """Pause the engines with mode retract, push the trainer's weights as `version`, continue."""
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """Pause the engines with mode retract, update their weights to `version`, continue."""
         ...
 
     async def evaluate(self, version: int) -> EvalOutcome:
@@ -221,7 +221,7 @@ class AsyncLoop:
     settings: AsyncSettings
     """Knobs from the manifest."""
     hooks: LoopHooks
-    """Train, publish, evaluate, save and log."""
+    """Train, update weights, evaluate, save and log."""
     generate: GenerateSample
     """Generates and scores one trajectory on the engines."""
     prompts: Iterator[Prompt]
@@ -313,10 +313,10 @@ class AsyncLoop:
         if st.step % s.update_interval == 0 or st.step == s.steps:
             if s.eval_pins_version and self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-            metrics.update(await self.hooks.publish(st.version + 1))
+            metrics.update(await self.hooks.update_weights(st.version + 1))
             st.version += 1
             await buffer.set_version(st.version)
-            metrics["publish_wall_s"] = self.clock() - t2
+            metrics["update_weights_wall_s"] = self.clock() - t2
         # Groups submitted from here on carry indices >= next_group_index; a resume never reuses one.
         st.next_group_index = worker.next_group_index
         window = buffer.take_window()
@@ -400,7 +400,7 @@ def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
 
 
 class ComponentHooks:
-    """LoopHooks over the sync driver's Components: the same train step, push, checkpoint and metrics."""
+    """LoopHooks over the sync driver's Components: the same train step, weight update, checkpoint and metrics."""
 
     def __init__(self, c: Components, pause_mode: str, executor: Executor) -> None:
         self.c = c
@@ -413,13 +413,13 @@ class ComponentHooks:
     def train(self, groups: list[Group], step: int) -> dict[str, float]:
         return self.c.trainer.train(groups)
 
-    async def publish(self, version: int) -> dict[str, float]:
-        """Retract in-flight requests on every engine, push `version`, continue (seed §5)."""
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """Retract in-flight requests on every engine, update the weights to `version`, continue (seed §5)."""
         clients = self.c.clients
         await asyncio.gather(*(cl.pause_generation(self.pause_mode) for cl in clients))
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self.c.trainer.push, version)
+            return await loop.run_in_executor(self.executor, self.c.trainer.update_weights, version)
         finally:
             await asyncio.gather(*(cl.continue_generation() for cl in clients))
 
@@ -460,7 +460,7 @@ def run_fully_async(job: RLJob, components: Components) -> DriverState:
     """Run the fully-async loop of `job` on its built components; returns the final DriverState.
 
     Same conventions as the sync loop: resume from checkpoints/latest, SFT warm start once, the trainer's
-    weights pushed before the first step, eval before training and at the eval interval, metrics.jsonl
+    weights sent to the engines before the first step, eval before training and at the eval interval, metrics.jsonl
     (kinds train/eval) and metrics.png (plus the queue and staleness panels). The end (done or a fatal
     error) goes to the progress channel.
     """

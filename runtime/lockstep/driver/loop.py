@@ -1,8 +1,8 @@
 """The synchronous RL loop on one screen (seed §1).
 
 Why it exists: this is the product's main job. Before the first optimizer step the trainer's loaded
-weights are pushed to the engines (so rollout starts from weights that went through the trainer's own
-export path); then per step: collect a batch of complete groups, train, push the new version, save at
+weights go to the engines (so rollout starts from weights that went through the trainer's own
+export path); then per step: collect a batch of complete groups, train, update the engines' weights, save at
 the save interval, evaluate at the eval interval. Ctrl-C once finishes the current step, saves and
 returns (resumable with --resume); Ctrl-C twice abandons the step (the last checkpoint stays intact).
 
@@ -56,7 +56,7 @@ def run_sync(c: Components) -> DriverState:
 
 
 def start(c: Components, eval_interval: int | None) -> DriverState:
-    """Before step 1 (both loops): resume, the SFT warm start once, then the first push."""
+    """Before step 1 (both loops): resume, the SFT warm start once, then the first update."""
     state = c.trainer.load_latest() if c.resume is not False else None
     if state is None and c.resume:
         raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
@@ -68,9 +68,9 @@ def start(c: Components, eval_interval: int | None) -> DriverState:
             c.metrics.log("sft", k + 1, m)
     state.sft_done = True
     # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
-    pushed = c.trainer.first_push(state.version)
-    c.metrics.log("publish", state.step, pushed)
-    c.progress.init(pushed, c.run_dir, state.step)
+    updated = c.trainer.first_update(state.version)
+    c.metrics.log("update_weights", state.step, updated)
+    c.progress.init(updated, c.run_dir, state.step)
     if eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     return state
@@ -87,7 +87,7 @@ def _run_sync(c: Components) -> DriverState:
             state.step += 1
             if state.step % s.update_interval == 0:
                 state.version += 1
-                metrics |= c.trainer.push(state.version)
+                metrics |= c.trainer.update_weights(state.version)
             if _due(s.save_interval, state.step):
                 c.trainer.save(state)
                 saved_at = state.step

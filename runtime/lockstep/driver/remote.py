@@ -32,13 +32,13 @@ from lockstep.trainer.wire import (
     DriverStateWire,
     Empty,
     ErrorReply,
+    FirstUpdateReply,
     GroupWire,
     HealthReply,
     LoadReply,
     MetricsListReply,
     MetricsReply,
     OkReply,
-    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
@@ -104,7 +104,7 @@ class RemoteTrainer:
         """First retry delay; doubles per attempt."""
         self.sleep = sleep
         """Injected sleep (tests)."""
-        # A train step or a push may take minutes: no read timeout; connecting must be quick.
+        # A train step or an update may take minutes: no read timeout; connecting must be quick.
         timeout = httpx.Timeout(None, connect=10.0)
         self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
         """The HTTP connection pool."""
@@ -119,9 +119,9 @@ class RemoteTrainer:
     def warm_start(self) -> Iterator[dict[str, float]]:
         yield from self._call("warm_start", Empty(), MetricsListReply).steps
 
-    def first_push(self, version: int) -> dict[str, float]:
+    def first_update(self, version: int) -> dict[str, float]:
         try:
-            reply = self._call("first_push", VersionRequest(version=version), PushReply)
+            reply = self._call("first_update", VersionRequest(version=version), FirstUpdateReply)
         except PreflightFailed as e:
             self._mirror_preflight(e.result)
             raise
@@ -142,8 +142,8 @@ class RemoteTrainer:
         body = TrainRequest(groups=[GroupWire.of(g) for g in groups])
         return self._call("train", body, MetricsReply).metrics
 
-    def push(self, version: int) -> dict[str, float]:
-        return self._call("push", VersionRequest(version=version), MetricsReply).metrics
+    def update_weights(self, version: int) -> dict[str, float]:
+        return self._call("update_weights", VersionRequest(version=version), MetricsReply).metrics
 
     def save(self, state: DriverState) -> str:
         return self._call("save", SaveRequest(state=DriverStateWire.of(state)), SaveReply).path
@@ -169,7 +169,7 @@ class RemoteTrainer:
     # -- transport --------------------------------------------------------------------------------
 
     def wait_ready(self, job: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthReply:
-        """Poll GET /v1/health until every rank has loaded and no command (of a driver that died during
+        """Poll GET /v2/health until every rank has loaded and no command (of a driver that died during
         it) is running; refuse a trainer serving another job."""
         deadline = time.monotonic() + timeout_s
         last: BaseException | None = None

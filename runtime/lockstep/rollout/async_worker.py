@@ -10,7 +10,7 @@ all times, independent of training, and refills at sample granularity:
 With group-granularity refill one slow trajectory would hold all the slots of its group until it ends;
 with sample granularity the in-flight count stays near the budget even when lengths differ tenfold.
 
-Weight updates are not this worker's business: the driver pauses the engines with mode "retract", pushes,
+Weight updates are not this worker's business: the driver pauses the engines with mode "retract", updates,
 and continues. The HTTP requests of in-flight trajectories stay open; the engine re-schedules them under
 the new weights, so a trajectory may span versions, which its per-token versions record.
 

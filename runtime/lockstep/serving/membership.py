@@ -24,7 +24,7 @@ import httpx
 ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
 """Env var the operator sets on the driver and rank pods: the pool's headless Service listing every engine."""
 ROUTER_URL_ENV = "LOCKSTEP_ROUTER_URL"
-"""Env var of the pool's load-balanced router (rollouts only: a push through it reaches one engine)."""
+"""Env var of the pool's load-balanced router (rollouts only: an update through it reaches one engine)."""
 ENGINE_PORT = 30000
 """The engines' HTTP port (SGLang's default; the operator's engine pods listen on it)."""
 
@@ -41,7 +41,7 @@ def engine_url(ip: str, port: int) -> str:
 
 
 class EngineMembers(Protocol):
-    """The engines a push must reach now; asked again before every push."""
+    """The engines an update must reach now; asked again before every update."""
 
     def urls(self) -> list[str]:
         """Base URLs of the current engines, sorted; raises OSError when the source cannot answer."""
@@ -95,7 +95,7 @@ class ServiceMembers:
 def members_from(
     engine_urls: Sequence[str], env: Mapping[str, str], *, port: int = ENGINE_PORT
 ) -> EngineMembers | None:
-    """The push targets of a trainer rank: --engine-url when given, else the headless Service, else the
+    """The update targets of a trainer rank: --engine-url when given, else the headless Service, else the
     router (one engine only: fine for a pool of one); None when nothing names an engine."""
     if engine_urls:
         return StaticMembers(tuple(engine_urls))

@@ -1,4 +1,4 @@
-"""The trainer process: the policy's side of a run (train steps, weight pushes, checkpoints).
+"""The trainer process: the policy's side of a run (train steps, weight updates, checkpoints).
 
 Why it exists: a job runs two kinds of process, the driver (the loop, lockstep.driver) and the
 trainer (one rank per GPU). This package is everything a trainer rank runs, and nothing of the

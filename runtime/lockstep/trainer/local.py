@@ -2,8 +2,8 @@
 
 Why it exists: `lockstep run` trains in the driver's process and rank 0 of a trainer group serves the
 same object to a remote driver (lockstep.trainer.server), so each step of the loop that touches the
-policy is written once, here: the SFT warm start, the first push (through the pre-flight when asked),
-an RL step on complete groups, a push, a checkpoint. `TrainerParts` is what those steps need (backend,
+policy is written once, here: the SFT warm start, the first update (through the pre-flight when asked),
+an RL step on complete groups, an update, a checkpoint. `TrainerParts` is what those steps need (backend,
 transport, the task's text functions), built once per process by `build_trainer_parts`.
 
 Who calls it: lockstep.driver.components (a local run), lockstep.trainer.server (rank 0).
@@ -62,7 +62,7 @@ class TrainerParts:
     transport: WeightTransport
     """How versions reach the engines."""
     engines: EngineSet
-    """The engines each push reaches (asked again before every push)."""
+    """The engines each update reaches (asked again before every update)."""
     pad_id: int
     """Padding token ID for packing."""
     engine_urls: list[str]
@@ -103,15 +103,15 @@ class LocalTrainer:
             yield {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
         c.backend.set_learning_rate(s.learning_rate)
 
-    def first_push(self, version: int) -> dict[str, float]:
-        """The push before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
+    def first_update(self, version: int) -> dict[str, float]:
+        """The update before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
         if self.parts.job.spec.weight_sync.check_weight_update_equal:
-            return self._preflight_push(version)
+            return self._preflight_update(version)
         (self.parts.run_dir / PREFLIGHT_FILE).unlink(missing_ok=True)  # an earlier start's result is not ours
-        return self.push(version)
+        return self.update_weights(version)
 
-    def _preflight_push(self, version: int) -> dict[str, float]:
-        """The first push through the pre-flight check (seed §7.2.5): randomize engines, push, compare.
+    def _preflight_update(self, version: int) -> dict[str, float]:
+        """The first update through the pre-flight check (seed §7.2.5): randomize engines, update, compare.
 
         Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
         """
@@ -184,7 +184,7 @@ class LocalTrainer:
             "time_train_s": c.clock() - t1,
         }
 
-    def push(self, version: int) -> dict[str, float]:
+    def update_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's current weights to every engine as `version`."""
         c = self.parts
         report = update_members(c.transport, c.engines, c.backend.export_weights(), version)
@@ -200,7 +200,7 @@ class LocalTrainer:
         return DriverState.from_dict(self.parts.backend.load(path))
 
     def preflight_result(self) -> PreflightResult | None:
-        """The pre-flight result the last first_push wrote (None when the check did not run)."""
+        """The pre-flight result the last first_update wrote (None when the check did not run)."""
         path = self.parts.run_dir / PREFLIGHT_FILE
         return PreflightResult.model_validate_json(path.read_text()) if path.is_file() else None
 
@@ -281,7 +281,7 @@ def build_trainer_parts(
 
     `closers` receives the transport's close (the caller already owns the backend's);
     `master_address` is where engines reach this process (broadcast's weight-update group);
-    `members` is where each push finds the engines of the moment (default: exactly `engine_urls`; a
+    `members` is where each update finds the engines of the moment (default: exactly `engine_urls`; a
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
     tokenizer = TinyTokenizer.load(model_dir)

@@ -44,7 +44,7 @@ class Trainer(Protocol):
         """Run the SFT warm start (spec.algorithm.sftWarmStart.steps steps); yield each step's metrics."""
         ...
 
-    def first_push(self, version: int) -> dict[str, float]:
+    def first_update(self, version: int) -> dict[str, float]:
         """Push the loaded weights as `version` before step 1 (through the pre-flight check when the
         manifest asks). Raises PreflightFailed naming the differing tensors."""
         ...
@@ -53,8 +53,8 @@ class Trainer(Protocol):
         """One RL optimizer step on complete groups; the step's metrics. Raises NonFiniteLoss."""
         ...
 
-    def push(self, version: int) -> dict[str, float]:
-        """Push the current weights to every engine as `version`; the push's metrics."""
+    def update_weights(self, version: int) -> dict[str, float]:
+        """Push the current weights to every engine as `version`; the update's metrics."""
         ...
 
     def save(self, state: DriverState) -> str:
@@ -80,8 +80,8 @@ class Trainer(Protocol):
 
 class ServedTrainer(Trainer, Protocol):
     """The trainer a trainer group's rank 0 serves (lockstep.trainer.server): it also keeps the
-    pre-flight result of its last first push, which the driver mirrors into its own run dir."""
+    pre-flight result of its last first update, which the driver mirrors into its own run dir."""
 
     def preflight_result(self) -> PreflightResult | None:
-        """The last first push's pre-flight result (None when the check did not run)."""
+        """The last first update's pre-flight result (None when the check did not run)."""
         ...

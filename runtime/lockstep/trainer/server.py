@@ -1,10 +1,10 @@
 """The trainer group's command server: rank 0 serves the driver's commands, every rank runs them.
 
-Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight pushes to the
+Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight updates to the
 engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
 every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
 of the run (LocalTrainer over a LeaderBackend: the weight transport to every engine of the pool, found
-again before each push through lockstep.serving.membership, the task's text functions) and serves lockstep.trainer.wire on an aiohttp server;
+again before each update through lockstep.serving.membership, the task's text functions) and serves lockstep.trainer.wire on an aiohttp server;
 ranks > 0 follow rank 0's backend calls (lockstep.trainer.spmd). Weights go from the ranks to the
 engines directly; the driver only sends token IDs and receives metrics.
 
@@ -45,12 +45,12 @@ from lockstep.trainer.wire import (
     Empty,
     ErrorKind,
     ErrorReply,
+    FirstUpdateReply,
     HealthReply,
     LoadReply,
     MetricsListReply,
     MetricsReply,
     OkReply,
-    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
@@ -84,15 +84,15 @@ def _load(t: ServedTrainer, _: Empty) -> LoadReply:
     return LoadReply(state=DriverStateWire.of(state), path=t.where())
 
 
-def _first_push(t: ServedTrainer, r: VersionRequest) -> PushReply:
-    return PushReply(metrics=t.first_push(r.version), preflight=t.preflight_result())
+def _first_update(t: ServedTrainer, r: VersionRequest) -> FirstUpdateReply:
+    return FirstUpdateReply(metrics=t.first_update(r.version), preflight=t.preflight_result())
 
 
 COMMANDS: dict[str, Command] = {
     "warm_start": Command(Empty, lambda t, _: MetricsListReply(steps=list(t.warm_start()))),
-    "first_push": Command(VersionRequest, _first_push),
+    "first_update": Command(VersionRequest, _first_update),
     "train": Command(TrainRequest, lambda t, r: MetricsReply(metrics=t.train([g.group() for g in r.groups]))),
-    "push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.push(r.version))),
+    "update_weights": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.update_weights(r.version))),
     "save": Command(SaveRequest, lambda t, r: SaveReply(path=t.save(r.state.state()))),
     "load_latest": Command(Empty, _load),
     "shutdown": Command(Empty, lambda t, _: OkReply()),
@@ -242,8 +242,8 @@ def serve(
     Every rank: load the policy sharded. Rank 0: resolve spec.weightSync.transport `auto` from
     `transport_file` (the operator's choice; in a pod, `in_pod`, waited for up to `transport_timeout_s`;
     None: the local rule), wait for at least one engine of `members` to serve, build the trainer side
-    (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until
-    shutdown. Ranks > 0: follow rank 0 (they push nothing themselves).
+    (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
+    shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
     check_supported(job)
     settings = TrainerSettings.from_job(job)
@@ -325,7 +325,7 @@ def _wait_for_engines(
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[str]:
     """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
-    at a later push. Raises TimeoutError naming the membership source after `timeout_s`."""
+    at a later update. Raises TimeoutError naming the membership source after `timeout_s`."""
     healthy = healthy or probe_health
     deadline = clock() + timeout_s
     while True:

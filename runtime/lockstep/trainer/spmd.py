@@ -147,7 +147,7 @@ def follow(backend: TrainBackend, group: Any) -> None:
         if call[0] == "exit":
             return
         if call[0] == "export":
-            for _ in backend.export_weights():  # the gathers are collective; rank 0 pushes the tensors
+            for _ in backend.export_weights():  # the gathers are collective; rank 0 updates the tensors
                 pass
             continue
         _run(backend, group, call)

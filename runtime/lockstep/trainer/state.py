@@ -1,7 +1,7 @@
 """DriverState and run checkpoints: what resume needs, saved atomically beside the trainer's state.
 
 Why it exists: a run stopped by Ctrl-C, a NaN or a crash must resume exactly: the trainer's weights,
-optimizer and RNG (the backend saves those), plus the loop's own position: step, published version,
+optimizer and RNG (the backend saves those), plus the loop's own position: step, the engines' weight version,
 how many prompts were drawn (the data position) and the next group index. A checkpoint directory is
 written under a temp name and renamed, then `checkpoints/latest` (a one-line file naming it) is
 replaced atomically, so `latest` always names a complete checkpoint.

@@ -8,14 +8,14 @@ engine's rollout logprobs, the reward, the status and the weight version of ever
 and the mismatch metrics read them); task metadata stays in the driver (the reward is already
 computed).
 
-Commands (POST /v1/<name>, JSON body -> JSON reply; GET /v1/health):
-  warm_start  {}                   -> MetricsListReply  SFT warm start, one metrics dict per step
-  first_push  VersionRequest       -> PushReply         push before step 1 (pre-flight when asked)
-  train       TrainRequest         -> MetricsReply      one RL optimizer step on complete groups
-  push        VersionRequest       -> MetricsReply      publish the current weights as a version
-  save        SaveRequest          -> SaveReply         checkpoint with the driver's state beside it
-  load_latest {}                   -> LoadReply         restore the latest checkpoint (state or null)
-  shutdown    {}                   -> OkReply           every rank exits 0 (the job is done)
+Commands (POST /v2/<name>, JSON body -> JSON reply; GET /v2/health):
+  warm_start      {}              -> MetricsListReply  SFT warm start, one metrics dict per step
+  first_update    VersionRequest  -> FirstUpdateReply  weight update before step 1 (pre-flight when asked)
+  train           TrainRequest    -> MetricsReply      one RL optimizer step on complete groups
+  update_weights  VersionRequest  -> MetricsReply      the engines get the current weights as a version
+  save            SaveRequest     -> SaveReply         checkpoint with the driver's state beside it
+  load_latest     {}              -> LoadReply         restore the latest checkpoint (state or null)
+  shutdown        {}              -> OkReply           every rank exits 0 (the job is done)
 Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code). Every
 command carries the group's instance ID (INSTANCE_HEADER): a group that restarted since the driver
 attached holds the last checkpoint's policy, not the one the driver trained, and refuses (409
@@ -35,10 +35,11 @@ from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult
 
-API_PREFIX = "/v1"
-"""Every command path starts with this (a later incompatible wire gets /v2)."""
+API_PREFIX = "/v2"
+"""Every command path starts with this (v2: the weight-update commands were renamed; a later
+incompatible wire gets /v3)."""
 
-COMMANDS = ("warm_start", "first_push", "train", "push", "save", "load_latest", "shutdown")
+COMMANDS = ("warm_start", "first_update", "train", "update_weights", "save", "load_latest", "shutdown")
 """The command names (POST /v1/<name>)."""
 
 
@@ -145,10 +146,10 @@ class TrainRequest(_Strict):
 
 
 class VersionRequest(_Strict):
-    """first_push / push: the version the engines must hold afterwards."""
+    """first_update / update_weights: the version the engines must hold afterwards."""
 
     version: int = Field(ge=0)
-    """Weight version to publish."""
+    """Weight version to update the engines to."""
 
 
 class DriverStateWire(_Strict):
@@ -187,8 +188,8 @@ class MetricsReply(_Strict):
     """Metric name -> value."""
 
 
-class PushReply(_Strict):
-    """first_push: the push's metrics and, when the manifest asked for it, the pre-flight result."""
+class FirstUpdateReply(_Strict):
+    """first_update: the update's metrics and, when the manifest asked for it, the pre-flight result."""
 
     metrics: dict[str, float]
     """Metric name -> value."""

@@ -165,7 +165,9 @@ class BroadcastTransport:
             for r in replies:
                 r.result(self.timeout_s)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         self.connect()
         t0 = self.clock()
         if self.pause_mode is not None:

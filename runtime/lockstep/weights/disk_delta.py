@@ -639,7 +639,7 @@ def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: floa
                 await client.continue_generation()
 
     def reload(local: Path, version: int) -> None:
-        io = LoopThread("disk-delta-reload")  # push is synchronous; the client is async
+        io = LoopThread("disk-delta-reload")  # an update is synchronous; the client is async
         try:
             io.run(install(local, version))
         except EngineError as e:
@@ -678,7 +678,9 @@ class DiskDeltaTransport:
             init_local(local, self.publisher.root, result.version)
         return TransferReport(version=result.version, transport=self.name, seconds=self.clock() - t0)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         result = self.publisher.publish(named_tensors, version)
         # Patch every host before any reload: a damaged delta fails here with no engine touched.

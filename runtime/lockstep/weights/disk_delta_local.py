@@ -38,19 +38,19 @@ log = logging.getLogger(__name__)
 class LocalDiskDelta:
     """WeightTransport: disk-delta with one checkpoint copy per engine, patched here and reloaded there.
 
-    The first push (version 0 after an SFT warm start, or the resumed version) is the transport's first
+    The first update (version 0 after an SFT warm start, or the resumed version) is the transport's first
     update. Its byte baseline is the trainer's export at that moment, written once as an HF checkpoint
     (run_dir/delta-base/): after a warm start or a resume the trainer no longer holds the bytes of
     spec.model.checkpoint, and deltas must start from what the engines hold. Every engine gets a copy
     (run_dir/engine-copies/<engine address>/); `first_update` publishes nothing and verifies the
     trainer's layout and every copy against the baseline; each engine then reloads its verified copy
     (so engines hold exactly the baseline even after the pre-flight filled them with noise). Later
-    pushes publish deltas under run_dir/delta/, patch every copy, then reload. The three directories
+    updates publish deltas under run_dir/delta/, patch every copy, then reload. The three directories
     are caches of this process: each start of the run builds them again from the trainer's export.
 
     Membership (`follow`): an engine that joins after the first update gets a copy of the baseline,
     verified against it (init_local) and caught up through every published delta (apply_delta walks
-    the chain: deltas are never pruned), before the next push patches and reloads it like the others;
+    the chain: deltas are never pruned), before the next update patches and reloads it like the others;
     an engine that left loses its copy. In a cluster run_dir must be on the shared volume, mounted at
     the same path in the engine pods (the operator mounts it at /shared in both): the engines read
     their copies from there (the operator sets LOCKSTEP_RUN_DIR on it for the trainer ranks).
@@ -74,7 +74,7 @@ class LocalDiskDelta:
         self.model_dir = Path(model_dir)
         """The initial checkpoint (its config and tokenizer files go into the baseline)."""
         self.urls = list(urls)
-        """The engines the next push reaches (`follow` sets them)."""
+        """The engines the next update reaches (`follow` sets them)."""
         self.pause_mode = pause_mode
         """How generation pauses around each engine's reload."""
         self.encoding = encoding
@@ -84,7 +84,7 @@ class LocalDiskDelta:
         self.checksum = checksum
         """spec.weightSync.diskDelta.checksum: xxh3-128, blake3 or adler32 (the index records it)."""
         self.inner: DiskDeltaTransport | None = None
-        """The disk-delta transport, built at the first push."""
+        """The disk-delta transport, built at the first update."""
         self.base_version = 0
         """The first update's version (the baseline's)."""
         self.baseline: Path | None = None
@@ -96,7 +96,7 @@ class LocalDiskDelta:
         return self.run_dir / "engine-copies" / key
 
     def follow(self, urls: Sequence[str]) -> None:
-        """Make the next push reach exactly `urls` (see the class docstring)."""
+        """Make the next update reach exactly `urls` (see the class docstring)."""
         self.urls = list(urls)
         if self.inner is None or self.baseline is None:
             return  # the first update copies the baseline for every engine of the moment
@@ -117,9 +117,11 @@ class LocalDiskDelta:
                 shutil.rmtree(old, ignore_errors=True)  # that engine left
         self.inner.subscribers = subscribers
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         if self.inner is not None:
-            return self.inner.push(named_tensors, version)
+            return self.inner.update_weights(named_tensors, version)
         return self._first_update(list(named_tensors), version)
 
     def _first_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:

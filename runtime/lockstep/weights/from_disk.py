@@ -79,7 +79,7 @@ class FromDiskTransport:
     def follow(self, urls: list[str]) -> None:
         """Reload exactly these engines from the next version on (over HTTP, /update_weights_from_disk)."""
         if self._io is None:
-            self._io = LoopThread("from-disk-io")  # push is synchronous; the client is async
+            self._io = LoopThread("from-disk-io")  # an update is synchronous; the client is async
         for url in [u for u in self._clients if u not in urls]:
             self._io.run(self._clients.pop(url).aclose())  # that engine left
         self.reloads = [self._http_reload(url) for url in urls]
@@ -128,7 +128,9 @@ class FromDiskTransport:
         payload = sum(t.numel() * t.element_size() for t in tensors.values())
         return target, len(tensors), payload
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         path, count, payload = self.write(named_tensors, version)
         for reload in self.reloads:

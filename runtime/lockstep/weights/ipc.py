@@ -101,7 +101,9 @@ class CudaIpcTransport:
         fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
         refuse_change(self.name, [self.client.base_url], urls, fix)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         if self.pause_mode is not None:
             self._io.run(self.client.pause_generation(self.pause_mode), self.timeout_s)

@@ -409,7 +409,9 @@ class P2PTransport:
         fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
         refuse_change(self.name, [t.url for t in self.all_targets], urls, fix)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         with self._lock:
             return self._push(named_tensors, version)
 

@@ -55,7 +55,9 @@ class WeightTransport(Protocol):
         MembershipChanged naming the fix when this transport cannot reach a new set."""
         ...
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         """Deliver every (HF name, full tensor) pair to every engine and set their weight version.
 
         Tensors come in HF/SGLang names and layout (already gathered and converted). Raises on any
@@ -125,16 +127,16 @@ def update_members(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     version: int,
 ) -> TransferReport:
-    """One weight update to every engine of the moment: the transport follows them, then pushes.
+    """One weight update to every engine of the moment: the transport follows them, then updates.
 
     An engine that left is dropped; one that was reached before and no longer answers fails the
     update, named in the error. The report's `update_weights_engines` counts the engines reached.
     """
     urls = engines.targets(version)
     transport.follow(urls)
-    report = transport.push(named_tensors, version)
+    report = transport.update_weights(named_tensors, version)
     engines.reached = urls
     report.extra["update_weights_engines"] = float(len(urls))
     # Every step updates: the engine list is logged at debug (membership changes are logged above).
-    log.debug("version %d pushed (%s) to %d engines: %s", version, transport.name, len(urls), ", ".join(urls))
+    log.debug("version %d sent (%s) to %d engines: %s", version, transport.name, len(urls), ", ".join(urls))
     return report

@@ -62,7 +62,7 @@ class Hooks:
         self.trained.append([g.index for g in groups])
         return {"loss": 0.1 * step}
 
-    async def publish(self, version: int) -> dict[str, float]:
+    async def update_weights(self, version: int) -> dict[str, float]:
         self.engine.running.clear()  # pause(mode=retract)
         await asyncio.sleep(0)
         self.engine.version = version  # push
@@ -95,7 +95,7 @@ def settings(**kw: object) -> AsyncSettings:
     return AsyncSettings(**base)  # type: ignore[arg-type]
 
 
-async def test_loop_trains_publishes_and_measures() -> None:
+async def test_loop_trains_updates_weights_and_measures() -> None:
     engine = ToyEngine()
     hooks = Hooks(engine)
     loop = AsyncLoop(settings(save_interval=3), hooks, engine, long_tail_prompts())

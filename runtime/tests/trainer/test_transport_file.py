@@ -153,7 +153,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         server.stop()
 
 
-def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path], tmp_path: Path) -> None:
+def test_trainer_serve_updates_weights_by_the_operators_transport(
+    engine: tuple[str, Path], tmp_path: Path
+) -> None:
     url, cache = engine
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(FIXTURE.read_text())  # transport: auto (the default)
@@ -167,7 +169,7 @@ def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_ROLE": "trainer"}
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
+    base = f"http://127.0.0.1:{port}/v2"
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -178,7 +180,7 @@ def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        first = httpx.post(f"{base}/first_push", json={"version": 0}, timeout=120)
+        first = httpx.post(f"{base}/first_update", json={"version": 0}, timeout=120)
         assert first.status_code == 200, first.text
         pushed = httpx.post(f"{base}/push", json={"version": 1}, timeout=120)
         assert pushed.status_code == 200, pushed.text

@@ -113,7 +113,7 @@ class Pushes:
         self.transport: WeightTransport = build_transport(_job(transport), run_dir, tiny, urls, "cpu")
         self.engines = EngineSet(members, sorted(urls))
 
-    def push(self, named: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         return update_members(self.transport, self.engines, named, version)
 
     def close(self) -> None:
@@ -135,56 +135,56 @@ def _holds(engines: Engines, host: str, named: list[tuple[str, torch.Tensor]]) -
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta"])
-def test_an_engine_that_joined_gets_the_next_push(
+def test_an_engine_that_joined_gets_the_next_update(
     transport: str, engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     listed = ["127.0.0.1"]
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
     pushes = Pushes(transport, members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        report = pushes.push(_weights(tiny, 1), 1)
+        report = pushes.update_weights(_weights(tiny, 1), 1)
         assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)
         assert report.extra["update_weights_engines"] == 1.0
 
         listed.append("127.0.0.2")  # a new engine pod: base checkpoint, version 0
         v2 = _weights(tiny, 2)
-        report = pushes.push(v2, 2)
+        report = pushes.update_weights(v2, 2)
         assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (2, 2)
         assert report.extra["update_weights_engines"] == 2.0
         assert _holds(engines, "127.0.0.1", v2) and _holds(engines, "127.0.0.2", v2)
 
         listed.remove("127.0.0.1")  # that pod is gone from the Service: dropped, not an error
         v3 = _weights(tiny, 3)
-        report = pushes.push(v3, 3)
+        report = pushes.update_weights(v3, 3)
         assert engines.version("127.0.0.2") == 3 and _holds(engines, "127.0.0.2", v3)
         assert report.extra["update_weights_engines"] == 1.0
     finally:
         pushes.close()
 
 
-def test_a_push_to_an_engine_that_is_down_fails_naming_it(
+def test_an_update_to_an_engine_that_is_down_fails_naming_it(
     engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(HOSTS))
     pushes = Pushes("auto", members, [engines.url(h) for h in HOSTS], tiny, tmp_path)
     try:
-        pushes.push(_weights(tiny, 1), 1)
+        pushes.update_weights(_weights(tiny, 1), 1)
         engines.stop("127.0.0.2")  # crashed, still listed by the Service
         with pytest.raises(Exception, match=r"127\.0\.0\.2") as e:
-            pushes.push(_weights(tiny, 2), 2)
+            pushes.update_weights(_weights(tiny, 2), 2)
         assert "127.0.0.1" not in str(e.value).replace(engines.url("127.0.0.2"), "")
     finally:
         pushes.close()
 
 
-def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_push(
+def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_update(
     engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     listed = ["127.0.0.1", "127.0.0.3"]  # .3: a pod with an IP whose server has not started
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
     pushes = Pushes("auto", members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        report = pushes.push(_weights(tiny, 1), 1)
+        report = pushes.update_weights(_weights(tiny, 1), 1)
         assert report.extra["update_weights_engines"] == 1.0 and engines.version("127.0.0.1") == 1
     finally:
         pushes.close()
@@ -197,13 +197,13 @@ def test_p2p_refuses_a_changed_membership_naming_the_fix(
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
     pushes = Pushes("p2p", members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        pushes.push(_weights(tiny, 1), 1)
+        pushes.update_weights(_weights(tiny, 1), 1)
         assert engines.version("127.0.0.1") == 1
         listed.append("127.0.0.2")
         with pytest.raises(
             MembershipChanged, match=r"joined: http://127\.0\.0\.2:\d+; left: -\) .*use broadcast"
         ):
-            pushes.push(_weights(tiny, 2), 2)
+            pushes.update_weights(_weights(tiny, 2), 2)
         assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-pushed
     finally:
         pushes.close()
