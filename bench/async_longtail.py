@@ -211,8 +211,8 @@ def _timed(
     # record; component start, the final checkpoint and the plot are outside it in both modes.
     c.metrics.log = stamped_log  # type: ignore[method-assign,unused-ignore]
     try:
-        state = run_fully_async(job, c) if mode == "fully-async" else run_sync(c)
-        final_eval = evaluate(c)["reward_mean"]
+        state = run_fully_async(c) if mode == "fully-async" else run_sync(c)
+        final_eval = c.runner.run(evaluate(c)).metrics["reward_mean"]
     finally:
         c.close()
     seconds = stamps[("train", state.step)] - stamps[("update_weights", 0)]

@@ -16,7 +16,7 @@ Glossary (the one word per concept used everywhere; docs/glossary.md has the ful
 - rank: one trainer process of torch.distributed.
 - replica: one rollout engine server.
 - sample: one trajectory (a prompt and everything after it).
-- group: the samples of one prompt (n_samples_per_prompt of them), the unit GRPO normalises over.
+- group: the samples of one prompt (samples_per_prompt of them), the unit GRPO normalises over.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Sample:
     group_index: int
     """Index of the prompt group this sample belongs to (unique within a run)."""
     index: int
-    """Index of the sample within its group, 0..n_samples_per_prompt-1."""
+    """Index of the sample within its group, 0..samples_per_prompt-1."""
     prompt_ids: list[int]
     """Token IDs of the prompt as sent to the engine, length P."""
     response_ids: list[int] = field(default_factory=list)
@@ -97,7 +97,7 @@ class Group:
     index: int
     """Unique group index within a run."""
     samples: list[Sample]
-    """n_samples_per_prompt samples, in sample-index order."""
+    """samples_per_prompt samples, in sample-index order."""
 
     @property
     def rewards(self) -> list[float]:

@@ -32,17 +32,32 @@ Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
+from lockstep.cli.commands import HELP
+from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.observability.logs import configure_logging
+from lockstep.serving.client import EngineUnreachable
+from lockstep.serving.membership import members_from
+from lockstep.tasks import load_task
+from lockstep.train.common.losses import sft_loss
+from lockstep.train.common.packing import pack_sft
+from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+from lockstep.trainer.local import SFT_ITEM_BASE
+from lockstep.trainer.server import serve
+from lockstep.trainer.settings import TrainerSettings
 
 DEFAULT_PORT = 29600
 """The trainer's command port (rank 0); the driver pod's LOCKSTEP_TRAINER_URL points at it."""
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("trainer", help="run one trainer rank (torchrun env)", description=__doc__)
+    p = subparsers.add_parser("trainer", help=HELP["trainer"], description=__doc__)
     p.add_argument("--config", type=Path, required=True, help="rendered RLJob (job.yaml)")
     p.add_argument(
         "--out",
@@ -87,8 +102,6 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lockstep.api import ManifestError, load_manifest
-
     try:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
@@ -99,16 +112,8 @@ def main(args: argparse.Namespace) -> int:
     return run_rank(job, args)
 
 
-def serve_rank(job: Any, args: argparse.Namespace) -> int:
+def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
     """This rank of a serving trainer group (see the module docstring); exit code."""
-    import logging
-
-    from lockstep.api import TRANSPORT_KEY
-    from lockstep.cli.run import configure_logging
-    from lockstep.serving.client import EngineUnreachable
-    from lockstep.serving.membership import members_from
-    from lockstep.trainer.server import serve
-
     configure_logging()
     members = members_from(args.engine_url, os.environ)
     if members is None:
@@ -141,16 +146,8 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
         return 2
 
 
-def run_rank(job: Any, args: argparse.Namespace) -> int:
+def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
-    from lockstep.models import TinyTokenizer, resolve_checkpoint
-    from lockstep.tasks import load_task
-    from lockstep.train.common.losses import sft_loss
-    from lockstep.train.common.packing import pack_sft
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
-    from lockstep.trainer.local import SFT_ITEM_BASE
-    from lockstep.trainer.settings import TrainerSettings
-
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = TinyTokenizer.load(model_dir)

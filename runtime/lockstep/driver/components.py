@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
 from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
-from lockstep.driver.settings import RunSettings, settings_from_job
+from lockstep.driver.settings import Resume, RunSettings, settings_from_job
 from lockstep.models import TinyTokenizer, resolve_checkpoint
 from lockstep.models.moe import routing_shape
 from lockstep.observability.metrics import MetricsSink
@@ -82,9 +82,8 @@ class Components:
     """Injected monotonic clock."""
     closers: list[Callable[[], None]] = field(default_factory=list)
     """Extra clean-up callbacks, run in reverse order by close()."""
-    resume: bool | None = False
-    """Start from the trainer's latest checkpoint: True requires one (--resume), None uses one when
-    there is one (a driver pod, whose restarts resume), False starts fresh."""
+    resume: Resume = Resume.NEVER
+    """Whether to start from the trainer's latest checkpoint (required, if any, never)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
     progress: DriverProgress = field(default_factory=DriverProgress)
@@ -123,7 +122,7 @@ def build_components(
     cache_dir: Path | None = None,
     connect_retries: int = 5,
     engine_ready_timeout_s: float = 60.0,
-    resume: bool | None = False,
+    resume: Resume = Resume.NEVER,
     reporter: ProgressReporter | None = None,
     trainer_url: str | None = None,
     trainer_timeout_s: float = 600.0,

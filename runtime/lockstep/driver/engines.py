@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aiohttp import web
+
+from lockstep.engine import ReferenceEngine, create_app
+
 if TYPE_CHECKING:
     from lockstep.serving.client import EngineClient, GenerateResult
     from lockstep.serving.payloads import SamplingParams
@@ -46,10 +50,6 @@ def start_reference_engine(
     Sampling is reproducible through the per-request sampling_seed the rollout sends, so the engine
     itself needs no seed.
     """
-    from aiohttp import web
-
-    from lockstep.engine import ReferenceEngine, create_app
-
     started = threading.Event()
     state: dict[str, Any] = {}
     loop = asyncio.new_event_loop()

@@ -1,7 +1,8 @@
-"""The driver's steps of the loop: collect a batch of complete groups, evaluate.
+"""The driver's steps of both loops: start (resume, SFT warm start, first update), collect a batch, evaluate.
 
-Why it exists: loop.py should read like the seed's five-line loop; the lines that touch the engines
-(rollout) are here, the lines that touch the policy are the Trainer protocol's (lockstep.trainer).
+Why it exists: loop.py and fully_async.py should read like the seed's five-line loop; the lines that
+touch the engines (rollout) are here, the lines that touch the policy are the Trainer protocol's
+(lockstep.trainer.protocol). Both loops start and evaluate with the same functions.
 
 Who calls it: lockstep.driver.loop and lockstep.driver.fully_async.
 """
@@ -9,26 +10,60 @@ Who calls it: lockstep.driver.loop and lockstep.driver.fully_async.
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from lockstep.rollout.generate import Rollout
+from lockstep.driver.settings import Resume
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
 if TYPE_CHECKING:
     from lockstep.driver.components import Components
-    from lockstep.trainer.state import DriverState
-
-log = logging.getLogger(__name__)
 
 EVAL_GROUP_BASE = 1_000_000_000
 """Group indices of eval samples start here (they never mix with training groups)."""
 
 
+@dataclass(slots=True)
+class EvalOutcome:
+    """What an evaluation returns."""
+
+    metrics: dict[str, float]
+    """Scores (e.g. {"reward_mean": 0.4}); logged as kind "eval"."""
+    versions_seen: set[int] = field(default_factory=set)
+    """Weight versions the engines reported on the evaluation's tokens; proves which weights were scored."""
+
+
+def start(c: Components) -> DriverState:
+    """Before step 1 (both loops): resume, the SFT warm start once, then the first weight update."""
+    state = c.trainer.load_latest() if c.resume is not Resume.NEVER else None
+    if state is None and c.resume is Resume.REQUIRED:
+        raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
+    state = state or DriverState()
+    eval_interval = c.settings.schedule.eval_interval
+    if not state.sft_done and c.settings.trainer.sft_steps > 0:
+        if eval_interval:
+            c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
+        for k, m in enumerate(c.trainer.warm_start()):
+            c.metrics.log("sft", k + 1, m)
+    state.sft_done = True
+    # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
+    updated = c.trainer.first_update(state.version)
+    c.metrics.log("update_weights", state.step, updated)
+    c.progress.init(updated, c.run_dir, state.step)
+    if eval_interval and state.step == 0:
+        c.metrics.log("eval", 0, evaluate_at(c, state))
+    return state
+
+
+def evaluate_at(c: Components, state: DriverState) -> dict[str, float]:
+    """Evaluate on the components' event loop; the scores tagged with the version evaluated."""
+    return {**c.runner.run(evaluate(c)).metrics, "weight_version": float(state.version)}
+
+
 def collect_batch(c: Components, state: DriverState) -> list[Group]:
     """Generate and score `batch_groups` complete groups from the next prompts; advances the data position."""
-    s = c.settings
+    s = c.settings.schedule
     jobs = []
     for _ in range(s.batch_groups):
         item = c.task.item(state.prompts_consumed, "train")
@@ -46,20 +81,19 @@ def collect_batch(c: Components, state: DriverState) -> list[Group]:
     return c.runner.run(gather())
 
 
-def evaluate(c: Components, first_group: int = EVAL_GROUP_BASE) -> dict[str, float]:
-    """Mean reward on the task's eval split, one sample per item at the eval temperature."""
+async def evaluate(c: Components) -> EvalOutcome:
+    """Mean reward on the task's eval split, one sample per item at the eval temperature (both loops)."""
     sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
-    rollout: Rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
+    rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
     samples = []
     for i in range(c.task.eval_size):
         item = c.task.item(i, "eval")
         samples.append(
-            Sample(first_group + i, 0, rollout.render(item.messages), metadata=c.item_metadata(item))
+            Sample(EVAL_GROUP_BASE + i, 0, rollout.render(item.messages), metadata=c.item_metadata(item))
         )
-
-    async def run() -> list[Sample]:
-        return list(await asyncio.gather(*(rollout.run_sample(s) for s in samples)))
-
-    done = c.runner.run(run())
+    done = await asyncio.gather(*(rollout.run_sample(s) for s in samples))
     rewards = [s.reward if s.reward is not None else 0.0 for s in done]
-    return {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(rewards))}
+    seen = {v for s in done for v in s.token_versions if v is not None}
+    return EvalOutcome(
+        {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(done))}, seen
+    )

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockstep.serving import EngineClient, EngineError
+from lockstep.serving.loop import LoopThread
 from lockstep.weights import delta_codec as codec
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.transport import TransferReport
@@ -627,8 +629,6 @@ def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: floa
     This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5). It goes
     through lockstep.serving.EngineClient like every other transport; an engine error is a DeltaError.
     """
-    from lockstep.serving import EngineClient, EngineError
-    from lockstep.serving.loop import LoopThread
 
     async def install(local: Path, version: int) -> None:
         async with EngineClient(engine_url, timeout_s=timeout_s, retries=1) as client:

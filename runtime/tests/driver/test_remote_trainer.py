@@ -2,7 +2,7 @@
 
 `torchrun -m lockstep trainer --serve` (two ranks on loopback) serves the driver's commands; a real
 reference engine on 127.0.0.1 receives the trainer's pushes; `lockstep driver --trainer-url` runs the
-loop with RemoteTrainer. Covers: the engine's weight version reaches the pushed version, the
+loop with RemoteTrainer. Covers: the engine's weight version reaches the updated version, the
 train-rollout logprob abs diff is reported and small, the trainer's checkpoint holds the driver's
 state, a second driver (and trainer group) resumes from it, `shutdown` ends both ranks with exit 0, a
 malformed command is a 400 naming the field, an unknown one a 404, and a trainer that is down is the
@@ -199,7 +199,7 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
     train = [r for r in rows if r["kind"] == "train"]
     assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
     for r in train:
-        # The engine samples with exactly the weights the ranks pushed: the mismatch is numerical noise.
+        # The engine samples with exactly the weights the ranks sent: the mismatch is numerical noise.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
         # Every sampled token counted once over the two ranks' slices (2 groups x 4 samples).
         assert r["train_tokens"] == r["mismatch_tokens"] == r["response_len_mean"] * 8 > 0

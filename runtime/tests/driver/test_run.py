@@ -66,7 +66,7 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["weight_version"] for r in train] == [1, 2, 3]
     for r in train:
-        # The engine scores with exactly the trainer's weights (pushed from disk each step): same logprobs.
+        # The engine scores with exactly the trainer's weights (reloaded from disk each step): same logprobs.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["mismatch_tokens"] > 0
     assert (run_dir / "metrics.png").stat().st_size > 0

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from lockstep.api import ManifestError, load_manifest
-from lockstep.driver.settings import RunSettings, settings_from_job
+from lockstep.driver.settings import RunSettings, Schedule, settings_from_job
 from lockstep.train.common.losses import PolicyLossConfig
 from lockstep.train.common.mismatch import MismatchConfig
 from lockstep.trainer.settings import TrainerSettings
@@ -17,13 +17,15 @@ FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
 
 def test_golden_settings_of_the_fixture() -> None:
     assert settings_from_job(load_manifest(FIXTURE)) == RunSettings(
-        steps=3,
-        batch_groups=2,
-        samples_per_prompt=4,
+        schedule=Schedule(
+            steps=3,
+            batch_groups=2,
+            samples_per_prompt=4,
+            update_interval=1,
+            save_interval=2,
+            eval_interval=None,
+        ),
         seed=0,
-        save_interval=2,
-        eval_interval=None,
-        update_interval=1,
         temperature=1.0,
         top_p=1.0,
         max_new_tokens=6,
@@ -55,7 +57,7 @@ def test_local_knobs_come_from_typed_fields() -> None:
     doc["spec"]["trainer"] |= {"gradClip": 0.5, "microBatchSize": 8}
     doc["spec"]["schedule"]["evalTemperature"] = 0.7
     s = settings_from_job(load_manifest(yaml.safe_dump(doc)), steps=9)
-    assert (s.steps, s.trainer.sft_steps, s.trainer.sft_learning_rate) == (9, 0, None)
+    assert (s.schedule.steps, s.trainer.sft_steps, s.trainer.sft_learning_rate) == (9, 0, None)
     assert (s.trainer.grad_clip, s.trainer.micro_batch_size, s.eval_temperature) == (0.5, 8, 0.7)
 
 

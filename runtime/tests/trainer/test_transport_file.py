@@ -5,7 +5,7 @@ ConfigMap mounted at /etc/lockstep). Covers the rule (explicit wins; auto + file
 transport; auto without a file -> the one-machine rule outside a pod, a wait then a clear error in a
 pod, with an injected clock), a bad file is an error naming it, and `lockstep trainer --serve` with a
 transport.json of `broadcast` pushes to a real reference engine on 127.0.0.1 by broadcast (the push
-reports the broadcast's wire bytes and the engine holds the pushed version).
+reports the broadcast's wire bytes and the engine holds the new version).
 """
 
 from __future__ import annotations
@@ -182,9 +182,9 @@ def test_trainer_serve_updates_weights_by_the_operators_transport(
                 time.sleep(0.2)
         first = httpx.post(f"{base}/first_update", json={"version": 0}, timeout=120)
         assert first.status_code == 200, first.text
-        pushed = httpx.post(f"{base}/push", json={"version": 1}, timeout=120)
-        assert pushed.status_code == 200, pushed.text
-        metrics = pushed.json()["metrics"]
+        updated = httpx.post(f"{base}/update_weights", json={"version": 1}, timeout=120)
+        assert updated.status_code == 200, updated.text
+        metrics = updated.json()["metrics"]
         # Only the broadcast transport reports wire bytes (from-disk, the local rule, reports none).
         assert metrics["update_weights_wire_bytes"] > 0 and metrics["update_weights_engines"] == 1.0, metrics
         assert str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]) == "1"

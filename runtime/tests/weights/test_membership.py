@@ -204,7 +204,7 @@ def test_p2p_refuses_a_changed_membership_naming_the_fix(
             MembershipChanged, match=r"joined: http://127\.0\.0\.2:\d+; left: -\) .*use broadcast"
         ):
             pushes.update_weights(_weights(tiny, 2), 2)
-        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-pushed
+        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-updated
     finally:
         pushes.close()
 
