@@ -75,10 +75,6 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data the reward function needs (e.g. the reference answer); never trained on."""
 
-    @property
-    def total_length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
     def check(self) -> None:
         """Raise ValueError when the per-token lists disagree in length (a broken TITO invariant)."""
         r = len(self.response_ids)

@@ -154,7 +154,7 @@ def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
     backend = FSDPBackend(
         FSDPConfig(model_path=model_dir, lr=s.sft_learning_rate or s.learning_rate, grad_clip=s.grad_clip,
-                   micro_batch_size=s.micro_batch_size, seed=s.seed, device=str(job.spec.trainer.device))
+                   micro_batch_size=s.micro_batch_size, seed=s.seed, device=job.spec.trainer.device)
     )  # fmt: skip
     try:
         want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node

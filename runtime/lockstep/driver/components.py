@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.engines import EngineServer, PoolClient, start_reference_engine
 from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
@@ -242,7 +242,7 @@ def _build_rollout(
     )
     ctx = RolloutContext(
         # R3: every /generate asks for the routed experts; an engine that returns none is refused.
-        client=RoutedExpertsClient(ReplicaSet(clients)) if job.spec.algorithm.r3 else ReplicaSet(clients),
+        client=RoutedExpertsClient(PoolClient(clients)) if job.spec.algorithm.r3 else PoolClient(clients),
         sampling=sampling,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         encode=tokenizer.encode,

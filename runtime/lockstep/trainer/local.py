@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.api import Device, Precision, TrainerBackend
 from lockstep.models import TinyTokenizer
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
@@ -237,7 +238,7 @@ def check_supported(job: RLJob) -> None:
     """Refuse manifest features this runtime does not build yet; the error names the fields."""
     spec = job.spec
     problems = []
-    if str(spec.trainer.backend) != "fsdp":
+    if spec.trainer.backend is not TrainerBackend.FSDP:
         problems.append("spec.trainer.backend: only 'fsdp' runs in `lockstep run` today; set it to fsdp")
     if spec.model.lora is not None:
         problems.append("spec.model.lora: LoRA is not built yet; remove it")
@@ -250,7 +251,7 @@ def check_supported(job: RLJob) -> None:
 def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> FSDPBackend:
     """The FSDP2 trainer (one rank here; torchrun env makes it one of many)."""
     trainer = job.spec.trainer
-    cuda = str(trainer.device) == "cuda"
+    cuda = trainer.device is Device.CUDA
     return FSDPBackend(
         FSDPConfig(
             model_path=model_dir,
@@ -258,8 +259,8 @@ def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> FSD
             grad_clip=settings.grad_clip,
             micro_batch_size=settings.micro_batch_size,
             seed=settings.seed,
-            device=str(trainer.device),
-            dtype="bfloat16" if cuda and str(trainer.precision) == "bf16" else "float32",
+            device=trainer.device,
+            dtype="bfloat16" if cuda and trainer.precision is Precision.BF16 else "float32",
             with_ref=job.spec.algorithm.kl.coef > 0,
         )
     )

@@ -82,13 +82,3 @@ def save_checkpoint(backend: TrainBackend, run_dir: Path, state: DriverState) ->
         pointer_tmp.write_text(name + "\n")
         os.replace(pointer_tmp, root / "latest")
     return final
-
-
-def load_checkpoint(backend: TrainBackend, run_dir: Path) -> DriverState:
-    """Restore the latest checkpoint into `backend`; raises FileNotFoundError naming the run dir."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {checkpoints_dir(run_dir)} (no 'latest' file); run without --resume"
-        )
-    return DriverState.from_dict(backend.load(path))

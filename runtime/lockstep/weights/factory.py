@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import RLJob, Transport
+from lockstep.api import Device, RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.disk_delta_local import LocalDiskDelta
@@ -90,7 +90,7 @@ def wait_for_transport(
     lockstep.api.TransportFileError naming it; no file in a pod after `timeout_s` raises
     TransportNotChosen naming the file and the WeightChannel to look at.
     """
-    requested = str(job.spec.weight_sync.transport)
+    requested = job.spec.weight_sync.transport
     deadline = clock() + timeout_s
     while True:
         choice = None if requested != "auto" else load_transport_choice(path)
@@ -108,7 +108,7 @@ def wait_for_transport(
 
 def with_transport(job: RLJob, transport: str) -> RLJob:
     """A copy of `job` whose spec.weightSync.transport is `transport` (validated like the manifest)."""
-    if str(job.spec.weight_sync.transport) == transport:
+    if job.spec.weight_sync.transport == transport:
         return job
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     wire["spec"]["weightSync"]["transport"] = transport
@@ -129,7 +129,7 @@ def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool)
             f"{FIELD}: cuda-ipc hands weights to the one colocated engine; set spec.rollout.replicas to 1 "
             "or choose broadcast"
         )
-    if str(job.spec.trainer.device) != "cuda":
+    if job.spec.trainer.device is not Device.CUDA:
         if external_engines:
             raise ValueError(
                 f"{FIELD}: cuda-ipc with spec.trainer.device cpu shares host memory with an engine of this "
