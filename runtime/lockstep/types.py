@@ -1,22 +1,14 @@
 """Hand-off types shared by rollout, training, weight transfer and the driver.
 
 Why it exists: every stage of the loop passes the same few things around (a sampled trajectory, a
-group of trajectories of one prompt, a published weight version). Defining them once, as slotted
-dataclasses, keeps the stages swappable and makes the five per-token equalities of the seed (§2)
-checkable: each sampled token carries its token ID, its rollout logprob and the weight version that
-produced it, and the trainer reads exactly these.
+group of trajectories of one prompt, a weight version). Defining them once, as slotted dataclasses,
+keeps the stages swappable and makes the five per-token equalities of the seed (§2) checkable: each
+sampled token carries its token ID, its rollout logprob and the weight version that produced it, and
+the trainer reads exactly these. The words (version, step, sample, group, ...) are the glossary's
+(docs/glossary.md). Nothing here imports torch.
 
-Who uses it: lockstep.rollout (produces Samples), lockstep.train (consumes Groups), lockstep.driver
-(moves them), lockstep.weights (publishes WeightVersions). Nothing here imports torch.
-
-Glossary (the one word per concept used everywhere; docs/glossary.md has the full list):
-- version: an integer weight version, published to the rollout engines after training; 0 is the
-  weights loaded at start.
-- step: one optimizer step of the trainer (one batch of groups).
-- rank: one trainer process of torch.distributed.
-- replica: one rollout engine server.
-- sample: one trajectory (a prompt and everything after it).
-- group: the samples of one prompt (samples_per_prompt of them), the unit GRPO normalises over.
+Who uses it: lockstep.rollout (produces Samples), lockstep.trainer and lockstep.train (consume
+Groups), lockstep.driver (moves them), lockstep.weights.
 """
 
 from __future__ import annotations

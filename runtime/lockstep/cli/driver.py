@@ -1,20 +1,12 @@
 """`lockstep driver --config job.yaml`: the driver pod's entry point.
 
 Why it exists: in a cluster the operator renders the RLJob into /etc/lockstep/job.yaml and starts a
-driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router. This command runs the
-same loop as `lockstep run` against that URL instead of starting engines. The driver owns the loop
-and the buffer (rollout, eval, progress, staleness); the policy lives where the trainer is:
-
-- with --trainer-url or LOCKSTEP_TRAINER_URL (the driver pod: http://<trainer>-0.<trainer>.<ns>.svc:29600)
-  the TrainerGroup's ranks (`lockstep trainer --serve`) take every train step, update the engines' weights
-  the engines themselves and keep the checkpoints; the driver resumes from the trainer's latest
-  checkpoint (the pod restarts OnFailure) and tells the ranks to shut down when the job is done;
-- without it the trainer runs inside this process as one FSDP2 rank, resuming from the run dir's
-  latest checkpoint.
-
-Progress: in the pod (LOCKSTEP_PROGRESS_CONFIGMAP set by the operator, the ServiceAccount token
-mounted, KUBERNETES_SERVICE_HOST set) the loop patches its progress into that ConfigMap, which the
-operator folds into RLJob status (lockstep.driver.report); elsewhere progress is not reported.
+driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router; this runs the same loop
+as `lockstep run` against that URL. With --trainer-url (LOCKSTEP_TRAINER_URL) the TrainerGroup's ranks
+take every step and keep the checkpoints; without it the trainer runs in this process. Either way a
+restarted pod resumes from the latest checkpoint, if there is one. In the pod the loop patches its
+progress into the ConfigMap the operator folds into RLJob status (lockstep.driver.report).
+docs/trainer.md explains the split.
 
 Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
 """

@@ -1,27 +1,13 @@
 """`lockstep trainer --config job.yaml [--serve]`: a trainer rank (run under torchrun on every rank pod).
 
 Why it exists: the TrainerGroup's ranks own the policy of a cluster job. The operator starts
-`torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod. Each rank
-joins the process group from the torchrun env (gloo on CPU, NCCL on CUDA) and loads the policy
-FSDP2-sharded; rank 0 serves the driver's commands on --port (default 29600) and every rank runs
-each command collectively: SFT warm start, the first update (with the pre-flight check), RL train
-steps (data parallel over the ranks), weight updates straight to every engine of the pool (--engine-url,
-else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved again before every update so
-replaced and new engines get the current version, else LOCKSTEP_ROUTER_URL, which reaches one engine
-only: the router is for rollouts), and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
-driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
-every rank with exit 0. See docs/trainer.md and lockstep.trainer.server.
-
-Without --serve the command only proves the sharded load / SFT / gather / save path: it runs the
-job's SFT warm start (spec.algorithm.sftWarmStart) if any and writes an HF-layout checkpoint to --out.
-Run without torchrun it is one rank.
-
-Transport (--serve, rank 0): spec.weightSync.transport `auto` is resolved from --transport-file
-(default: transport.json next to --config, /etc/lockstep/transport.json in a rank pod), the
-WeightChannel's choice that the operator writes into the job's config ConfigMap. In a rank pod
-(LOCKSTEP_ROLE=trainer) rank 0 waits up to --transport-timeout for it; elsewhere a missing file means
-the one-machine rule (from-disk). An explicit transport in the spec always wins. The log names the
-transport and why.
+`torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod; rank 0
+serves the driver's commands on --port (lockstep.trainer.server) and every rank runs each one. Weight
+updates go to every engine of the pool: --engine-url, else each address of the headless Service
+LOCKSTEP_ENGINES_SERVICE (asked again before every update), else LOCKSTEP_ROUTER_URL. Checkpoints go
+under --out and carry the driver's loop state. `auto` transport is resolved from --transport-file
+(the operator's choice). Without --serve it only proves the sharded load / SFT / save path.
+docs/trainer.md explains it all.
 
 Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings or transport file, 3 no
 engine reachable or no transport file in time.

@@ -1,27 +1,15 @@
 """The fully-async RL loop: rollout and training decoupled, joined by a bounded buffer (seed §5).
 
-Why it exists: in the sync loop (`lockstep.driver.loop`) the engines wait for the optimizer and the
-trainer waits for the slowest trajectory of each batch. Here a background worker
-(lockstep.rollout.async_worker) keeps a fixed number of trajectories in flight on the engines while the
-trainer trains on complete groups taken from the buffer (lockstep.rollout.buffer). After each update
-interval the engines' weights are updated with in-flight requests retracted and continued under the new
-version, so one trajectory may span versions; the staleness of every consumed group is measured (S_old,
-S_post, delta_gen, token-weighted, coverage) and optionally bounded. Evaluation runs as a background
-task: each score is logged on the step whose weights it evaluated, with its latency, however late it
-arrives.
+Why it exists: in the sync loop the engines wait for the optimizer and the trainer waits for the
+slowest trajectory of each batch. Here a background worker (lockstep.rollout.async_worker) keeps a
+fixed number of trajectories in flight while the trainer trains on complete groups from the buffer
+(lockstep.rollout.buffer); at each update interval the engines' weights are updated with in-flight
+requests retracted, the staleness of every consumed group is measured, and evaluation runs in the
+background. Colocate and pause mode abort are refused at start (seed §10). `AsyncLoop` is written
+against small hooks (`LoopHooks`) so it is testable on its own; `run_fully_async(c)` builds them from
+the Components the sync loop uses. docs/fully-async.md explains the loop and its metrics.
 
-Rollout and training need separate resources: colocate (trainer and engines sharing GPUs) cannot overlap
-them, so it is refused at start (seed §10, fail early); so is pause mode abort.
-
-Structure: `AsyncLoop` is the loop itself, written against small hooks (`LoopHooks`: train, update_weights,
-evaluate, save, log) and a `GenerateSample` callable, so it is testable and benchmarkable on its own;
-`run_fully_async(job, components)` builds the hooks from the sync driver's Components (same training
-step, weight update, checkpoint layout, metrics file and plot as the sync loop) and runs the loop on the
-components' event loop thread, where every EngineClient lives. Training and weight export run in a
-worker thread, so generation continues while the trainer trains.
-
-Who calls it: `lockstep.driver.run(job)` when `spec.schedule.mode == "fully-async"` (hence `lockstep
-run`), tests, and bench/async_longtail.py.
+Who calls it: lockstep.driver.loop.run for schedule mode "fully-async", tests, bench/async_longtail.py.
 """
 
 from __future__ import annotations

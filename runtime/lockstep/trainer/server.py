@@ -1,17 +1,12 @@
 """The trainer group's command server: rank 0 serves the driver's commands, every rank runs them.
 
-Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight updates to the
-engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
-every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
-of the run (LocalTrainer over a LeaderBackend: the weight transport to every engine of the pool, found
-again before each update through lockstep.serving.membership, the task's text functions) and serves lockstep.trainer.wire on an aiohttp server;
-ranks > 0 follow rank 0's backend calls (lockstep.trainer.spmd). Weights go from the ranks to the
-engines directly; the driver only sends token IDs and receives metrics.
-
-HTTP semantics: a body that does not validate is a 400 naming the field; an unknown command a 404; a
-command while another runs a 409 (the driver is the only client and runs one at a time); a failure
-on the trainer a 500 with a typed ErrorReply (non_finite_loss, preflight_failed, bad_settings,
-internal) that the driver raises as its own exception. `shutdown` replies, then every rank exits 0.
+Why it exists: in a cluster the TrainerGroup's ranks own the policy and the driver owns the loop.
+`lockstep trainer --serve` runs `serve()` on every rank under torchrun: each rank loads the policy
+FSDP2-sharded; rank 0 builds a LocalTrainer over a LeaderBackend (lockstep.trainer.spmd) and serves
+lockstep.trainer.wire on aiohttp; ranks > 0 follow rank 0's backend calls. Weights go from the ranks
+to the engines directly. HTTP: an invalid body is a 400 naming the field, an unknown command a 404,
+a command while another runs a 409, a failure a 500 with a typed ErrorReply the driver raises as its
+own exception; `shutdown` replies, then every rank exits 0 (docs/trainer.md).
 
 Who calls it: lockstep.cli.trainer (`--serve`), tests (2 gloo ranks on loopback).
 """

@@ -1,25 +1,13 @@
 """The driver <-> trainer command wire: one pydantic model per request and reply (extra="forbid").
 
 Why it exists: in a cluster the driver sends the trainer group's rank 0 one command per loop step
-(lockstep.driver.remote -> lockstep.trainer.server). Everything that crosses is validated at
-the boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group
-carries every field the loss needs, token-exact: prompt and response token IDs, the loss mask, the
-engine's rollout logprobs, the reward, the status and the weight version of every token (staleness
-and the mismatch metrics read them); task metadata stays in the driver (the reward is already
-computed).
-
-Commands (POST /v2/<name>, JSON body -> JSON reply; GET /v2/health):
-  warm_start      {}              -> MetricsListReply  SFT warm start, one metrics dict per step
-  first_update    VersionRequest  -> FirstUpdateReply  weight update before step 1 (pre-flight when asked)
-  train           TrainRequest    -> MetricsReply      one RL optimizer step on complete groups
-  update_weights  VersionRequest  -> MetricsReply      the engines get the current weights as a version
-  save            SaveRequest     -> SaveReply         checkpoint with the driver's state beside it
-  load_latest     {}              -> LoadReply         restore the latest checkpoint (state or null)
-  shutdown        {}              -> OkReply           every rank exits 0 (the job is done)
-Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code). Every
-command carries the group's instance ID (INSTANCE_HEADER): a group that restarted since the driver
-attached holds the last checkpoint's policy, not the one the driver trained, and refuses (409
-`restarted`); the driver then restarts and resumes.
+(lockstep.driver.remote -> lockstep.trainer.server); everything that crosses is validated at the
+boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group carries
+every field the loss needs, token-exact; task metadata stays in the driver (the reward is computed).
+Commands are POST /v2/<name> (COMMANDS), GET /v2/health answers HealthReply; every command carries
+the group's instance ID (INSTANCE_HEADER), so a group that restarted since the driver attached
+refuses it (409 `restarted`). It lives in the trainer layer, below the driver, so both sides import
+it. docs/trainer.md has the command table and the failure semantics.
 
 Who calls it: lockstep.driver.remote (client), lockstep.trainer.server (server), tests.
 """

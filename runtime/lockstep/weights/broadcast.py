@@ -1,19 +1,12 @@
 """Broadcast weight transport: one source rank broadcasts every bucket to every engine rank (seed §7.2.2).
 
 Why it exists: it is the default when trainer and engines are on different GPUs and share a NCCL (or,
-on CPU, gloo) network, and it needs no target-side resharding. Per pipeline source (one trainer rank
-per stage) there is one weight-update group: rank 0 is the source, the engines join it through their
-/init_weights_update_group endpoint at rank_offset 1, 1 + ranks of engine 0, ... For every bucket the
-source posts the names, dtypes and shapes on the control channel (/update_weights_from_distributed,
-one call per engine, concurrently) and broadcasts the tensors in that order as collectives; the HTTP
-call returns once the engine loaded them. A process-wide lock serializes bucket flushes across stages
-so their collectives never interleave. The engines' weight version is set only after every bucket
-arrived (/update_weight_version), and generation is paused around the update (retract by default).
-
-The group has a fixed world size, so when the engines change (`follow`) the group is destroyed on the
-engines that stay (SGLang's /destroy_weights_update_group) and the next update builds a new one with
-the current engines (a new group name and port); an engine that refused to leave the old group is
-logged and named by the update that fails.
+on CPU, gloo) network, and it needs no target-side resharding. The engines join one weight-update
+group through /init_weights_update_group; per bucket the source posts names, dtypes and shapes
+(/update_weights_from_distributed, one call per engine, concurrently) and broadcasts the tensors as
+collectives; the version is set only after every bucket arrived. The group has a fixed world size,
+so when the engines change (`follow`) the old group is destroyed on the engines that stay and the
+next update builds a new one. docs/weights.md has the details.
 
 Who calls it: the trainer (as a WeightTransport), preflight.py, tests and bench/weights_broadcast.py.
 """

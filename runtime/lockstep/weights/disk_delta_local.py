@@ -38,22 +38,11 @@ log = logging.getLogger(__name__)
 class LocalDiskDelta:
     """WeightTransport: disk-delta with one checkpoint copy per engine, patched here and reloaded there.
 
-    The first update (version 0 after an SFT warm start, or the resumed version) is the transport's first
-    update. Its byte baseline is the trainer's export at that moment, written once as an HF checkpoint
-    (run_dir/delta-base/): after a warm start or a resume the trainer no longer holds the bytes of
-    spec.model.checkpoint, and deltas must start from what the engines hold. Every engine gets a copy
-    (run_dir/engine-copies/<engine address>/); `first_update` publishes nothing and verifies the
-    trainer's layout and every copy against the baseline; each engine then reloads its verified copy
-    (so engines hold exactly the baseline even after the pre-flight filled them with noise). Later
-    updates publish deltas under run_dir/delta/, patch every copy, then reload. The three directories
-    are caches of this process: each start of the run builds them again from the trainer's export.
-
-    Membership (`follow`): an engine that joins after the first update gets a copy of the baseline,
-    verified against it (init_local) and caught up through every published delta (apply_delta walks
-    the chain: deltas are never pruned), before the next update patches and reloads it like the others;
-    an engine that left loses its copy. In a cluster run_dir must be on the shared volume, mounted at
-    the same path in the engine pods (the operator mounts it at /shared in both): the engines read
-    their copies from there (the operator sets LOCKSTEP_RUN_DIR on it for the trainer ranks).
+    The baseline is the trainer's export at the first update (after a warm start or a resume the
+    trainer no longer holds spec.model.checkpoint's bytes), written once under run_dir/delta-base/ and
+    copied to run_dir/engine-copies/<engine>/; later updates publish under run_dir/delta/, patch every
+    copy, then reload. `follow` gives a joining engine a verified copy caught up through every delta.
+    docs/weights.md ("Disk-delta in a run") has the layout and why.
     """
 
     name = "disk-delta"

@@ -2,27 +2,14 @@
 
 Why it exists: broadcast sends every byte from one rank per stage to every engine GPU. P2P lets many
 trainer ranks write, by RDMA (TCP on CPU machines, same API), straight into each engine's registered
-memory, and each target receives only its own shards. The pieces, as the spec lays them out:
+memory, and each target receives only its own shards: a pure transfer plan (`plan_transfers`), the
+targets' buffer layout (`P2PTargetInfo`, served by lockstep.engine.ext_weights), resharding into the
+target's TP layout (`shard_for_target`) and one reusable staging buffer per sender whose two halves
+overlap packing with the wire. A failed write raises `P2PWriteError`, never only logged; each target
+commits (checksums with verify=True) and only then advances its version. The receive buffers are
+bound at start, so `follow` refuses a changed engine set. docs/weights.md has the details.
 
-1. Transfer plan (`plan_transfers`, pure): the first min(sources, targets) pairs are one-to-one, the
-   remaining targets are spread evenly (round-robin) over the sources, bounding each sender's sessions.
-2. Target metadata: each target (engine rank) exposes a `P2PTargetInfo`: its TransferEngine session,
-   the address of its registered receive buffer, its TP rank/size and the slot (offset, dtype, local
-   shape) of every tensor in that buffer. The engine side is `P2PReceiver`, served by
-   lockstep.engine.ext_weights (`GET /lockstep/p2p/info`, `POST /lockstep/p2p/commit`, our extension).
-3. Resharding into the target layout (`shard_for_target`): column-parallel weights split on dim 0,
-   row-parallel on dim 1, the rest replicated, as SGLang's TP loaders do.
-4. One reusable registered staging buffer per sender: tensors are packed into it and written with
-   batched writes; staging memory stays constant however many targets there are.
-
-The staging buffer is used as two halves: one is filled while the other is written on a background
-thread, so packing overlaps the wire, and the last target's write of a bucket overlaps gathering,
-converting and resharding the next bucket (a half is reused only after its write finished). A failed write raises `P2PWriteError`; it is never only
-logged (the spec's revision logged and carried on, which is why pre-flight exists). After the last
-bucket each target commits: it loads what arrived (after checking the checksums, with verify=True)
-and only then advances its weight version, so a version is activated whole or not at all.
-
-Who calls it: the driver (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
+Who calls it: the trainer (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
 bench/weights_p2p.py.
 """
 
