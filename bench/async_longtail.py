@@ -211,11 +211,11 @@ def _timed(
     # record; component start, the final checkpoint and the plot are outside it in both modes.
     c.metrics.log = stamped_log  # type: ignore[method-assign,unused-ignore]
     try:
-        state = run_fully_async(job, c) if mode == "fully-async" else run_sync(c)
-        final_eval = evaluate(c)["reward_mean"]
+        state = run_fully_async(c) if mode == "fully-async" else run_sync(c)
+        final_eval = c.runner.run(evaluate(c)).metrics["reward_mean"]
     finally:
         c.close()
-    seconds = stamps[("train", state.step)] - stamps[("publish", 0)]
+    seconds = stamps[("train", state.step)] - stamps[("update_weights", 0)]
     # Steady state: from the end of step 1 (pipelines filled, first-step allocations done) to the end.
     steady = stamps[("train", state.step)] - stamps[("train", 1)]
     train = read_jsonl(run_dir / "metrics.jsonl", "train")
@@ -364,7 +364,7 @@ def per_step_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
         "wait_data_s",
         "train_wall_s",
         "time_train_s",
-        "publish_wall_s",
+        "update_weights_wall_s",
         "queue_size",
         "in_flight",
         "reward_mean",

@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lockstep.models.families import get_family
 from lockstep.models.families._bpe import BpeCodec
-from lockstep.models.registry import Message, ToolCall, get_family
+from lockstep.models.registry import Message, ToolCall
 from lockstep.rollout.session.engine import ReplicaPool
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import GenerateResult, SamplingParams

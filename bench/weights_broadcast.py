@@ -109,7 +109,7 @@ def main() -> int:
             times = []
             for v in range(1, args.runs + 2):
                 t0 = time.perf_counter()
-                transport.push(named, version=v)
+                transport.update_weights(named, version=v)
                 times.append(time.perf_counter() - t0)
             transport.close()
         finally:

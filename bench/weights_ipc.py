@@ -70,14 +70,14 @@ def main() -> int:
             for v in range(1, args.runs + 2):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                transport.push(named, version=v)
+                transport.update_weights(named, version=v)
                 times.append(time.perf_counter() - t0)
             times = times[1:]  # the first update opens the IPC mappings and warms the allocator
             # The control-plane floor: an update with no tensors (pause, flush, version, continue).
             floor = []
             for v in range(args.runs):
                 t0 = time.perf_counter()
-                transport.push([], version=50 + v)
+                transport.update_weights([], version=50 + v)
                 floor.append(time.perf_counter() - t0)
             # Prove the last update delivered everything (checksums by name, on the engine).
             check = preflight.check_weight_update_equal([engine.url], transport, lambda: named, version=100)

@@ -49,7 +49,7 @@ def main() -> int:
     times = []
     for v in range(args.runs + 1):
         t0 = time.perf_counter()
-        transport.push(named, version=v)
+        transport.update_weights(named, version=v)
         times.append(time.perf_counter() - t0)
     pipeline = min(times[1:])
     for name, t in named:

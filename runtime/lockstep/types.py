@@ -1,22 +1,14 @@
 """Hand-off types shared by rollout, training, weight transfer and the driver.
 
 Why it exists: every stage of the loop passes the same few things around (a sampled trajectory, a
-group of trajectories of one prompt, a published weight version). Defining them once, as slotted
-dataclasses, keeps the stages swappable and makes the five per-token equalities of the seed (§2)
-checkable: each sampled token carries its token ID, its rollout logprob and the weight version that
-produced it, and the trainer reads exactly these.
+group of trajectories of one prompt, a weight version). Defining them once, as slotted dataclasses,
+keeps the stages swappable and makes the five per-token equalities of the seed (§2) checkable: each
+sampled token carries its token ID, its rollout logprob and the weight version that produced it, and
+the trainer reads exactly these. The words (version, step, sample, group, ...) are the glossary's
+(docs/glossary.md). Nothing here imports torch.
 
-Who uses it: lockstep.rollout (produces Samples), lockstep.train (consumes Groups), lockstep.driver
-(moves them), lockstep.weights (publishes WeightVersions). Nothing here imports torch.
-
-Glossary (the one word per concept used everywhere; docs/glossary.md has the full list):
-- version: an integer weight version, published to the rollout engines after training; 0 is the
-  weights loaded at start.
-- step: one optimizer step of the trainer (one batch of groups).
-- rank: one trainer process of torch.distributed.
-- replica: one rollout engine server.
-- sample: one trajectory (a prompt and everything after it).
-- group: the samples of one prompt (n_samples_per_prompt of them), the unit GRPO normalises over.
+Who uses it: lockstep.rollout (produces Samples), lockstep.trainer and lockstep.train (consume
+Groups), lockstep.driver (moves them), lockstep.weights.
 """
 
 from __future__ import annotations
@@ -53,7 +45,7 @@ class Sample:
     group_index: int
     """Index of the prompt group this sample belongs to (unique within a run)."""
     index: int
-    """Index of the sample within its group, 0..n_samples_per_prompt-1."""
+    """Index of the sample within its group, 0..samples_per_prompt-1."""
     prompt_ids: list[int]
     """Token IDs of the prompt as sent to the engine, length P."""
     response_ids: list[int] = field(default_factory=list)
@@ -75,10 +67,6 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data the reward function needs (e.g. the reference answer); never trained on."""
 
-    @property
-    def total_length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
     def check(self) -> None:
         """Raise ValueError when the per-token lists disagree in length (a broken TITO invariant)."""
         r = len(self.response_ids)
@@ -97,7 +85,7 @@ class Group:
     index: int
     """Unique group index within a run."""
     samples: list[Sample]
-    """n_samples_per_prompt samples, in sample-index order."""
+    """samples_per_prompt samples, in sample-index order."""
 
     @property
     def rewards(self) -> list[float]:

@@ -41,9 +41,6 @@ class Expr:
     def eq(self, other: Expr | Scalar) -> Expr:
         return Bin("==", self, lit(other))
 
-    def ne(self, other: Expr | Scalar) -> Expr:
-        return Bin("!=", self, lit(other))
-
     def lt(self, other: Expr | Scalar) -> Expr:
         return Bin("<", self, lit(other))
 
@@ -229,8 +226,6 @@ class Bin(Expr):
         match self.op:
             case "==":
                 return bool(a == b)
-            case "!=":
-                return bool(a != b)
             case "<":
                 return bool(a < b)
             case "<=":

@@ -10,7 +10,7 @@ Rank 0 of `lockstep trainer --serve` reads it to resolve `auto`. Both sides impo
 lives in lockstep.api (pydantic only, no torch).
 
 Who calls it: lockstep_operator.resources.config (writes, `TransportChoice.to_json`),
-lockstep.driver.transports (reads, `load_transport_choice`), tests.
+lockstep.weights.factory (reads, `load_transport_choice`), tests.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TransportChoice(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, use_attribute_docstrings=True)
 
     transport: ChosenTransport
-    """The transport the ranks push with (the WeightChannel's status.transport)."""
+    """The transport the ranks update the engines' weights with (the WeightChannel's status.transport)."""
     reason: str = Field(min_length=1, max_length=1024)
     """Why it was chosen (the WeightChannel's status.reason), logged by the trainer."""
     observed_generation: int | None = Field(default=None, ge=0, alias="observedGeneration")

@@ -3,8 +3,8 @@
 Why it exists: the same binary runs a whole job on one machine (`lockstep run`), checks manifests
 offline (`lockstep validate`), serves the reference engine, runs trainer ranks, the driver, the
 session server, and the disk-delta tools. Each subcommand lives in its own module here and exposes
-`register(subparsers)`, which adds its parser and sets `func(args) -> int`. No module imports torch at
-import time, so `lockstep validate` stays fast and light.
+`register(subparsers)`, which adds its parser and sets `func(args) -> int`. Only the chosen
+subcommand's module is imported (commands.py lists them), so `lockstep validate` never loads torch.
 
 Who calls it: users, the pods the operator creates, and tests.
 """
@@ -13,29 +13,33 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from lockstep.cli.commands import HELP
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] = tuple(HELP)) -> argparse.ArgumentParser:
+    """The parser, with the full arguments of `commands` (their modules imported) and a help line for
+    every other subcommand."""
     parser = argparse.ArgumentParser(
         prog="lockstep",
         description="RL post-training with the rollout engine and the trainer on the same policy.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(sub)
+    full = set(commands)
+    for name, help_line in HELP.items():
+        if name in full:
+            importlib.import_module(f"{__name__}.{name}").register(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)  # the top level has no options
+    parser = build_parser([chosen] if chosen in HELP else [])
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

@@ -14,9 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from lockstep.cli.commands import HELP
+from lockstep.weights import disk_delta as dd
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("delta", help="publish, apply and verify disk-delta weight versions")
+    p = subparsers.add_parser("delta", help=HELP["delta"])
     sub = p.add_subparsers(dest="delta_command", metavar="ACTION", required=True)
 
     pub = sub.add_parser("publish", help="publish NEW as the next version after BASE under ROOT")
@@ -51,9 +54,7 @@ def _fail(msg: str) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from safetensors.torch import load_file
-
-    from lockstep.weights import disk_delta as dd
+    from safetensors.torch import load_file  # torch: only when a version is published
 
     try:
         versions = dd.published_versions(args.root)
@@ -85,8 +86,6 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from lockstep.weights import disk_delta as dd
-
     try:
         if not (args.local / dd.LOCAL_STATE_NAME).exists():
             dd.init_local(args.local, args.root, 0)
@@ -100,8 +99,6 @@ def _apply(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from lockstep.weights import disk_delta as dd
-
     if not args.root.is_dir():
         return _fail(f"{args.root} is not a directory")
     problems = dd.verify_root(args.root)

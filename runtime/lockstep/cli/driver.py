@@ -1,20 +1,12 @@
 """`lockstep driver --config job.yaml`: the driver pod's entry point.
 
 Why it exists: in a cluster the operator renders the RLJob into /etc/lockstep/job.yaml and starts a
-driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router. This command runs the
-same loop as `lockstep run` against that URL instead of starting engines. The driver owns the loop
-and the buffer (rollout, eval, progress, staleness); the policy lives where the trainer is:
-
-- with --trainer-url or LOCKSTEP_TRAINER_URL (the driver pod: http://<trainer>-0.<trainer>.<ns>.svc:29600)
-  the TrainerGroup's ranks (`lockstep trainer --serve`) take every train step, push the weights to
-  the engines themselves and keep the checkpoints; the driver resumes from the trainer's latest
-  checkpoint (the pod restarts OnFailure) and tells the ranks to shut down when the job is done;
-- without it the trainer runs inside this process as one FSDP2 rank, resuming from the run dir's
-  latest checkpoint.
-
-Progress: in the pod (LOCKSTEP_PROGRESS_CONFIGMAP set by the operator, the ServiceAccount token
-mounted, KUBERNETES_SERVICE_HOST set) the loop patches its progress into that ConfigMap, which the
-operator folds into RLJob status (lockstep.driver.report); elsewhere progress is not reported.
+driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router; this runs the same loop
+as `lockstep run` against that URL. With --trainer-url (LOCKSTEP_TRAINER_URL) the TrainerGroup's ranks
+take every step and keep the checkpoints; without it the trainer runs in this process. Either way a
+restarted pod resumes from the latest checkpoint, if there is one. In the pod the loop patches its
+progress into the ConfigMap the operator folds into RLJob status (lockstep.driver.report).
+docs/trainer.md explains the split.
 
 Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
 """
@@ -22,18 +14,24 @@ Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from lockstep.api import ManifestError, load_manifest
+from lockstep.cli.commands import HELP
+from lockstep.cli.run import EXIT_CODES, RunOptions, execute
+from lockstep.driver.report import ConfigMapReporter, reporter_from_env
+from lockstep.driver.settings import Resume
+from lockstep.observability.logs import configure_logging
+
 
 def register(subparsers: Any) -> None:
-    from lockstep.cli.run import EXIT_CODES  # the same loop and exit codes as `lockstep run`
-
     p = subparsers.add_parser(
         "driver",
-        help="run the RL loop of a rendered job (driver pod)",
+        help=HELP["driver"],
         description=__doc__,
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -63,9 +61,6 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lockstep.api import ManifestError, load_manifest
-    from lockstep.cli.run import configure_logging, execute
-    from lockstep.driver.state import latest_checkpoint
 
     configure_logging()
     try:
@@ -79,20 +74,21 @@ def main(args: argparse.Namespace) -> int:
     if not urls:
         print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
         return 2
-    if args.trainer_url:
-        args.resume = None  # the trainer's latest checkpoint, if it has one
-    else:
-        args.resume = latest_checkpoint(args.run_dir) is not None
+    options = RunOptions(
+        steps=args.steps,
+        resume=Resume.IF_ANY,  # a restarted driver pod resumes from the latest checkpoint, if there is one
+        engine_urls=tuple(urls),
+        metrics_port=args.metrics_port,
+        engine_timeout_s=args.engine_timeout,
+        trainer_url=args.trainer_url,
+        trainer_timeout_s=args.trainer_timeout,
+    )
     _log_progress_channel()
-    return execute(job, args.run_dir, args, urls, install_signal=True)
+    return execute(job, args.run_dir, options, install_signal=True)
 
 
 def _log_progress_channel() -> None:
     """Say where progress goes (build_components picks the same reporter from the environment)."""
-    import logging
-
-    from lockstep.driver.report import ConfigMapReporter, reporter_from_env
-
     reporter = reporter_from_env()
     where = (
         f"ConfigMap {reporter.namespace}/{reporter.name} at {reporter.api_url}"

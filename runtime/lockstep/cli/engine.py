@@ -2,7 +2,7 @@
 
 Why it exists: engine pods and local runs start the engine the same way:
 `lockstep engine --model DIR|builtin:tiny --host 127.0.0.1 --port 30000 [--device cpu|cuda]`.
-Binds to 127.0.0.1 unless --host says otherwise. torch is imported only when the command runs.
+Binds to 127.0.0.1 unless --host says otherwise.
 
 Who calls it: the rollout pods the operator creates, `lockstep run`, users.
 """
@@ -10,10 +10,18 @@ Who calls it: the rollout pods the operator creates, `lockstep run`, users.
 from __future__ import annotations
 
 import argparse
+import logging
+
+import torch
+from aiohttp import web
+
+from lockstep.cli.commands import HELP
+from lockstep.engine import ReferenceEngine, create_app
+from lockstep.models.tiny import resolve_checkpoint
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("engine", help="serve the reference rollout engine (SGLang HTTP API subset)")
+    p = subparsers.add_parser("engine", help=HELP["engine"])
     p.add_argument(
         "--model", required=True, help="HF-layout checkpoint dir, or builtin:tiny / builtin:bigger"
     )
@@ -40,14 +48,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _run(args: argparse.Namespace) -> int:
-    import logging
-
-    import torch
-    from aiohttp import web
-
-    from lockstep.engine import ReferenceEngine, create_app
-    from lockstep.models.tiny import resolve_checkpoint
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_checkpoint(args.model, seed=args.seed)
     engine = ReferenceEngine.load(

@@ -17,8 +17,22 @@ import argparse
 import logging
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lockstep.api import ManifestError, RLJob, load_manifest
+from lockstep.cli.commands import HELP
+from lockstep.driver import run
+from lockstep.driver.loop import install_sigint
+from lockstep.driver.remote import TrainerUnreachable
+from lockstep.driver.settings import Resume
+from lockstep.observability.logs import configure_logging
+from lockstep.observability.metrics import read_jsonl
+from lockstep.rollout.async_worker import RolloutFailed
+from lockstep.serving.client import EngineUnreachable
+from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
+from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger("lockstep.run")
 
@@ -36,7 +50,7 @@ EXIT_CODES = """exit codes:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "run",
-        help="run an RLJob manifest on this machine",
+        help=HELP["run"],
         description=__doc__,
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,23 +72,30 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "aiohttp.access", "matplotlib", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOptions:
+    """What `lockstep run` and `lockstep driver` read from their flags for lockstep.driver.run."""
+
+    steps: int | None = None
+    """--steps: overrides spec.schedule.steps."""
+    resume: Resume = Resume.NEVER
+    """--resume (required), a driver pod (if any), else never."""
+    engine_urls: tuple[str, ...] = ()
+    """--engine-url: running engines to use instead of starting them."""
+    metrics_port: int = 0
+    """--metrics-port: Prometheus on 127.0.0.1 (0 = off)."""
+    cache_dir: Path | None = None
+    """--cache-dir: where builtin:<name> checkpoints are written."""
+    engine_timeout_s: float = 60.0
+    """--engine-timeout: seconds to wait for the engines."""
+    trainer_url: str | None = None
+    """--trainer-url (`lockstep driver`): rank 0 of the trainer group; None trains in this process."""
+    trainer_timeout_s: float = 600.0
+    """--trainer-timeout: seconds to wait for the trainer group."""
 
 
-def execute(
-    job: Any, run_dir: Path, args: argparse.Namespace, engine_urls: list[str], install_signal: bool
-) -> int:
+def execute(job: RLJob, run_dir: Path, options: RunOptions, install_signal: bool) -> int:
     """Run `job` and map the known failures to exit codes with one clear line each."""
-    from lockstep.driver import run
-    from lockstep.driver.loop import install_sigint
-    from lockstep.driver.remote import TrainerUnreachable
-    from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-    from lockstep.rollout.async_worker import RolloutFailed
-    from lockstep.serving.client import EngineUnreachable
-
     stop = threading.Event()
     if install_signal:
         install_sigint(stop)
@@ -82,14 +103,15 @@ def execute(
         state = run(
             job,
             run_dir,
-            steps=args.steps,
-            resume=args.resume,
+            steps=options.steps,
+            resume=options.resume,
             stop=stop,
-            engine_urls=engine_urls,
-            prometheus_port=args.metrics_port,
-            cache_dir=getattr(args, "cache_dir", None),
-            engine_ready_timeout_s=args.engine_timeout,
-            **_trainer_options(args),
+            engine_urls=options.engine_urls,
+            prometheus_port=options.metrics_port,
+            cache_dir=options.cache_dir,
+            engine_ready_timeout_s=options.engine_timeout_s,
+            trainer_url=options.trainer_url,
+            trainer_timeout_s=options.trainer_timeout_s,
         )
     except (EngineUnreachable, TrainerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -116,24 +138,14 @@ def execute(
         return 130
     how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
     print(
-        f"{how}: step {getattr(state, 'step', '?')}{_reward_summary(run_dir)}{_preflight_summary(run_dir)}, "
+        f"{how}: step {state.step}{_reward_summary(run_dir)}{_preflight_summary(run_dir)}, "
         f"run dir {run_dir} (metrics.jsonl, metrics.png)"
     )
     return 0
 
 
-def _trainer_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The remote trainer's options (`lockstep driver --trainer-url`); none for `lockstep run`."""
-    url = getattr(args, "trainer_url", None)
-    if not url:
-        return {}
-    return {"trainer_url": url, "trainer_timeout_s": args.trainer_timeout}
-
-
 def _reward_summary(run_dir: Path) -> str:
     """ ", reward 0.91 (last 10 steps), eval 0.98" from the run's metrics file ("" when it has none)."""
-    from lockstep.observability.metrics import read_jsonl
-
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train = [r["reward_mean"] for r in rows if r["kind"] == "train" and r.get("reward_mean") is not None][
         -10:
@@ -145,9 +157,6 @@ def _reward_summary(run_dir: Path) -> str:
 
 def _preflight_summary(run_dir: Path) -> str:
     """ ", pre-flight passed (N tensors equal ...)" when this run's pre-flight wrote its result."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
-    from lockstep.weights.preflight import PreflightResult
-
     path = run_dir / PREFLIGHT_FILE
     if not path.is_file():
         return ""
@@ -156,8 +165,6 @@ def _preflight_summary(run_dir: Path) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lockstep.api import ManifestError, load_manifest
-
     configure_logging()
     try:
         job = load_manifest(args.manifest)
@@ -168,4 +175,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or Path("runs") / job.metadata.name
-    return execute(job, run_dir, args, list(args.engine_url), install_signal=True)
+    options = RunOptions(
+        steps=args.steps,
+        resume=Resume.REQUIRED if args.resume else Resume.NEVER,
+        engine_urls=tuple(args.engine_url),
+        metrics_port=args.metrics_port,
+        cache_dir=args.cache_dir,
+        engine_timeout_s=args.engine_timeout,
+    )
+    return execute(job, run_dir, options, install_signal=True)

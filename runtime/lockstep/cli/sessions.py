@@ -6,19 +6,25 @@ http://HOST:PORT/sessions/{id}/v1 after creating a session with POST /sessions. 
 replica by consistent hashing of the session id (and the X-SMG-Routing-Key header for a router);
 with --dp-size N they also stick to one of the replica's DP-attention ranks (routed_dp_rank).
 
-Who calls it: the pods the operator creates, users, tests. Imports nothing heavy at import time.
+Who calls it: the pods the operator creates, users, tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+
+from lockstep.cli.commands import HELP
+from lockstep.models.families import names
+from lockstep.rollout.session.engine import ReplicaPool
+from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "sessions",
-        help="serve the TITO session server (token-exact multi-turn agent sessions)",
+        help=HELP["sessions"],
         description="Serve the TITO session server: OpenAI-compatible chat per session, token-exact samples.",
     )
     parser.add_argument(
@@ -54,12 +60,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from lockstep.models.registry import names
-    from lockstep.rollout.session.engine import ReplicaPool
-    from lockstep.rollout.session.server import SessionServer, SessionServerConfig
-
     if args.family.removeprefix("builtin:") not in names():
         print(f"--family {args.family!r} is unknown; choose one of {', '.join(names())}")
         return 2

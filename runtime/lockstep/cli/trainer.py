@@ -1,27 +1,13 @@
 """`lockstep trainer --config job.yaml [--serve]`: a trainer rank (run under torchrun on every rank pod).
 
 Why it exists: the TrainerGroup's ranks own the policy of a cluster job. The operator starts
-`torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod. Each rank
-joins the process group from the torchrun env (gloo on CPU, NCCL on CUDA) and loads the policy
-FSDP2-sharded; rank 0 serves the driver's commands on --port (default 29600) and every rank runs
-each command collectively: SFT warm start, the first push (with the pre-flight check), RL train
-steps (data parallel over the ranks), weight pushes straight to every engine of the pool (--engine-url,
-else each address of the headless Service LOCKSTEP_ENGINES_SERVICE, resolved again before every push so
-replaced and new engines get the current version, else LOCKSTEP_ROUTER_URL, which reaches one engine
-only: the router is for rollouts), and checkpoints under --out (default $LOCKSTEP_RUN_DIR/trainer) that carry the
-driver's loop state, so a restarted driver resumes from them. The driver's `shutdown` command ends
-every rank with exit 0. See docs/trainer.md and lockstep.driver.trainer_server.
-
-Without --serve the command only proves the sharded load / SFT / gather / save path: it runs the
-job's SFT warm start (spec.algorithm.sftWarmStart) if any and writes an HF-layout checkpoint to --out.
-Run without torchrun it is one rank.
-
-Transport (--serve, rank 0): spec.weightSync.transport `auto` is resolved from --transport-file
-(default: transport.json next to --config, /etc/lockstep/transport.json in a rank pod), the
-WeightChannel's choice that the operator writes into the job's config ConfigMap. In a rank pod
-(LOCKSTEP_ROLE=trainer) rank 0 waits up to --transport-timeout for it; elsewhere a missing file means
-the one-machine rule (from-disk). An explicit transport in the spec always wins. The log names the
-transport and why.
+`torchrun -m lockstep trainer --config /etc/lockstep/job.yaml --serve` on each rank pod; rank 0
+serves the driver's commands on --port (lockstep.trainer.server) and every rank runs each one. Weight
+updates go to every engine of the pool: --engine-url, else each address of the headless Service
+LOCKSTEP_ENGINES_SERVICE (asked again before every update), else LOCKSTEP_ROUTER_URL. Checkpoints go
+under --out and carry the driver's loop state. `auto` transport is resolved from --transport-file
+(the operator's choice). Without --serve it only proves the sharded load / SFT / save path.
+docs/trainer.md explains it all.
 
 Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings or transport file, 3 no
 engine reachable or no transport file in time.
@@ -32,17 +18,32 @@ Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
+from lockstep.cli.commands import HELP
+from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.observability.logs import configure_logging
+from lockstep.serving.client import EngineUnreachable
+from lockstep.serving.membership import members_from
+from lockstep.tasks import load_task
+from lockstep.train.common.losses import sft_loss
+from lockstep.train.common.packing import pack_sft
+from lockstep.train.factory import build_backend
+from lockstep.trainer.local import SFT_ITEM_BASE
+from lockstep.trainer.server import serve
+from lockstep.trainer.settings import TrainerSettings
 
 DEFAULT_PORT = 29600
 """The trainer's command port (rank 0); the driver pod's LOCKSTEP_TRAINER_URL points at it."""
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("trainer", help="run one trainer rank (torchrun env)", description=__doc__)
+    p = subparsers.add_parser("trainer", help=HELP["trainer"], description=__doc__)
     p.add_argument("--config", type=Path, required=True, help="rendered RLJob (job.yaml)")
     p.add_argument(
         "--out",
@@ -66,7 +67,7 @@ def register(subparsers: Any) -> None:
         "--engine-url",
         action="append",
         default=[],
-        help="an engine the ranks push weights to, repeatable (default: every address of "
+        help="an engine whose weights the ranks update, repeatable (default: every address of "
         "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
@@ -87,8 +88,6 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from lockstep.api import ManifestError, load_manifest
-
     try:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
@@ -99,16 +98,8 @@ def main(args: argparse.Namespace) -> int:
     return run_rank(job, args)
 
 
-def serve_rank(job: Any, args: argparse.Namespace) -> int:
+def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
     """This rank of a serving trainer group (see the module docstring); exit code."""
-    import logging
-
-    from lockstep.api import TRANSPORT_KEY
-    from lockstep.cli.run import configure_logging
-    from lockstep.driver.membership import members_from
-    from lockstep.driver.trainer_server import serve
-    from lockstep.serving.client import EngineUnreachable
-
     configure_logging()
     members = members_from(args.engine_url, os.environ)
     if members is None:
@@ -141,17 +132,9 @@ def serve_rank(job: Any, args: argparse.Namespace) -> int:
         return 2
 
 
-def run_rank(job: Any, args: argparse.Namespace) -> int:
+def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.steps import SFT_ITEM_BASE
-    from lockstep.models import TinyTokenizer, resolve_checkpoint
-    from lockstep.tasks import load_task
-    from lockstep.train.common.losses import sft_loss
-    from lockstep.train.common.packing import pack_sft
-    from lockstep.train.factory import build_backend
-
-    s = settings_from_job(job)
+    s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = TinyTokenizer.load(model_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
@@ -167,7 +150,7 @@ def run_rank(job: Any, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         steps = args.sft_steps if args.sft_steps is not None else s.sft_steps
-        rows = s.batch_groups * s.samples_per_prompt
+        rows = s.sft_rows
         loss = float("nan")
         for k in range(steps):
             # Each rank trains on its own slice of the global batch (data parallel over FSDP shards).

@@ -16,11 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
+from lockstep.api import ManifestError, load_objects
+from lockstep.cli.commands import HELP
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "validate",
-        help="check manifests offline (schema and cross-field rules)",
+        help=HELP["validate"],
         description="Check Lockstep manifests offline; one line per problem: FILE: path: value: what to do.",
     )
     parser.add_argument(
@@ -35,10 +40,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
-
-    from lockstep.api import ManifestError, load_objects
-
     code = 0
     for path in args.manifests:
         try:

@@ -1,54 +1,14 @@
-"""The driver: owns the RL loop of one job and dispatches on the schedule mode.
+"""The driver process: the RL loop of one job, its components, rollout, progress and the remote trainer.
 
-Why it exists: `lockstep run` (one machine) and the driver pod (cluster) both call `run(job, ...)`:
-it builds the components (components.py) and runs the synchronous loop (loop.py) or, for
-spec.schedule.mode "fully-async", `lockstep.driver.fully_async.run_fully_async(job, components)`.
-The policy is behind the `Trainer` protocol (trainer.py): in this process (LocalTrainer) or the
-trainer group's ranks over HTTP (remote.py, served by trainer_server.py).
+Why it exists: `lockstep run` (one machine) and the driver pod (cluster) both call `run(job, ...)`
+(loop.py: read it first). The policy lives behind the Trainer protocol of lockstep.trainer, in this
+process or on a trainer group's ranks (remote.py).
 
-Who calls it: lockstep.cli.run, lockstep.cli.driver.
+Who calls it: lockstep.cli.run, lockstep.cli.driver, tests, bench.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from lockstep.driver.loop import run
 
-if TYPE_CHECKING:
-    import threading
-
-    from lockstep.api import RLJob
-
-
-def run(
-    job: RLJob,
-    run_dir: Path,
-    *,
-    steps: int | None = None,
-    resume: bool = False,
-    stop: threading.Event | None = None,
-    **build_options: Any,
-) -> Any:
-    """Build the components of `job` and run its loop; components are always released.
-
-    `stop` (e.g. set by the SIGINT handler) ends the loop after the current step.
-    """
-    from lockstep.driver.components import build_components
-    from lockstep.driver.loop import run_sync
-
-    components = build_components(job, run_dir, steps=steps, resume=resume, **build_options)
-    if stop is not None:
-        components.stop = stop
-    try:
-        if str(job.spec.schedule.mode) == "fully-async":
-            from lockstep.driver.fully_async import run_fully_async  # type: ignore[attr-defined,unused-ignore]
-
-            state = run_fully_async(job, components)
-        else:
-            state = run_sync(components)
-        if state.step >= job.spec.schedule.steps:
-            # The job is done (not just a --steps override): a remote trainer group exits 0.
-            components.trainer.shutdown()
-        return state
-    finally:
-        components.close()
+__all__ = ["run"]

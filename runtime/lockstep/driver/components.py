@@ -6,7 +6,7 @@ started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs
 EngineClient per engine on the shared LoopThread loop, the trainer backend, the weight transport, the
 task and its rollout (plugins loaded and validated), and the metrics sink. The trainer is either in
 this process (LocalTrainer: the FSDP2 backend as one rank and the weight transport of
-lockstep.driver.transports, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
+lockstep.weights.factory, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
 (RemoteTrainer, when a trainer URL is given: the driver pod of a cluster).
 
 `Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
@@ -25,24 +25,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.engines import EngineServer, PoolClient, start_reference_engine
+from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
-from lockstep.driver.settings import RunSettings, settings_from_job
-from lockstep.driver.transports import check_transport, needs_tensor_updates
+from lockstep.driver.settings import Resume, RunSettings, settings_from_job
+from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models.moe import routing_shape
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
+from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
+from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, load_task
-from lockstep.train.common.losses import PolicyLossConfig
-from lockstep.train.common.mismatch import MismatchConfig
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.weights.factory import check_transport, needs_tensor_updates
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.driver.trainer import Trainer
-    from lockstep.models import TinyTokenizer
-    from lockstep.serving.client import EngineClient
-    from lockstep.train.backend import TrainBackend
+    from lockstep.trainer.protocol import Trainer
     from lockstep.types import Sample
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,12 @@ class Components:
     engines: list[EngineServer]
     """Engines started in-process by this run (empty when external URLs were given)."""
     trainer: Trainer
-    """The policy: train steps, pushes to the engines, checkpoints (local or remote)."""
+    """The policy: train steps, updates to the engines, checkpoints (local or remote)."""
     task: Task
     """Prompts and the default reward."""
     rollout: Rollout
     """Scored-sample production: `rollout.run_sample(sample)` (the async worker's GenerateSample)
     and `rollout.generate_group(...)`."""
-    loss: PolicyLossConfig
-    """The RL loss settings."""
     metrics: MetricsSink
     """Per-step JSON lines + Prometheus."""
     pad_id: int = 0
@@ -83,9 +82,8 @@ class Components:
     """Injected monotonic clock."""
     closers: list[Callable[[], None]] = field(default_factory=list)
     """Extra clean-up callbacks, run in reverse order by close()."""
-    resume: bool | None = False
-    """Start from the trainer's latest checkpoint: True requires one (--resume), None uses one when
-    there is one (a driver pod, whose restarts resume), False starts fresh."""
+    resume: Resume = Resume.NEVER
+    """Whether to start from the trainer's latest checkpoint (required, if any, never)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
     progress: DriverProgress = field(default_factory=DriverProgress)
@@ -105,35 +103,8 @@ class Components:
         self.closers.clear()
 
 
-def loss_config(job: RLJob) -> PolicyLossConfig:
-    """The RL loss settings of the manifest (spec.algorithm)."""
-    alg = job.spec.algorithm
-    return PolicyLossConfig(
-        estimator=str(alg.advantage_estimator),
-        eps_clip_low=alg.eps_clip,
-        eps_clip_high=alg.eps_clip_high if alg.eps_clip_high is not None else alg.eps_clip,
-        kl_coef=alg.kl.coef,
-        kl_estimator=str(alg.kl.estimator),
-        mismatch=MismatchConfig(str(alg.mismatch.correction), alg.mismatch.low, alg.mismatch.high),
-    )
-
-
-def check_supported(job: RLJob) -> None:
-    """Refuse manifest features this runtime does not build yet; the error names the fields."""
-    spec = job.spec
-    problems = []
-    if spec.model.lora is not None:
-        problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def check_r3_model(job: RLJob, model_dir: Path) -> None:
     """R3 replays MoE routing: refuse it on a dense checkpoint, naming the field and the fix."""
-    from lockstep.models.moe import routing_shape
-
     if job.spec.algorithm.r3 and routing_shape(model_dir) is None:
         raise ValueError(
             f"spec.algorithm.r3: {job.spec.model.checkpoint} is a dense model (its config.json has no "
@@ -151,7 +122,7 @@ def build_components(
     cache_dir: Path | None = None,
     connect_retries: int = 5,
     engine_ready_timeout_s: float = 60.0,
-    resume: bool | None = False,
+    resume: Resume = Resume.NEVER,
     reporter: ProgressReporter | None = None,
     trainer_url: str | None = None,
     trainer_timeout_s: float = 600.0,
@@ -161,9 +132,6 @@ def build_components(
     With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
-    from lockstep.models import TinyTokenizer, resolve_checkpoint
-    from lockstep.serving.client import EngineClient
-
     check_supported(job)
     if trainer_url is None:
         check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
@@ -186,7 +154,14 @@ def build_components(
         for client in clients:
             runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
         trainer = _build_trainer(
-            job, settings, run_dir, model_dir, runner, clients, closers, trainer_url, trainer_timeout_s
+            job,
+            settings,
+            run_dir,
+            model_dir,
+            [c.base_url for c in clients],
+            closers,
+            trainer_url,
+            trainer_timeout_s,
         )
         rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
@@ -209,7 +184,6 @@ def build_components(
         trainer=trainer,
         task=task,
         rollout=rollout,
-        loss=loss_config(job),
         metrics=metrics,
         pad_id=tokenizer.pad_token_id,
         closers=closers,
@@ -239,49 +213,27 @@ def _build_trainer(
     settings: RunSettings,
     run_dir: Path,
     model_dir: Path,
-    runner: LoopThread,
-    clients: list[EngineClient],
+    engine_urls: list[str],
     closers: list[Callable[[], None]],
     trainer_url: str | None,
     trainer_timeout_s: float,
 ) -> Trainer:
     """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process."""
     if trainer_url is not None:
-        from lockstep.driver.remote import RemoteTrainer
-
         remote = RemoteTrainer(trainer_url, run_dir=run_dir)
         closers.append(remote.close)
         remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
         return remote
-    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
-
-    backend = build_backend(job, settings, model_dir)
+    backend = build_backend(job, settings.trainer, model_dir)
     closers.append(backend.close)
-    parts = build_trainer_parts(job, settings, run_dir, model_dir, backend, runner, clients, closers)
+    parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, engine_urls, closers)
     return LocalTrainer(parts)
-
-
-def build_backend(job: RLJob, settings: RunSettings, model_dir: Path) -> TrainBackend:
-    """The trainer backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
-    from lockstep.train.factory import build_backend as make
-
-    s = settings
-    return make(
-        job,
-        model_dir,
-        lr=s.learning_rate,
-        grad_clip=s.grad_clip,
-        micro_batch_size=s.micro_batch_size,
-        seed=s.seed,
-    )
 
 
 def _build_rollout(
     job: RLJob, settings: RunSettings, tokenizer: TinyTokenizer, task: Task, clients: list[EngineClient]
 ) -> Rollout:
     """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
-    from lockstep.serving.payloads import SamplingParams
-
     sampling = SamplingParams(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
@@ -290,7 +242,7 @@ def _build_rollout(
     )
     ctx = RolloutContext(
         # R3: every /generate asks for the routed experts; an engine that returns none is refused.
-        client=RoutedExpertsClient(ReplicaSet(clients)) if job.spec.algorithm.r3 else ReplicaSet(clients),
+        client=RoutedExpertsClient(PoolClient(clients)) if job.spec.algorithm.r3 else PoolClient(clients),
         sampling=sampling,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         encode=tokenizer.encode,

@@ -3,7 +3,7 @@
 Why it exists: `lockstep run` on one machine needs real rollout engines without a cluster. Each one is
 the reference engine (lockstep.engine) behind its real aiohttp app, served on 127.0.0.1 on a free port
 from a background thread with its own event loop, so the runtime reaches it over HTTP exactly as it
-reaches SGLang. `ReplicaSet` spreads generate calls over several replicas (round-robin per call; all
+reaches SGLang. `PoolClient` spreads generate calls over several replicas (round-robin per call; all
 samples of a sync batch are independent, so no affinity is needed).
 
 Who calls it: lockstep.driver.components.
@@ -18,6 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from lockstep.engine import ReferenceEngine, create_app
 
 if TYPE_CHECKING:
     from lockstep.serving.client import EngineClient, GenerateResult
@@ -46,10 +50,6 @@ def start_reference_engine(
     Sampling is reproducible through the per-request sampling_seed the rollout sends, so the engine
     itself needs no seed.
     """
-    from aiohttp import web
-
-    from lockstep.engine import ReferenceEngine, create_app
-
     started = threading.Event()
     state: dict[str, Any] = {}
     loop = asyncio.new_event_loop()
@@ -99,8 +99,8 @@ def start_reference_engine(
     return EngineServer(url=f"http://127.0.0.1:{state['port']}", stop=stop, engine=state["engine"])
 
 
-class ReplicaSet:
-    """A GenerateBackend over several EngineClients, round-robin per generate call."""
+class PoolClient:
+    """A GenerateBackend over the pool's replicas (one EngineClient each), round-robin per generate call."""
 
     def __init__(self, clients: Sequence[EngineClient]) -> None:
         if not clients:

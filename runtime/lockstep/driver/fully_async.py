@@ -1,27 +1,15 @@
 """The fully-async RL loop: rollout and training decoupled, joined by a bounded buffer (seed §5).
 
-Why it exists: in the sync loop (`lockstep.driver.loop`) the engines wait for the optimizer and the
-trainer waits for the slowest trajectory of each batch. Here a background worker
-(lockstep.rollout.async_worker) keeps a fixed number of trajectories in flight on the engines while the
-trainer trains on complete groups taken from the buffer (lockstep.rollout.buffer). After each update
-interval the new weights are pushed with in-flight requests retracted and continued under the new
-version, so one trajectory may span versions; the staleness of every consumed group is measured (S_old,
-S_post, delta_gen, token-weighted, coverage) and optionally bounded. Evaluation runs as a background
-task: each score is logged on the step whose weights it evaluated, with its latency, however late it
-arrives.
+Why it exists: in the sync loop the engines wait for the optimizer and the trainer waits for the
+slowest trajectory of each batch. Here a background worker (lockstep.rollout.async_worker) keeps a
+fixed number of trajectories in flight while the trainer trains on complete groups from the buffer
+(lockstep.rollout.buffer); at each update interval the engines' weights are updated with in-flight
+requests retracted, the staleness of every consumed group is measured, and evaluation runs in the
+background. Colocate and pause mode abort are refused at start (seed §10). `AsyncLoop` is written
+against small hooks (`LoopHooks`) so it is testable on its own; `run_fully_async(c)` builds them from
+the Components the sync loop uses. docs/fully-async.md explains the loop and its metrics.
 
-Rollout and training need separate resources: colocate (trainer and engines sharing GPUs) cannot overlap
-them, so it is refused at start (seed §10, fail early); so is pause mode abort.
-
-Structure: `AsyncLoop` is the loop itself, written against small hooks (`LoopHooks`: train, publish,
-evaluate, save, log) and a `GenerateSample` callable, so it is testable and benchmarkable on its own;
-`run_fully_async(job, components)` builds the hooks from the sync driver's Components (same training
-step, weight push, checkpoint layout, metrics file and plot as the sync loop) and runs the loop on the
-components' event loop thread, where every EngineClient lives. Training and weight export run in a
-worker thread, so generation continues while the trainer trains.
-
-Who calls it: `lockstep.driver.run(job)` when `spec.schedule.mode == "fully-async"` (hence `lockstep
-run`), tests, and bench/async_longtail.py.
+Who calls it: lockstep.driver.loop.run for schedule mode "fully-async", tests, bench/async_longtail.py.
 """
 
 from __future__ import annotations
@@ -34,16 +22,21 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from lockstep.driver.state import DriverState
+from tqdm import tqdm
+
+from lockstep.api import PauseMode, ScheduleMode
+from lockstep.driver.settings import Schedule
+from lockstep.driver.steps import EvalOutcome, evaluate, start
+from lockstep.observability.plot import plot_metrics
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
 from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter, load_group_filter
 from lockstep.rollout.staleness import StalenessStats
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
     from lockstep.driver.components import Components
-    from lockstep.driver.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +68,7 @@ class ColocateRefused(ValueError):
 
 def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> None:
     """Fail at start when the schedule cannot keep its promise (seed §10)."""
-    if mode != "fully-async":
+    if mode != ScheduleMode.FULLY_ASYNC:
         return
     if colocate:
         raise ColocateRefused(
@@ -83,7 +76,7 @@ def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> No
             "the trainer trains, which needs separate resources for engines and trainer. Set colocate: false "
             "(separate GPUs, or on one machine the engine in its own thread or process) or use mode: sync"
         )
-    if pause_mode == "abort":
+    if pause_mode == PauseMode.ABORT:
         raise ValueError(
             "spec.weightSync.pauseMode: abort cannot be used with schedule.mode fully-async: every weight "
             "update would abort the in-flight trajectories and their groups would be dropped; use retract "
@@ -91,59 +84,38 @@ def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> No
         )
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class AsyncSettings:
-    """The loop's knobs, read from the RLJob's schedule, algorithm, rollout and weightSync sections."""
+    """The fully-async loop's knobs: the run's Schedule (the same object) and the async-only ones."""
 
-    steps: int
-    """Optimizer steps to reach (a resumed run continues up to this)."""
-    batch_groups: int
-    """Groups consumed per step (spec.algorithm.batchSize)."""
-    n_samples_per_prompt: int
-    """Samples per group (spec.algorithm.samplesPerPrompt)."""
+    schedule: Schedule
+    """Steps, batch, intervals: what the sync loop counts too."""
     max_in_flight: int
-    """Trajectories kept generating at once (spec.rollout.maxInFlight); >= n_samples_per_prompt."""
+    """Trajectories kept generating at once (spec.rollout.maxInFlight); >= samples per prompt."""
     max_staleness: int | None = None
     """Bound on S_old in published versions (spec.schedule.maxWeightStaleness); None never rejects."""
     buffer_groups: int | None = None
     """Buffer capacity in groups; None means 2 x batch_groups."""
-    update_interval: int = 1
-    """Publish new weights every this many steps (versions == steps only when 1)."""
-    eval_interval: int | None = None
-    """Launch an evaluation every this many steps and after the last; None: never."""
-    save_interval: int | None = None
-    """Save a checkpoint every this many steps; the loop always saves when it ends."""
     sample_timeout_s: float | None = None
     """Per-trajectory limit (spec.agent.timeoutSeconds); an over-long trajectory is aborted, its group
     dropped at put."""
     eval_pins_version: bool = True
-    """When evaluation shares the rollout engines, the next publish waits for running evaluations so a
+    """When evaluation shares the rollout engines, the next weight update waits for running evaluations so a
     score never mixes checkpoints (training and generation continue meanwhile; only the update waits)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_groups", "n_samples_per_prompt", "max_in_flight", "update_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_in_flight < self.n_samples_per_prompt:
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.max_in_flight < self.schedule.samples_per_prompt:
             raise ValueError(
                 f"spec.rollout.maxInFlight ({self.max_in_flight}) must be >= spec.algorithm.samplesPerPrompt "
-                f"({self.n_samples_per_prompt}): a whole group is submitted at once"
+                f"({self.schedule.samples_per_prompt}): a whole group is submitted at once"
             )
 
     @property
     def capacity(self) -> int:
         """The buffer capacity actually used."""
-        return self.buffer_groups if self.buffer_groups is not None else 2 * self.batch_groups
-
-
-@dataclass(slots=True)
-class EvalOutcome:
-    """What the evaluate hook returns."""
-
-    metrics: dict[str, float]
-    """Scores (e.g. {"reward_mean": 0.4}); logged as kind "eval"."""
-    versions_seen: set[int] = field(default_factory=set)
-    """Weight versions the engines reported on the evaluation's tokens; proves which weights were scored."""
+        return self.buffer_groups if self.buffer_groups is not None else 2 * self.schedule.batch_groups
 
 
 @dataclass(slots=True)
@@ -151,13 +123,13 @@ class EvalResult:
     """One evaluation, attributed to the step whose weights it evaluated."""
 
     step: int
-    """Steps done when the evaluated weights were published (the sync loop's eval step numbering)."""
+    """Steps done when the engines were updated to the evaluated weights (the sync loop's eval step numbering)."""
     version: int
     """The weight version evaluated."""
     metrics: dict[str, float]
     """Scores from the evaluate hook."""
     latency_s: float
-    """Seconds from launch (right after the publish) to the score."""
+    """Seconds from launch (right after the weight update) to the score."""
     mixed_versions: bool
     """True when the engines reported a version other than `version` on evaluation tokens (the score
     mixes checkpoints; possible only when evaluation does not pin the version)."""
@@ -170,8 +142,8 @@ class LoopHooks(Protocol):
         """One optimizer step on complete groups (blocking; runs in a worker thread)."""
         ...
 
-    async def publish(self, version: int) -> dict[str, float]:
-        """Pause the engines with mode retract, push the trainer's weights as `version`, continue."""
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """Pause the engines with mode retract, update their weights to `version`, continue."""
         ...
 
     async def evaluate(self, version: int) -> EvalOutcome:
@@ -216,7 +188,7 @@ class AsyncLoop:
     settings: AsyncSettings
     """Knobs from the manifest."""
     hooks: LoopHooks
-    """Train, publish, evaluate, save and log."""
+    """Train, update weights, evaluate, save and log."""
     generate: GenerateSample
     """Generates and scores one trajectory on the engines."""
     prompts: Iterator[Prompt]
@@ -249,11 +221,11 @@ class AsyncLoop:
             yield p
 
     async def run(self) -> DriverState:
-        """Start the worker, run steps until settings.steps (or should_stop), stop everything, save."""
-        s = self.settings
+        """Start the worker, run steps until the schedule's steps (or should_stop), stop everything, save."""
+        s = self.settings.schedule
         buffer = GroupBuffer(
-            capacity=s.capacity,
-            max_staleness=s.max_staleness,
+            capacity=self.settings.capacity,
+            max_staleness=self.settings.max_staleness,
             filters=self.filters,
             version=self.state.version,
         )
@@ -261,9 +233,9 @@ class AsyncLoop:
             self.generate,
             self._counting_prompts(),
             buffer,
-            n_samples_per_prompt=s.n_samples_per_prompt,
-            max_in_flight=s.max_in_flight,
-            sample_timeout_s=s.sample_timeout_s,
+            samples_per_prompt=s.samples_per_prompt,
+            max_in_flight=self.settings.max_in_flight,
+            sample_timeout_s=self.settings.sample_timeout_s,
             first_group_index=self.state.next_group_index,
         )
         worker.start()
@@ -294,7 +266,7 @@ class AsyncLoop:
         return self.state
 
     async def _one_step(self, buffer: GroupBuffer, worker: AsyncRolloutWorker, t_start: float) -> None:
-        s, st = self.settings, self.state
+        s, st = self.settings.schedule, self.state
         t0 = self.clock()
         consumed = await buffer.get_batch(s.batch_groups)
         t1 = self.clock()
@@ -306,12 +278,12 @@ class AsyncLoop:
         self.trained_samples += sum(len(g.samples) for g in groups)
         metrics.update({"wait_data_s": t1 - t0, "train_wall_s": t2 - t1})
         if st.step % s.update_interval == 0 or st.step == s.steps:
-            if s.eval_pins_version and self._eval_tasks:
+            if self.settings.eval_pins_version and self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-            metrics.update(await self.hooks.publish(st.version + 1))
+            metrics.update(await self.hooks.update_weights(st.version + 1))
             st.version += 1
             await buffer.set_version(st.version)
-            metrics["publish_wall_s"] = self.clock() - t2
+            metrics["update_weights_wall_s"] = self.clock() - t2
         # Groups submitted from here on carry indices >= next_group_index; a resume never reuses one.
         st.next_group_index = worker.next_group_index
         window = buffer.take_window()
@@ -364,20 +336,15 @@ class AsyncLoop:
 # ------------------------------------------------------------------------------- the real components
 
 
-def settings_for_job(job: RLJob, s: RunSettings) -> AsyncSettings:
-    """The loop's knobs from the manifest and the sync driver's RunSettings (pure, golden-tested)."""
+def settings_for_job(job: RLJob, schedule: Schedule) -> AsyncSettings:
+    """The loop's knobs from the manifest around the run's Schedule (pure, golden-tested)."""
     spec = job.spec
     timeout = spec.agent.timeout_seconds
     return AsyncSettings(
-        steps=s.steps,
-        batch_groups=s.batch_groups,
-        n_samples_per_prompt=s.samples_per_prompt,
+        schedule=schedule,
         max_in_flight=spec.rollout.max_in_flight,
         max_staleness=spec.schedule.max_weight_staleness,
         buffer_groups=spec.schedule.buffer_groups,
-        update_interval=s.update_interval,
-        eval_interval=s.eval_interval,
-        save_interval=s.save_interval,
         sample_timeout_s=float(timeout) if timeout is not None else None,
     )
 
@@ -395,7 +362,7 @@ def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
 
 
 class ComponentHooks:
-    """LoopHooks over the sync driver's Components: the same train step, push, checkpoint and metrics."""
+    """LoopHooks over the sync driver's Components: the same train step, weight update, checkpoint and metrics."""
 
     def __init__(self, c: Components, pause_mode: str, executor: Executor) -> None:
         self.c = c
@@ -408,37 +375,19 @@ class ComponentHooks:
     def train(self, groups: list[Group], step: int) -> dict[str, float]:
         return self.c.trainer.train(groups)
 
-    async def publish(self, version: int) -> dict[str, float]:
-        """Retract in-flight requests on every engine, push `version`, continue (seed §5)."""
+    async def update_weights(self, version: int) -> dict[str, float]:
+        """Retract in-flight requests on every engine, update the weights to `version`, continue (seed §5)."""
         clients = self.c.clients
         await asyncio.gather(*(cl.pause_generation(self.pause_mode) for cl in clients))
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self.c.trainer.push, version)
+            return await loop.run_in_executor(self.executor, self.c.trainer.update_weights, version)
         finally:
             await asyncio.gather(*(cl.continue_generation() for cl in clients))
 
     async def evaluate(self, version: int) -> EvalOutcome:
-        """Mean reward on the task's eval split, one sample per item at the eval temperature (as sync)."""
-        from dataclasses import replace
-
-        from lockstep.driver.steps import EVAL_GROUP_BASE
-        from lockstep.types import Sample
-
-        c = self.c
-        sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
-        rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
-        samples = []
-        for i in range(c.task.eval_size):
-            item = c.task.item(i, "eval")
-            prompt = rollout.render(item.messages)
-            samples.append(Sample(EVAL_GROUP_BASE + i, 0, prompt, metadata=c.item_metadata(item)))
-        done = await asyncio.gather(*(rollout.run_sample(s) for s in samples))
-        rewards = [s.reward if s.reward is not None else 0.0 for s in done]
-        seen = {v for s in done for v in s.token_versions if v is not None}
-        return EvalOutcome(
-            {"reward_mean": sum(rewards) / max(len(rewards), 1), "samples": float(len(done))}, seen
-        )
+        """The sync loop's evaluation (lockstep.driver.steps.evaluate), on the engines now serving `version`."""
+        return await evaluate(self.c)
 
     def save(self, state: DriverState) -> None:
         self.c.trainer.save(state)
@@ -456,36 +405,24 @@ def task_prompts(c: Components, start: int) -> Iterator[Prompt]:
         index += 1
 
 
-def run_fully_async(job: RLJob, components: Components) -> DriverState:
-    """Run the fully-async loop of `job` on its built components; returns the final DriverState.
+def run_fully_async(c: Components) -> DriverState:
+    """Run the fully-async loop on the built components; returns the final DriverState.
 
     Same conventions as the sync loop: resume from checkpoints/latest, SFT warm start once, the trainer's
-    weights pushed before the first step, eval before training and at the eval interval, metrics.jsonl
-    (kinds train/eval) and metrics.png (plus the queue and staleness panels). The end (done or a fatal
-    error) goes to the progress channel.
+    weights sent to the engines before the first step, eval before training and at the eval interval,
+    metrics.jsonl (kinds train/eval) and metrics.png (plus the queue and staleness panels).
     """
-    from lockstep.driver.loop import run_reported
-
-    return run_reported(components, lambda: _run_fully_async(job, components))
-
-
-def _run_fully_async(job: RLJob, components: Components) -> DriverState:
-    from lockstep.driver.loop import start
-    from lockstep.observability.plot import plot_metrics
-
-    c = components
-    spec = job.spec
-    pause_mode = str(spec.weight_sync.pause_mode)
-    check_schedule(str(spec.schedule.mode), spec.schedule.colocate, pause_mode)
-    settings = settings_for_job(job, c.settings)
-    filters = filters_for_job(job)
+    spec = c.job.spec
+    pause_mode = spec.weight_sync.pause_mode
+    check_schedule(spec.schedule.mode, spec.schedule.colocate, pause_mode)
+    settings = settings_for_job(c.job, c.settings.schedule)
+    filters = filters_for_job(c.job)
     # resume, SFT warm start once, engines == trainer before step 1 (pre-flight when asked)
-    state = start(c, settings.eval_interval)
-    from tqdm import tqdm
-
+    state = start(c)
     bar = tqdm(
-        initial=state.step, total=settings.steps, desc="lockstep fully-async", unit="step", dynamic_ncols=True
-    )
+        initial=state.step, total=settings.schedule.steps, desc="lockstep fully-async", unit="step",
+        dynamic_ncols=True,
+    )  # fmt: skip
 
     async def progress(step: int, m: dict[str, float]) -> None:
         # The report may wait on the API server (retries): off the event loop the rollouts run on.

@@ -1,12 +1,15 @@
-"""The synchronous RL loop on one screen (seed §1).
+"""The RL loop on one screen (seed §1): start here to read Lockstep.
 
-Why it exists: this is the product's main job. Before the first optimizer step the trainer's loaded
-weights are pushed to the engines (so rollout starts from weights that went through the trainer's own
-export path); then per step: collect a batch of complete groups, train, push the new version, save at
-the save interval, evaluate at the eval interval. Ctrl-C once finishes the current step, saves and
-returns (resumable with --resume); Ctrl-C twice abandons the step (the last checkpoint stays intact).
+Why it exists: this is the product's main job. `run` builds the components of a job (components.py)
+and runs its loop: `run_sync` below, or the fully-async loop (fully_async.py) for schedule mode
+"fully-async". Before the first optimizer step the trainer's loaded weights go to the engines (so
+rollout starts from weights that went through the trainer's own export path); then per step: collect
+a batch of complete groups, train, update the engines' weights, save at the save interval, evaluate at
+the eval interval. The policy is behind the Trainer protocol (lockstep.trainer): in this process or a
+trainer group's ranks. Ctrl-C once finishes the current step, saves and returns (resumable with
+--resume); Ctrl-C twice abandons the step (the last checkpoint stays intact).
 
-Who calls it: lockstep.driver.run for schedule mode "sync".
+Who calls it: lockstep.cli.run and lockstep.cli.driver (through lockstep.driver.run), tests, bench.
 """
 
 from __future__ import annotations
@@ -14,77 +17,93 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from lockstep.driver.components import Components
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed, collect_batch, evaluate
+from tqdm import tqdm
+
+from lockstep.api import RLJob, ScheduleMode
+from lockstep.driver.components import Components, build_components
+from lockstep.driver.fully_async import run_fully_async
+from lockstep.driver.report import ProgressReporter
+from lockstep.driver.settings import Resume
+from lockstep.driver.steps import collect_batch, evaluate_at, start
 from lockstep.observability.plot import plot_metrics
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.state import DriverState
 
 log = logging.getLogger(__name__)
-
-
-def _due(interval: int | None, step: int) -> bool:
-    return interval is not None and step % interval == 0
-
 
 FATAL_ERRORS: tuple[type[Exception], ...] = (PreflightFailed, NonFiniteLoss, ValueError)
 """Errors a restart of the driver cannot fix: reported as the job's error. Others (an unreachable
 engine, a crash) are not: the driver pod restarts OnFailure and resumes from its checkpoint."""
 
 
-def run_reported(c: Components, body: Callable[[], DriverState]) -> DriverState:
-    """Run a loop `body` and report its end on the progress channel: done, or a fatal error."""
+def run(
+    job: RLJob,
+    run_dir: Path,
+    *,
+    steps: int | None = None,
+    resume: Resume = Resume.NEVER,
+    stop: threading.Event | None = None,
+    engine_urls: Sequence[str] = (),
+    prometheus_port: int = 0,
+    cache_dir: Path | None = None,
+    engine_ready_timeout_s: float = 60.0,
+    reporter: ProgressReporter | None = None,
+    trainer_url: str | None = None,
+    trainer_timeout_s: float = 600.0,
+) -> DriverState:
+    """Build the components of `job`, run its loop, release the components; the final state.
+
+    `stop` (e.g. set by the SIGINT handler) ends the loop after the current step; the other options
+    are build_components'.
+    """
+    c = build_components(
+        job, run_dir, steps=steps, resume=resume, engine_urls=engine_urls, prometheus_port=prometheus_port,
+        cache_dir=cache_dir, engine_ready_timeout_s=engine_ready_timeout_s, reporter=reporter,
+        trainer_url=trainer_url, trainer_timeout_s=trainer_timeout_s,
+    )  # fmt: skip
+    if stop is not None:
+        c.stop = stop
     try:
-        state = body()
+        with fatal_errors_reported(c):
+            state = run_fully_async(c) if job.spec.schedule.mode is ScheduleMode.FULLY_ASYNC else run_sync(c)
+        if state.step >= c.settings.schedule.steps:
+            c.progress.finished()
+        if state.step >= job.spec.schedule.steps:
+            # The job is done (not just a --steps override): a remote trainer group exits 0.
+            c.trainer.shutdown()
+        return state
+    finally:
+        c.close()
+
+
+@contextmanager
+def fatal_errors_reported(c: Components) -> Iterator[None]:
+    """Report a loop's fatal end on the progress channel (the job's error), then let it propagate."""
+    try:
+        yield
     except FATAL_ERRORS as e:
         c.progress.failed(e, c.run_dir)
         raise
-    if state.step >= c.settings.steps:
-        c.progress.finished()
-    return state
 
 
 def run_sync(c: Components) -> DriverState:
-    """Run steps until settings.steps (or until c.stop is set); returns the final state."""
-    return run_reported(c, lambda: _run_sync(c))
-
-
-def start(c: Components, eval_interval: int | None) -> DriverState:
-    """Before step 1 (both loops): resume, the SFT warm start once, then the first push."""
-    state = c.trainer.load_latest() if c.resume is not False else None
-    if state is None and c.resume:
-        raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
-    state = state or DriverState()
-    if not state.sft_done and c.settings.sft_steps > 0:
-        if eval_interval:
-            c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
-        for k, m in enumerate(c.trainer.warm_start()):
-            c.metrics.log("sft", k + 1, m)
-    state.sft_done = True
-    # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
-    pushed = c.trainer.first_push(state.version)
-    c.metrics.log("publish", state.step, pushed)
-    c.progress.init(pushed, c.run_dir, state.step)
-    if eval_interval and state.step == 0:
-        c.metrics.log("eval", 0, evaluate_at(c, state))
-    return state
-
-
-def _run_sync(c: Components) -> DriverState:
-    s = c.settings
-    state = start(c, s.eval_interval)
+    """Run steps until the schedule's steps (or until c.stop is set); returns the final state."""
+    s = c.settings.schedule
+    state = start(c)
     saved_at = state.step
-    with _progress(state.step, s.steps) as bar:
+    with _progress_bar(state.step, s.steps) as bar:
         while state.step < s.steps and not c.stop.is_set():
             groups = collect_batch(c, state)
             metrics = c.trainer.train(groups)
             state.step += 1
             if state.step % s.update_interval == 0:
                 state.version += 1
-                metrics |= c.trainer.push(state.version)
+                metrics |= c.trainer.update_weights(state.version)
             if _due(s.save_interval, state.step):
                 c.trainer.save(state)
                 saved_at = state.step
@@ -103,24 +122,18 @@ def _run_sync(c: Components) -> DriverState:
     return state
 
 
-def evaluate_at(c: Components, state: DriverState) -> dict[str, float]:
-    """Evaluate and tag the metrics with the version evaluated."""
-    return {**evaluate(c), "weight_version": float(state.version)}
+def _due(interval: int | None, step: int) -> bool:
+    return interval is not None and step % interval == 0
 
 
-class _progress:
-    """A tqdm bar on stderr (a no-op object when tqdm is missing)."""
-
-    def __init__(self, initial: int, total: int) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(initial=initial, total=total, desc="lockstep", unit="step", dynamic_ncols=True)
-
-    def __enter__(self) -> Any:
-        return self.bar
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.close()
+@contextmanager
+def _progress_bar(initial: int, total: int) -> Iterator[tqdm]:
+    """A tqdm bar on stderr, closed at the end."""
+    bar = tqdm(initial=initial, total=total, desc="lockstep", unit="step", dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def install_sigint(stop: threading.Event) -> None:

@@ -1,7 +1,7 @@
 """RemoteTrainer: the Trainer protocol over HTTP to rank 0 of the trainer group (`lockstep trainer --serve`).
 
 Why it exists: in a cluster the driver pod has no GPU; the TrainerGroup's ranks hold the policy. The
-driver sends one command per loop step (lockstep.driver.wire) to rank 0, which runs it on all ranks
+driver sends one command per loop step (lockstep.trainer.wire) to rank 0, which runs it on all ranks
 and replies. Errors raised on the trainer come back typed and are raised here as the same
 exceptions the in-process trainer raises, so `lockstep driver` keeps its exit codes:
 non-finite loss -> NonFiniteLoss (exit 4), pre-flight failure -> PreflightFailed (exit 5), bad
@@ -24,21 +24,21 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.wire import (
+from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
+from lockstep.trainer.state import DriverState
+from lockstep.trainer.wire import (
     API_PREFIX,
     INSTANCE_HEADER,
     DriverStateWire,
     Empty,
     ErrorReply,
+    FirstUpdateReply,
     GroupWire,
     HealthReply,
     LoadReply,
     MetricsListReply,
     MetricsReply,
     OkReply,
-    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
@@ -84,7 +84,7 @@ def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
 
 
 class RemoteTrainer:
-    """The Trainer protocol (lockstep.driver.trainer) served by a trainer group's rank 0."""
+    """The Trainer protocol (lockstep.trainer.protocol) served by a trainer group's rank 0."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class RemoteTrainer:
         """First retry delay; doubles per attempt."""
         self.sleep = sleep
         """Injected sleep (tests)."""
-        # A train step or a push may take minutes: no read timeout; connecting must be quick.
+        # A train step or an update may take minutes: no read timeout; connecting must be quick.
         timeout = httpx.Timeout(None, connect=10.0)
         self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
         """The HTTP connection pool."""
@@ -119,9 +119,9 @@ class RemoteTrainer:
     def warm_start(self) -> Iterator[dict[str, float]]:
         yield from self._call("warm_start", Empty(), MetricsListReply).steps
 
-    def first_push(self, version: int) -> dict[str, float]:
+    def first_update(self, version: int) -> dict[str, float]:
         try:
-            reply = self._call("first_push", VersionRequest(version=version), PushReply)
+            reply = self._call("first_update", VersionRequest(version=version), FirstUpdateReply)
         except PreflightFailed as e:
             self._mirror_preflight(e.result)
             raise
@@ -129,8 +129,6 @@ class RemoteTrainer:
         return reply.metrics
 
     def _mirror_preflight(self, result: PreflightResult | None) -> None:
-        from lockstep.driver.steps import PREFLIGHT_FILE
-
         if self.run_dir is None:
             return
         path = Path(self.run_dir) / PREFLIGHT_FILE
@@ -144,8 +142,8 @@ class RemoteTrainer:
         body = TrainRequest(groups=[GroupWire.of(g) for g in groups])
         return self._call("train", body, MetricsReply).metrics
 
-    def push(self, version: int) -> dict[str, float]:
-        return self._call("push", VersionRequest(version=version), MetricsReply).metrics
+    def update_weights(self, version: int) -> dict[str, float]:
+        return self._call("update_weights", VersionRequest(version=version), MetricsReply).metrics
 
     def save(self, state: DriverState) -> str:
         return self._call("save", SaveRequest(state=DriverStateWire.of(state)), SaveReply).path
@@ -171,7 +169,7 @@ class RemoteTrainer:
     # -- transport --------------------------------------------------------------------------------
 
     def wait_ready(self, job: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> HealthReply:
-        """Poll GET /v1/health until every rank has loaded and no command (of a driver that died during
+        """Poll GET /v2/health until every rank has loaded and no command (of a driver that died during
         it) is running; refuse a trainer serving another job."""
         deadline = time.monotonic() + timeout_s
         last: BaseException | None = None

@@ -22,14 +22,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
-from lockstep.driver.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
 from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, use_token_file
-
-if TYPE_CHECKING:
-    from lockstep.weights.preflight import PreflightResult
+from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
+from lockstep.trainer.protocol import PREFLIGHT_FILE
+from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class ProgressTracker:
     def after_init(
         self, metrics: Mapping[str, float], preflight: PreflightResult | None = None, step: int = 0
     ) -> ProgressReport:
-        """The document after the init step (the first push, through the pre-flight when it ran);
+        """The document after the init step (the first update, through the pre-flight when it ran);
         `step` is the resumed step (0 on a fresh start)."""
         update = _update_fields(metrics)
         update["step"] = step
@@ -143,7 +142,7 @@ class DriverProgress:
     """Builds the cumulative document."""
 
     def init(self, metrics: Mapping[str, float], run_dir: Path, step: int = 0) -> None:
-        """After the first push; reads the pre-flight result the push wrote into `run_dir`, if any."""
+        """After the first update; reads the pre-flight result the update wrote into `run_dir`, if any."""
         self.reporter.report(self.tracker.after_init(metrics, _read_preflight(run_dir), step))
 
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -163,10 +162,7 @@ class DriverProgress:
 
 
 def _read_preflight(run_dir: Path) -> PreflightResult | None:
-    """The PreflightResult first_push wrote into the run dir, or None when the check did not run."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
-    from lockstep.weights.preflight import PreflightResult
-
+    """The PreflightResult first_update wrote into the run dir, or None when the check did not run."""
     path = run_dir / PREFLIGHT_FILE
     if not path.exists():
         return None
@@ -174,7 +170,7 @@ def _read_preflight(run_dir: Path) -> PreflightResult | None:
 
 
 def _update_fields(metrics: Mapping[str, float]) -> dict[str, object]:
-    """Weight-update fields present in a step's metrics (push_weights / first_push)."""
+    """Weight-update fields present in a step's metrics (update_weights / first_update)."""
     out: dict[str, object] = {}
     if "weight_version" in metrics:
         out["weight_version"] = int(metrics["weight_version"])

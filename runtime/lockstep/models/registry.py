@@ -10,7 +10,8 @@ render only appended messages, how to repair the seam (`merge`), and how to pars
 content, reasoning and tool calls.
 
 Who calls it: lockstep.rollout.session (the session server and its pure logic), the tool-calling toy
-task (lockstep.tasks.toolcalc) and tests. Families register themselves in lockstep.models.families.
+task (lockstep.tasks.toolcalc) and tests. Families register themselves here; the lookup by name
+(`get_family`) is lockstep.models.families, which imports every built-in family first.
 """
 
 from __future__ import annotations
@@ -153,38 +154,10 @@ class ModelFamily:
 
 FamilyFactory = Callable[[str | None], ModelFamily]
 """Builds a family; the argument is the model's checkpoint dir holding its tokenizer, or None."""
-_FACTORIES: dict[str, FamilyFactory] = {}
-_CACHE: dict[tuple[str, str | None], ModelFamily] = {}
+FACTORIES: dict[str, FamilyFactory] = {}
+"""Registered family factories by name (lockstep.models.families looks them up)."""
 
 
 def register(name: str, factory: FamilyFactory) -> None:
     """Register a family factory under `name` (family modules call this at import)."""
-    _FACTORIES[name] = factory
-
-
-def names() -> list[str]:
-    """Registered family names, sorted."""
-    _load_builtin()
-    return sorted(_FACTORIES)
-
-
-def get_family(name: str, tokenizer_dir: str | None = None) -> ModelFamily:
-    """The family registered as `name` (built once per tokenizer and cached).
-
-    `tokenizer_dir`: the served model's checkpoint dir; its tokenizer is used so that the session
-    server's IDs are the engine's. None uses the family's offline stand-in (tests, benchmarks).
-    """
-    _load_builtin()
-    key = name.removeprefix("builtin:")
-    if key not in _FACTORIES:
-        raise KeyError(f"unknown model family {name!r}; registered families: {', '.join(sorted(_FACTORIES))}")
-    cache_key = (key, tokenizer_dir)
-    if cache_key not in _CACHE:
-        _CACHE[cache_key] = _FACTORIES[key](tokenizer_dir)
-    return _CACHE[cache_key]
-
-
-def _load_builtin() -> None:
-    # Importing the package registers qwen3, glm47 and tiny; done lazily so that importing the
-    # registry alone stays cheap.
-    import lockstep.models.families  # noqa: F401
+    FACTORIES[name] = factory

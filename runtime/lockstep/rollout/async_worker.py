@@ -4,13 +4,13 @@ Why it exists: in a synchronous loop the trainer waits for the slowest trajector
 engines wait for the optimizer (seed §5). This worker keeps `max_in_flight` trajectories generating at
 all times, independent of training, and refills at sample granularity:
 - every finished trajectory frees one credit;
-- each time n_samples_per_prompt credits are free (and the buffer has room), a whole new group is
+- each time samples_per_prompt credits are free (and the buffer has room), a whole new group is
   submitted;
 - a group is assembled as its samples finish and put into the buffer only when complete.
 With group-granularity refill one slow trajectory would hold all the slots of its group until it ends;
 with sample granularity the in-flight count stays near the budget even when lengths differ tenfold.
 
-Weight updates are not this worker's business: the driver pauses the engines with mode "retract", pushes,
+Weight updates are not this worker's business: the driver pauses the engines with mode "retract", updates,
 and continues. The HTTP requests of in-flight trajectories stay open; the engine re-schedules them under
 the new weights, so a trajectory may span versions, which its per-token versions record.
 
@@ -88,7 +88,7 @@ class AsyncRolloutWorker:
         prompts: Iterator[Prompt],
         buffer: GroupBuffer,
         *,
-        n_samples_per_prompt: int,
+        samples_per_prompt: int,
         max_in_flight: int,
         sample_timeout_s: float | None = None,
         first_group_index: int = 0,
@@ -96,11 +96,11 @@ class AsyncRolloutWorker:
     ) -> None:
         if max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures must be >= 1, got {max_consecutive_failures}")
-        if n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
-        if max_in_flight < n_samples_per_prompt:
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        if max_in_flight < samples_per_prompt:
             raise ValueError(
-                f"maxInFlight ({max_in_flight}) must be >= n_samples_per_prompt ({n_samples_per_prompt}): a whole "
+                f"maxInFlight ({max_in_flight}) must be >= samples_per_prompt ({samples_per_prompt}): a whole "
                 "group is submitted at once; raise maxInFlight"
             )
         self.generate = generate
@@ -109,7 +109,7 @@ class AsyncRolloutWorker:
         """Where new groups' prompts come from; the worker stops submitting when it is exhausted."""
         self.buffer = buffer
         """Where complete groups go."""
-        self.n = n_samples_per_prompt
+        self.n = samples_per_prompt
         """Samples per group."""
         self.max_in_flight = max_in_flight
         """Trajectory budget: credits in total."""

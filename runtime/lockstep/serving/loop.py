@@ -1,7 +1,7 @@
 """LoopThread: one asyncio event loop on a background thread, driven from synchronous code.
 
 Why it exists: the async EngineClient is bound to the event loop it first ran on, while its callers are
-synchronous: the driver's loop, readable top to bottom, and WeightTransport.push, which issues blocking
+synchronous: the driver's loop, readable top to bottom, and WeightTransport.update_weights, which issues blocking
 collectives between steps. A LoopThread owns one such loop; synchronous code submits coroutines to it
 from any thread, and HTTP calls run there concurrently with the collectives the calling thread issues
 (the engine's /update_weights_from_distributed only returns after it received them).

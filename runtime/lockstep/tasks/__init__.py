@@ -15,6 +15,7 @@ exact-match reward after stripping whitespace).
 Who calls it: lockstep.driver (prompt source, eval set, default reward), lockstep.rollout.plugins.
 """
 
-from lockstep.tasks.base import Task, TaskItem, load_task
+from lockstep.tasks.base import Task, TaskItem
+from lockstep.tasks.registry import load_task
 
 __all__ = ["Task", "TaskItem", "load_task"]

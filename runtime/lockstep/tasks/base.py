@@ -97,25 +97,3 @@ def _read_jsonl(path: Path) -> list[tuple[tuple[dict[str, str], ...], str, dict[
     if not rows:
         raise ValueError(f"prompt file {path} holds no items")
     return rows
-
-
-def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Task:
-    """A Task from a manifest's data.prompts (and data.evalPrompts) string.
-
-    Raises ValueError naming the unknown built-in and the known ones.
-    """
-    from lockstep.tasks.registry import BUILTIN_TASKS
-
-    if source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_TASKS:
-            raise ValueError(
-                f"data.prompts: unknown built-in task {source!r}; known: "
-                + ", ".join(f"builtin:{k}" for k in sorted(BUILTIN_TASKS))
-            )
-        if eval_source is not None and eval_source != source:
-            raise ValueError(
-                f"data.evalPrompts: a built-in task evaluates on its own eval split; set it to {source!r}"
-            )
-        return BUILTIN_TASKS[name](seed)
-    return JsonlTask(Path(source), Path(eval_source) if eval_source else None)

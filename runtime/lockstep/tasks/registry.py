@@ -1,7 +1,7 @@
 """The built-in tasks by name: what `data.prompts: builtin:<name>` can say.
 
-Why it exists: one table that `load_task` reads and that error messages list, so adding a built-in
-task is one line here and never touches the loader.
+Why it exists: one table that `load_task` (here) reads and that error messages list, so adding a
+built-in task is one line here and never touches the loader.
 
 - `builtin:reverse`: reverse 3 to 5 digits, exact-match reward (lockstep.tasks.digits).
 - `builtin:toolcalc`: "calc 12+7", answered by calling the `calc` tool and then the number; a
@@ -9,16 +9,37 @@ task is one line here and never touches the loader.
   run it with spec.agent.agentFunction `lockstep.rollout.session.local:toolcalc_agent` and
   rewardFunction `lockstep.tasks.toolcalc:reward` (examples/tiny-tools.yaml).
 
-Who calls it: lockstep.tasks.base.load_task.
+Who calls it: lockstep.tasks.load_task's callers (the driver, the trainer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
-from lockstep.tasks.base import Task
+from lockstep.tasks.base import JsonlTask, Task
 from lockstep.tasks.digits import ReverseDigits
 from lockstep.tasks.toolcalc.env import ToolCalc
 
 BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {"reverse": ReverseDigits, "toolcalc": ToolCalc}
 """Built-in task names (used as `builtin:<name>`) and their constructors (taking the data seed)."""
+
+
+def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Task:
+    """A Task from a manifest's data.prompts (and data.evalPrompts) string.
+
+    Raises ValueError naming the unknown built-in and the known ones.
+    """
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_TASKS:
+            raise ValueError(
+                f"data.prompts: unknown built-in task {source!r}; known: "
+                + ", ".join(f"builtin:{k}" for k in sorted(BUILTIN_TASKS))
+            )
+        if eval_source is not None and eval_source != source:
+            raise ValueError(
+                f"data.evalPrompts: a built-in task evaluates on its own eval split; set it to {source!r}"
+            )
+        return BUILTIN_TASKS[name](seed)
+    return JsonlTask(Path(source), Path(eval_source) if eval_source else None)

@@ -5,13 +5,16 @@ import each other; the only place that knows both is this factory, so a call sit
 trainer rank) builds whichever the manifest names in one line. megatron-core is an optional extra
 (`pip install lockstep[megatron]`): it is imported only when the job asks for it.
 
-Who calls it: lockstep.driver.components (the local trainer and the trainer ranks), lockstep.cli.trainer.
+Who calls it: lockstep.trainer.local (the local trainer and the trainer ranks), lockstep.cli.trainer.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lockstep.api import Device, Precision, TrainerBackend
+from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
@@ -23,7 +26,7 @@ def build_backend(
 ) -> TrainBackend:
     """The backend spec.trainer.backend names, for the checkpoint at `model_dir` (one rank of it)."""
     trainer = job.spec.trainer
-    cuda = str(trainer.device) == "cuda"
+    cuda = trainer.device is Device.CUDA
     common: dict[str, Any] = {
         "model_path": model_dir,
         "lr": lr,
@@ -32,11 +35,9 @@ def build_backend(
         "seed": seed,
         "with_ref": job.spec.algorithm.kl.coef > 0,
     }
-    if str(trainer.backend) == "megatron":
+    if trainer.backend is TrainerBackend.MEGATRON:
         return _megatron(job, common)
-    from lockstep.train.fsdp import FSDPBackend, FSDPConfig
-
-    bf16 = cuda and str(trainer.precision) == "bf16"
+    bf16 = cuda and trainer.precision is Precision.BF16
     return FSDPBackend(
         FSDPConfig(
             **common,
@@ -49,7 +50,7 @@ def build_backend(
 
 def _megatron(job: RLJob, common: dict[str, Any]) -> TrainBackend:
     trainer = job.spec.trainer
-    if str(trainer.precision) != "bf16":
+    if trainer.precision is not Precision.BF16:
         raise ValueError(
             f"spec.trainer.precision: the megatron backend trains bf16 (with fp32 master weights); "
             f"{trainer.precision} training needs Transformer Engine: set trainer.precision to bf16"

@@ -1,20 +1,19 @@
 """Broadcast weight transport: one source rank broadcasts every bucket to every engine rank (seed §7.2.2).
 
 Why it exists: it is the default when trainer and engines are on different GPUs and share a NCCL (or,
-on CPU, gloo) network, and it needs no target-side resharding. Per pipeline source (one trainer rank
-per stage) there is one weight-update group: rank 0 is the source, the engines join it through their
-/init_weights_update_group endpoint at rank_offset 1, 1 + ranks of engine 0, ... For every bucket the
-source posts the names, dtypes and shapes on the control channel (/update_weights_from_distributed,
-one call per engine, concurrently) and broadcasts the tensors in that order as collectives; the HTTP
-call returns once the engine loaded them. A process-wide lock serializes bucket flushes across stages
-so their collectives never interleave. The engines' weight version is set only after every bucket
-arrived (/update_weight_version), and generation is paused around the update (retract by default).
+on CPU, gloo) network, and it needs no target-side resharding. The engines join one weight-update
+group through /init_weights_update_group; per bucket the source posts names, dtypes and shapes
+(/update_weights_from_distributed, one call per engine, concurrently) and broadcasts the tensors as
+collectives; the version is set only after every bucket arrived. The group has a fixed world size,
+so when the engines change (`follow`) the old group is destroyed on the engines that stay and the
+next update builds a new one. docs/weights.md has the details.
 
-Who calls it: the driver (as a WeightTransport), preflight.py, tests and bench/weights_broadcast.py.
+Who calls it: the trainer (as a WeightTransport), preflight.py, tests and bench/weights_broadcast.py.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -30,6 +29,8 @@ from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 STAGE_LOCK = threading.Lock()
 """Held while one bucket is flushed, so broadcasts of different stages in one process never interleave."""
@@ -79,6 +80,10 @@ class BroadcastTransport:
         self.master_address = master_address
         self.master_port = master_port or free_port(master_address)
         self.group_name = group_name
+        self.base_group_name = group_name
+        """The first group's name; the group after the n-th change of engines is `<base>-m<n>`."""
+        self.generation = 0
+        """How many times the engines changed (each change builds a new group)."""
         self.config = config or PipelineConfig()
         self.pause_mode = pause_mode
         self.lock = lock
@@ -153,7 +158,9 @@ class BroadcastTransport:
             for r in replies:
                 r.result(self.timeout_s)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         self.connect()
         t0 = self.clock()
         if self.pause_mode is not None:
@@ -178,15 +185,34 @@ class BroadcastTransport:
             extra={"update_weights_wire_bytes": float(wire)},
         )
 
-    def close(self) -> None:
-        self.release(None)
+    def follow(self, urls: list[str]) -> None:
+        """Broadcast to exactly these engines from the next update on: a new group when they changed."""
+        if sorted(urls) == sorted(e.url for e in self.engines):
+            return
+        refused = self._destroy_group(set(urls))
+        if refused:
+            # An engine that keeps the old group cannot join the new one: the next update names it.
+            log.warning("engines %s did not destroy group %s", ", ".join(refused), self.group_name)
+        for c in self._clients:
+            self._io.run(c.aclose())
+        ranks = {e.url: e.ranks for e in self.engines}
+        self.engines = [EngineTarget(u, ranks.get(u, 1)) for u in sorted(urls)]
+        self._clients = [EngineClient(e.url, timeout_s=self.timeout_s) for e in self.engines]
+        self.generation += 1
+        self.group_name = f"{self.base_group_name}-m{self.generation}"
+        self.master_port = free_port(self.master_address)
 
-    def release(self, staying: Collection[str] | None, leaving_wait_s: float = 2.0) -> list[str]:
-        """Close, asking every engine to destroy the group first (SGLang's
-        /destroy_weights_update_group) so that it can join the next one. Engines whose URL is in
-        `staying` (all when None) are waited for; the others are leaving (their pod may be gone) and
-        get `leaving_wait_s` at most. Returns the staying URLs that refused or could not be reached
-        (the caller logs them); the group is dropped on this side either way."""
+    def close(self) -> None:
+        self._destroy_group(None)
+        for c in self._clients:
+            self._io.run(c.aclose())
+        self._io.close()
+
+    def _destroy_group(self, staying: Collection[str] | None, leaving_wait_s: float = 2.0) -> list[str]:
+        """Ask every engine to destroy the group (SGLang's /destroy_weights_update_group) so that it can
+        join the next one. Engines whose URL is in `staying` (all when None) are waited for; the others
+        are leaving (their pod may be gone) and get `leaving_wait_s` at most. Returns the staying URLs
+        that refused or could not be reached; the group is dropped on this side either way."""
         failed: list[str] = []
         if self.group is not None:
             futures = [
@@ -202,7 +228,4 @@ class BroadcastTransport:
                         failed.append(url)
             self.group.close()
             self.group = None
-        for c in self._clients:
-            self._io.run(c.aclose())
-        self._io.close()
         return failed

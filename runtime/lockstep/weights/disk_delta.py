@@ -2,29 +2,15 @@
 
 Why it exists: when trainer and engines share no NCCL or RDMA network but do share storage and keep a
 full checkpoint on local disk, the trainer publishes only the bytes that changed since the previous
-version and every engine host patches its own copy, then reloads it.
+version and every engine host patches its own copy, then reloads it. The life cycle, as the spec
+orders it: the first update publishes nothing (both sides start from one verified snapshot); later
+versions are diffed, encoded and compressed (delta_codec.py), published as shards plus an index
+written last (its presence marks a complete version), applied with lineage and checksum checks and a
+redo journal (a failure leaves the checkpoint as it was), and only then reloaded. docs/weights.md has
+the on-disk format; lockstep.weights.disk_delta_local keeps one engine copy per engine for a run.
 
-Life cycle, as the spec orders it:
-1. Snapshot. The first update publishes nothing: both sides start from the same canonical HF
-   checkpoint. `DeltaPublisher.check_export` fails the job before training if any exported tensor
-   differs from it in name, dtype, shape or byte size; `DeltaPublisher.start` records the baseline's
-   checksums in ROOT/baseline.json and `init_local` verifies each engine host's copy against it.
-2. Diff + compress: every exported tensor is compared byte-wise to the previous snapshot; changed ones
-   are xor- or overwrite-encoded and zstd-compressed (delta_codec.py); unchanged ones are left out.
-3. Publish: ROOT/weight_vNNNNNN/ holds delta-NNNNN.safetensors shards (one uint8 tensor of compressed
-   delta per changed tensor) and model.safetensors.index.json, which records version, base version,
-   encoding, compression, checksum format (xxh3-128), the tensor -> shard map and the target state
-   (dtype, shape, size, checksum of every tensor). Shards are flushed, fsynced and atomically renamed
-   first; the index is written last, so its presence marks a complete version. A replicated tensor
-   published twice with different checksums fails the publish before the index exists.
-4. Pull + patch: `apply_delta` checks lineage (the local version is the delta's base, the touched
-   tensors' local bytes have the base checksums), decodes into temp copies of the touched files,
-   checks the PATCHED tensors' checksums against the target state, then swaps the files in through a
-   redo journal; any failure before the swap removes the temps and leaves the checkpoint as it was.
-5. Reload: only now is generation paused (the `reload` callback, e.g. /update_weights_from_disk).
-
-Who calls it: the driver through DiskDeltaTransport (lockstep run), engine pods through apply_delta,
-operators through `lockstep delta` (cli/delta.py).
+Who calls it: the trainer through LocalDiskDelta, engine pods through apply_delta, operators through
+`lockstep delta` (cli/delta.py).
 """
 
 from __future__ import annotations
@@ -40,6 +26,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockstep.serving import EngineClient, EngineError
+from lockstep.serving.loop import LoopThread
 from lockstep.weights import delta_codec as codec
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.transport import TransferReport
@@ -627,8 +615,6 @@ def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: floa
     This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5). It goes
     through lockstep.serving.EngineClient like every other transport; an engine error is a DeltaError.
     """
-    from lockstep.serving import EngineClient, EngineError
-    from lockstep.serving.loop import LoopThread
 
     async def install(local: Path, version: int) -> None:
         async with EngineClient(engine_url, timeout_s=timeout_s, retries=1) as client:
@@ -639,7 +625,7 @@ def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: floa
                 await client.continue_generation()
 
     def reload(local: Path, version: int) -> None:
-        io = LoopThread("disk-delta-reload")  # push is synchronous; the client is async
+        io = LoopThread("disk-delta-reload")  # an update is synchronous; the client is async
         try:
             io.run(install(local, version))
         except EngineError as e:
@@ -678,7 +664,9 @@ class DiskDeltaTransport:
             init_local(local, self.publisher.root, result.version)
         return TransferReport(version=result.version, transport=self.name, seconds=self.clock() - t0)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         result = self.publisher.publish(named_tensors, version)
         # Patch every host before any reload: a damaged delta fails here with no engine touched.

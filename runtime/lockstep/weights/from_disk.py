@@ -7,11 +7,12 @@ tokenizer), written to a temp dir and renamed atomically, then every engine is t
 POST /update_weights_from_disk {model_path, weight_version} (stock SGLang). It moves the whole model
 every time; disk-delta, broadcast and P2P exist to avoid that at scale.
 
-The engines are reached through `reload(model_path, version)` callbacks so this module stays
-synchronous and independent of the caller's event loop; only the newest `keep` versions stay on disk.
+The engines are reached through `reload(model_path, version)` callbacks; `follow(urls)` sets one per
+engine (an HTTP reload on this transport's private event loop), so an engine that joined simply loads
+the next full version like every other. Only the newest `keep` versions stay on disk.
 
-Who calls it: lockstep.driver.transports builds it for `lockstep run` when spec.weightSync.transport
-is auto (the one-machine default), and uses its `write` for the disk-delta baseline checkpoint.
+Who calls it: lockstep.weights.factory builds it when spec.weightSync.transport is auto (the
+one-machine default); lockstep.weights.disk_delta_local uses its `write` for the baseline checkpoint.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lockstep.serving.client import EngineClient
+from lockstep.serving.loop import LoopThread
 from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
     import torch
+
+MODEL_FILES = ("config.json", "tiny_tokenizer.json", "chat_template.jinja")
+"""Non-weight files a version directory carries so an engine can load it alone."""
 
 Reload = Callable[[str, int], None]
 """(model_path, version) -> None; raises when the engine refused the update."""
@@ -67,6 +73,34 @@ class FromDiskTransport:
         """How many newest versions stay on disk."""
         self.clock = clock
         self.root.mkdir(parents=True, exist_ok=True)
+        self._io: LoopThread | None = None
+        self._clients: dict[str, EngineClient] = {}
+
+    def follow(self, urls: list[str]) -> None:
+        """Reload exactly these engines from the next version on (over HTTP, /update_weights_from_disk)."""
+        if self._io is None:
+            self._io = LoopThread("from-disk-io")  # an update is synchronous; the client is async
+        for url in [u for u in self._clients if u not in urls]:
+            self._io.run(self._clients.pop(url).aclose())  # that engine left
+        self.reloads = [self._http_reload(url) for url in urls]
+
+    def _http_reload(self, url: str) -> Reload:
+        """POST /update_weights_from_disk to `url`; an error names the engine."""
+        io = self._io
+        assert io is not None
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url, retries=3)
+        client = self._clients[url]
+
+        def reload(path: str, version: int) -> None:
+            try:
+                io.run(client.update_weights_from_disk(path, weight_version=version))
+            except Exception as e:
+                if url in str(e):
+                    raise
+                raise RuntimeError(f"engine {url}: {type(e).__name__}: {e}") from e
+
+        return reload
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[Path, int, int]:
         """Write version `version` atomically; returns (dir, tensor count, payload bytes)."""
@@ -94,7 +128,9 @@ class FromDiskTransport:
         payload = sum(t.numel() * t.element_size() for t in tensors.values())
         return target, len(tensors), payload
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         path, count, payload = self.write(named_tensors, version)
         for reload in self.reloads:
@@ -119,4 +155,10 @@ class FromDiskTransport:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        return None
+        if self._io is None:
+            return
+        for client in self._clients.values():
+            self._io.run(client.aclose())
+        self._clients.clear()
+        self._io.close()
+        self._io = None

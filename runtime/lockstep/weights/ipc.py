@@ -1,19 +1,14 @@
 """CUDA IPC weight transport for colocated trainer and engine: handles travel, bytes stay on the GPU (seed §7.2).
 
 Why it exists: when the trainer and the engine share GPUs, the cheapest hand-over is to let the engine
-map the trainer's device memory. Per bucket, the tensors are packed into ONE flat device buffer (a
-device-to-device copy, never through the host) and sent to /update_weights_from_tensor as SGLang's
-serialized_named_tensors: a ForkingPickler pickle of [(name, view into the flat buffer)]. All views
-share one storage, so the engine opens a single CUDA IPC handle per bucket (torch caches it by handle),
-which is what SGLang's flattened_bucket load format achieves, while staying inside the plain
-named-tensor format our engine's restricted unpickler accepts (lockstep.serving.tensor_codec). The
-flat buffer is kept alive until the engine replied, i.e. until it copied the bucket into its weights.
-The weight version is set only after every bucket arrived.
+map the trainer's device memory. Per bucket the tensors are packed into one flat device buffer and
+sent to /update_weights_from_tensor as views into it, so the engine opens one IPC handle per bucket
+(what SGLang's flattened_bucket achieves) in the plain named-tensor format our engine's restricted
+unpickler accepts. The version is set only after every bucket arrived. On CPU the same code shares
+host memory, so the end-to-end test runs without a GPU; the measured path is CUDA. One engine, bound
+at start: `follow` refuses any other set.
 
-On CPU the same code shares host memory (file-descriptor or file-name handles), which lets the
-end-to-end test run without a GPU; the measured path is CUDA.
-
-Who calls it: the driver when the rollout pool is colocated; tests (gpu-marked) and bench/weights_ipc.py.
+Who calls it: the trainer when the rollout pool is colocated; tests (gpu-marked) and bench/weights_ipc.py.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.tensor_codec import dumps_named_tensors
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
-from lockstep.weights.transport import TransferReport
+from lockstep.weights.transport import TransferReport, refuse_change
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +91,14 @@ class CudaIpcTransport:
         )
         del views, flat  # the engine has copied the bucket: the storage may be freed now
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def follow(self, urls: list[str]) -> None:
+        """One colocated engine, bound at start: any other engine set is refused, naming the fix."""
+        fix = "cuda-ipc serves the one colocated engine of this trainer; restart the trainer with that engine"
+        refuse_change(self.name, [self.client.base_url], urls, fix)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         t0 = self.clock()
         if self.pause_mode is not None:
             self._io.run(self.client.pause_generation(self.pause_mode), self.timeout_s)

@@ -2,27 +2,14 @@
 
 Why it exists: broadcast sends every byte from one rank per stage to every engine GPU. P2P lets many
 trainer ranks write, by RDMA (TCP on CPU machines, same API), straight into each engine's registered
-memory, and each target receives only its own shards. The pieces, as the spec lays them out:
+memory, and each target receives only its own shards: a pure transfer plan (`plan_transfers`), the
+targets' buffer layout (`P2PTargetInfo`, served by lockstep.engine.ext_weights), resharding into the
+target's TP layout (`shard_for_target`) and one reusable staging buffer per sender whose two halves
+overlap packing with the wire. A failed write raises `P2PWriteError`, never only logged; each target
+commits (checksums with verify=True) and only then advances its version. The receive buffers are
+bound at start, so `follow` refuses a changed engine set. docs/weights.md has the details.
 
-1. Transfer plan (`plan_transfers`, pure): the first min(sources, targets) pairs are one-to-one, the
-   remaining targets are spread evenly (round-robin) over the sources, bounding each sender's sessions.
-2. Target metadata: each target (engine rank) exposes a `P2PTargetInfo`: its TransferEngine session,
-   the address of its registered receive buffer, its TP rank/size and the slot (offset, dtype, local
-   shape) of every tensor in that buffer. The engine side is `P2PReceiver`, served by
-   lockstep.engine.ext_weights (`GET /lockstep/p2p/info`, `POST /lockstep/p2p/commit`, our extension).
-3. Resharding into the target layout (`shard_for_target`): column-parallel weights split on dim 0,
-   row-parallel on dim 1, the rest replicated, as SGLang's TP loaders do.
-4. One reusable registered staging buffer per sender: tensors are packed into it and written with
-   batched writes; staging memory stays constant however many targets there are.
-
-The staging buffer is used as two halves: one is filled while the other is written on a background
-thread, so packing overlaps the wire, and the last target's write of a bucket overlaps gathering,
-converting and resharding the next bucket (a half is reused only after its write finished). A failed write raises `P2PWriteError`; it is never only
-logged (the spec's revision logged and carried on, which is why pre-flight exists). After the last
-bucket each target commits: it loads what arrived (after checking the checksums, with verify=True)
-and only then advances its weight version, so a version is activated whole or not at all.
-
-Who calls it: the driver (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
+Who calls it: the trainer (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
 bench/weights_p2p.py.
 """
 
@@ -41,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
-from lockstep.weights.transport import TransferReport
+from lockstep.weights.transport import TransferReport, refuse_change
 
 if TYPE_CHECKING:
     import torch
@@ -236,6 +223,8 @@ class P2PTarget:
     """Its receive buffer and layout."""
     commit: Commit
     """Loads and activates the version once every source has written."""
+    url: str = ""
+    """The engine's base URL (http_target sets it; the engine set `follow` compares)."""
 
 
 class _Staging:
@@ -402,7 +391,14 @@ class P2PTransport:
             pipe.add(info.session_id, data, info.buffer_ptr + slot.offset, name)
         pipe.flush()  # the next target's bytes go to the other half while this write flies
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def follow(self, urls: list[str]) -> None:
+        """The targets' receive buffers are bound at start: a changed engine set is refused, naming the fix."""
+        fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
+        refuse_change(self.name, [t.url for t in self.all_targets], urls, fix)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
         with self._lock:
             return self._push(named_tensors, version)
 
@@ -460,4 +456,4 @@ def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
         if r.status_code != 200:
             raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
 
-    return P2PTarget(info=info, commit=commit)
+    return P2PTarget(info=info, commit=commit, url=base)

@@ -2,19 +2,13 @@
 
 Why it exists: a weight update has two jobs, preparing serving-ready tensors from the trainer's sharded
 layout and moving them. Preparing is the same for broadcast, CUDA IPC, disk-delta and P2P, so it is
-done once here and each transport consumes the same stream of size-bounded buckets:
+done once here: gather a shard into the full tensor, convert trainer names and layout to HF/SGLang's
+(the identity for FSDP), and fill size-bounded buckets in which an atomic unit (a weight and its
+scale, a fused group) never straddles two buckets; routed experts get their own buckets sized for the
+EP gather. docs/weights.md ("One pipeline, four transports") spells it out.
 
-1. gather: a rank's shard becomes the full tensor (a DTensor's `full_tensor()`, or a TP all-gather
-   hook the backend supplies);
-2. convert: trainer names and layout become HF/SGLang names and layout (a per-family converter hook;
-   the FSDP backend already speaks HF names, so the default is the identity);
-3. bucket: converted tensors fill buckets of at most `bucket_bytes` (default 512 MiB). Tensors that
-   must be loaded together (a weight and its quantization scale, a fused-QKV group) form one atomic
-   unit that never straddles two buckets. Routed-expert tensors go through their own buckets, which
-   flush on pre-gather bytes x EP so that the buckets after the EP gather stay near the nominal size.
-
-Who calls it: the transports (broadcast.py, ipc.py, p2p.py) and the disk-delta publisher. Everything
-here is pure apart from the gather hooks, and is golden-tested in runtime/tests/weights.
+Who calls it: the transports (broadcast.py, ipc.py, p2p.py) and the disk-delta publisher; pure apart
+from the gather hooks, golden-tested in runtime/tests/weights.
 """
 
 from __future__ import annotations

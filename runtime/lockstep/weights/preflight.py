@@ -201,7 +201,7 @@ def check_weight_update_equal(
     try:
         for c in clients:
             io.run(c.post_json(RANDOMIZE_PATH, RandomizeRequest(seed=seed)))
-        transport.push(named_tensors(), version)
+        transport.update_weights(named_tensors(), version)
         expected = {n: summarize(t) for n, t in named_tensors()}
         mismatches: list[TensorMismatch] = []
         for c in clients:

@@ -58,7 +58,7 @@ def test_from_disk_writes_versions_and_reloads_every_engine(tmp_path: Path) -> N
     )
     weights = [("a.weight", torch.ones(2, 3)), ("b.bias", torch.arange(4.0))]
     for version in range(3):
-        report = transport.push(iter(weights), version)
+        report = transport.update_weights(iter(weights), version)
     assert report.version == 2 and report.tensors == 2 and report.payload_bytes == (6 + 4) * 4
     assert report.wire_bytes == 2 * report.payload_bytes
     assert calls[-2:] == [(str(tmp_path / "w" / "weight_v000002"), 2)] * 2
@@ -67,7 +67,7 @@ def test_from_disk_writes_versions_and_reloads_every_engine(tmp_path: Path) -> N
     assert torch.equal(saved["b.bias"], torch.arange(4.0))
     assert (tmp_path / "w" / "weight_v000002" / "config.json").exists()
     with pytest.raises(ValueError, match="no tensors"):
-        transport.push(iter([]), 3)
+        transport.update_weights(iter([]), 3)
 
 
 def _free_port() -> int:

@@ -260,7 +260,7 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
     """A NaN loss (a restart cannot fix it) ends the channel with `error`, not `done`."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
-    from lockstep.driver.steps import NonFiniteLoss
+    from lockstep.trainer.protocol import NonFiniteLoss
 
     (tmp_path / "progress_nan_reward.py").write_text("def nan(sample, response):\n    return float('nan')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -2,7 +2,7 @@
 
 `torchrun -m lockstep trainer --serve` (two ranks on loopback) serves the driver's commands; a real
 reference engine on 127.0.0.1 receives the trainer's pushes; `lockstep driver --trainer-url` runs the
-loop with RemoteTrainer. Covers: the engine's weight version reaches the pushed version, the
+loop with RemoteTrainer. Covers: the engine's weight version reaches the updated version, the
 train-rollout logprob abs diff is reported and small, the trainer's checkpoint holds the driver's
 state, a second driver (and trainer group) resumes from it, `shutdown` ends both ranks with exit 0, a
 malformed command is a 400 naming the field, an unknown one a 404, and a trainer that is down is the
@@ -73,7 +73,7 @@ class TrainerGroup:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                if httpx.get(f"{self.url}/v1/health", timeout=2).json()["ready"]:
+                if httpx.get(f"{self.url}/v2/health", timeout=2).json()["ready"]:
                     return
             except httpx.TransportError:
                 pass
@@ -126,20 +126,20 @@ class Group:
 
 
 def _check_wire(url: str) -> None:
-    health = httpx.get(f"{url}/v1/health").json()
+    health = httpx.get(f"{url}/v2/health").json()
     assert health["world_size"] == 2 and health["job"] == "tiny-fast"
     # A bad payload never reaches the ranks: 400 naming the field; unknown commands are 404.
     bad = {"groups": [{"index": 0, "samples": [{"group_index": 0, "index": 0, "prompt_ids": [1],
            "response_ids": [5, 6], "loss_mask": [1], "rollout_logprobs": [-1.0, -1.0],
            "token_versions": [0, 0]}]}]}  # fmt: skip
-    r = httpx.post(f"{url}/v1/train", json=bad)
+    r = httpx.post(f"{url}/v2/train", json=bad)
     assert r.status_code == 400, r.text
     assert r.json()["field"] == "groups.0.samples.0" and "loss_mask has 1 entries" in r.json()["message"]
-    r = httpx.post(f"{url}/v1/push", json={"version": -1})
+    r = httpx.post(f"{url}/v2/update_weights", json={"version": -1})
     assert r.status_code == 400 and r.json()["field"] == "version", r.text
-    r = httpx.post(f"{url}/v1/save", json={"state": {"step": 1}})
+    r = httpx.post(f"{url}/v2/save", json={"state": {"step": 1}})
     assert r.status_code == 400 and r.json()["field"].startswith("state."), r.text
-    r = httpx.post(f"{url}/v1/train_harder", json={})
+    r = httpx.post(f"{url}/v2/train_harder", json={})
     assert r.status_code == 404 and "unknown command 'train_harder'" in r.json()["message"]
 
 
@@ -189,17 +189,17 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
         assert group.drive() == 0  # a restarted driver resumes from the trainer's checkpoint, to the end
         assert group.trainers.stop() == 0  # the job is done: the driver's shutdown ended both ranks
     rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
-    kinds = ["sft", "sft", "publish", "train", "publish", "publish", "train", "train"]
+    kinds = ["sft", "sft", "update_weights", "train", "update_weights", "update_weights", "train", "train"]
     assert [r["kind"] for r in rows] == kinds  # the NaN run published, then stopped in its step
     assert rows[5]["weight_version"] == 1  # the resumed version went out again, no second warm start
     # The pre-flight ran on the ranks (its probe's logprobs data parallel) and reached the driver's run dir.
-    assert all(r["preflight_tensors"] > 0 for r in rows if r["kind"] == "publish")
+    assert all(r["preflight_tensors"] > 0 for r in rows if r["kind"] == "update_weights")
     result = json.loads((tmp_path / "driver" / "preflight.json").read_text())
     assert result["passed"] and result["logprob_max_abs_diff"] < 1e-3
     train = [r for r in rows if r["kind"] == "train"]
     assert [(r["step"], r["weight_version"]) for r in train] == [(1, 1), (2, 2), (3, 3)]
     for r in train:
-        # The engine samples with exactly the weights the ranks pushed: the mismatch is numerical noise.
+        # The engine samples with exactly the weights the ranks sent: the mismatch is numerical noise.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
         # Every sampled token counted once over the two ranks' slices (2 groups x 4 samples).
         assert r["train_tokens"] == r["mismatch_tokens"] == r["response_len_mean"] * 8 > 0

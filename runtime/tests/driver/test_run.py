@@ -59,14 +59,14 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
     assert "done: step 3, reward " in capsys.readouterr().out
     rows = read_jsonl(run_dir / "metrics.jsonl")
     kinds = [r["kind"] for r in rows]
-    assert kinds == ["sft", "sft", "publish", "train", "train", "train"]
+    assert kinds == ["sft", "sft", "update_weights", "train", "train", "train"]
     publish = rows[2]
     assert publish["weight_version"] == 0  # the trainer's weights reached the engine before step 1
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["weight_version"] for r in train] == [1, 2, 3]
     for r in train:
-        # The engine scores with exactly the trainer's weights (pushed from disk each step): same logprobs.
+        # The engine scores with exactly the trainer's weights (reloaded from disk each step): same logprobs.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["mismatch_tokens"] > 0
     assert (run_dir / "metrics.png").stat().st_size > 0
@@ -86,7 +86,7 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
 
     assert main([*args, "--steps", "4", "--resume"]) == 0
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["kind"] for r in rows[6:]] == ["publish", "train"]  # no second SFT warm start
+    assert [r["kind"] for r in rows[6:]] == ["update_weights", "train"]  # no second SFT warm start
     assert rows[6]["weight_version"] == 3 and rows[7]["step"] == 4 and rows[7]["weight_version"] == 4
     assert _state(run_dir)["extra"] == {
         "step": 4, "version": 4, "prompts_consumed": 8, "next_group_index": 8, "sft_done": True,
@@ -201,7 +201,7 @@ def test_preflight_then_steps_through_each_transport(
     result = PreflightResult.model_validate_json((run_dir / "preflight.json").read_text())
     assert result.passed and result.checked_tensors > 0 and not result.mismatches
     assert f"pre-flight passed ({result.message})" in capsys.readouterr().out
-    publish = read_jsonl(run_dir / "metrics.jsonl", "publish")[0]
+    publish = read_jsonl(run_dir / "metrics.jsonl", "update_weights")[0]
     assert publish["preflight_tensors"] == result.checked_tensors  # every tensor compared after noise
     assert publish["preflight_logprob_max_abs_diff"] < 1e-3
     train = read_jsonl(run_dir / "metrics.jsonl", "train")

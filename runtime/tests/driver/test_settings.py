@@ -1,4 +1,4 @@
-"""settings_from_job: the manifest fields the local loop reads, golden (pure function, no engine)."""
+"""settings_from_job: the manifest fields the loop and the trainer read, golden (pure function, no engine)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,47 @@ from pathlib import Path
 import pytest
 import yaml
 from lockstep.api import ManifestError, load_manifest
-from lockstep.driver.settings import RunSettings, settings_from_job
+from lockstep.driver.settings import RunSettings, Schedule, settings_from_job
+from lockstep.train.common.losses import PolicyLossConfig
+from lockstep.train.common.mismatch import MismatchConfig
+from lockstep.trainer.settings import TrainerSettings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
 
 
 def test_golden_settings_of_the_fixture() -> None:
     assert settings_from_job(load_manifest(FIXTURE)) == RunSettings(
-        steps=3,
-        batch_groups=2,
-        samples_per_prompt=4,
+        schedule=Schedule(
+            steps=3,
+            batch_groups=2,
+            samples_per_prompt=4,
+            update_interval=1,
+            save_interval=2,
+            eval_interval=None,
+        ),
         seed=0,
-        save_interval=2,
-        eval_interval=None,
-        update_interval=1,
-        learning_rate=0.0003,
         temperature=1.0,
         top_p=1.0,
         max_new_tokens=6,
-        sft_steps=2,
-        sft_learning_rate=0.003,
-        grad_clip=1.0,
-        micro_batch_size=64,
         eval_temperature=0.0,
+        trainer=TrainerSettings(
+            seed=0,
+            learning_rate=0.0003,
+            grad_clip=1.0,
+            micro_batch_size=64,
+            temperature=1.0,
+            sft_steps=2,
+            sft_learning_rate=0.003,
+            sft_rows=8,
+            loss=PolicyLossConfig(
+                estimator="grpo",
+                eps_clip_low=0.2,
+                eps_clip_high=0.2,
+                kl_coef=0.0,
+                kl_estimator="k3",
+                mismatch=MismatchConfig("off", 0.0, 2.0),
+            ),
+        ),
     )
 
 
@@ -39,8 +57,8 @@ def test_local_knobs_come_from_typed_fields() -> None:
     doc["spec"]["trainer"] |= {"gradClip": 0.5, "microBatchSize": 8}
     doc["spec"]["schedule"]["evalTemperature"] = 0.7
     s = settings_from_job(load_manifest(yaml.safe_dump(doc)), steps=9)
-    assert (s.steps, s.sft_steps, s.sft_learning_rate) == (9, 0, None)
-    assert (s.grad_clip, s.micro_batch_size, s.eval_temperature) == (0.5, 8, 0.7)
+    assert (s.schedule.steps, s.trainer.sft_steps, s.trainer.sft_learning_rate) == (9, 0, None)
+    assert (s.trainer.grad_clip, s.trainer.micro_batch_size, s.eval_temperature) == (0.5, 8, 0.7)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ import itertools
 from pathlib import Path
 
 import pytest
-from lockstep.models.registry import Message, ToolCall, get_family, names
+from lockstep.models.families import get_family, names
+from lockstep.models.registry import Message, ToolCall
 from lockstep.models.tiny import TinyTokenizer
 
 CONVERSATION = [

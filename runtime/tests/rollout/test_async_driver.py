@@ -3,17 +3,17 @@ trainer on CPU, the from-disk transport, metrics file, plot and checkpoints; the
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 from lockstep.api import load_manifest
 from lockstep.api.manifest import ManifestError
-from lockstep.cli.run import execute
+from lockstep.cli.run import RunOptions, execute
 from lockstep.driver import run
-from lockstep.driver.state import DriverState, latest_checkpoint
+from lockstep.driver.settings import Resume
 from lockstep.observability.metrics import read_jsonl
+from lockstep.trainer.state import DriverState, latest_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-async.yaml"
 
@@ -30,8 +30,8 @@ def test_fully_async_run_and_resume(
     job = load_manifest(FIXTURE)
     assert str(job.spec.schedule.mode) == "fully-async"
     # What `lockstep run FIXTURE --steps 2` does (without installing its Ctrl-C handler into pytest).
-    cli = argparse.Namespace(steps=2, resume=False, metrics_port=0, cache_dir=cache_dir, engine_timeout=60.0)
-    assert execute(job, tmp_path, cli, [], install_signal=False) == 0
+    options = RunOptions(steps=2, cache_dir=cache_dir, engine_timeout_s=60.0)
+    assert execute(job, tmp_path, options, install_signal=False) == 0
     assert "done: step 2" in capsys.readouterr().out
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None
@@ -60,7 +60,7 @@ def test_fully_async_run_and_resume(
     assert (tmp_path / "metrics.png").is_file()
 
     no_eval = load_manifest(FIXTURE.read_text().replace("    evalInterval: 2\n", ""))  # keeps the test short
-    resumed = run(no_eval, tmp_path, steps=3, resume=True, cache_dir=cache_dir)
+    resumed = run(no_eval, tmp_path, steps=3, resume=Resume.REQUIRED, cache_dir=cache_dir)
     assert (resumed.step, resumed.version) == (3, 3)
     assert resumed.next_group_index > state.next_group_index
     assert resumed.prompts_consumed > state.prompts_consumed
@@ -85,7 +85,7 @@ def test_fully_async_with_disk_delta_and_preflight(tmp_path: Path, cache_dir: Pa
     assert PreflightResult.model_validate_json((tmp_path / "preflight.json").read_text()).passed
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")
     assert [r["weight_version"] for r in train] == [1, 2]
-    assert all("update_weights_density" in r for r in train)  # pushed as disk deltas
+    assert all("update_weights_density" in r for r in train)  # updated by disk deltas
     assert sorted(p.name for p in (tmp_path / "delta").glob("weight_v*")) == [
         "weight_v000001",
         "weight_v000002",

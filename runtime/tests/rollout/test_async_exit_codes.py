@@ -5,12 +5,11 @@ Real engine, real trainer, the tiny fully-async fixture; only the reward plugin 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 from lockstep.api import load_manifest
-from lockstep.cli.run import execute
+from lockstep.cli.run import RunOptions, execute
 from lockstep.types import Sample
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-async.yaml"
@@ -34,7 +33,7 @@ def test_every_trajectory_failing_exits_6(
         "spec:\n", "spec:\n  agent:\n    rewardFunction: test_async_exit_codes:broken_reward\n", 1
     )
     job = load_manifest(text)
-    cli = argparse.Namespace(steps=1, resume=False, metrics_port=0, cache_dir=cache_dir, engine_timeout=60.0)
-    assert execute(job, tmp_path, cli, [], install_signal=False) == 6
+    options = RunOptions(steps=1, cache_dir=cache_dir, engine_timeout_s=60.0)
+    assert execute(job, tmp_path, options, install_signal=False) == 6
     err = capsys.readouterr().err
     assert "rollout failed" in err and "sandbox unreachable" in err

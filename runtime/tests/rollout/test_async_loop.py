@@ -18,11 +18,12 @@ from lockstep.driver.fully_async import (
     AsyncLoop,
     AsyncSettings,
     ColocateRefused,
-    EvalOutcome,
     check_schedule,
 )
-from lockstep.driver.state import DriverState
+from lockstep.driver.settings import Schedule
+from lockstep.driver.steps import EvalOutcome
 from lockstep.rollout.async_worker import Prompt
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
 
@@ -62,7 +63,7 @@ class Hooks:
         self.trained.append([g.index for g in groups])
         return {"loss": 0.1 * step}
 
-    async def publish(self, version: int) -> dict[str, float]:
+    async def update_weights(self, version: int) -> dict[str, float]:
         self.engine.running.clear()  # pause(mode=retract)
         await asyncio.sleep(0)
         self.engine.version = version  # push
@@ -89,13 +90,26 @@ def long_tail_prompts(start: int = 0) -> Iterator[Prompt]:
         yield Prompt([1, 40 if i % 5 == 0 else 4])
 
 
+SCHEDULE_KEYS = (
+    "steps",
+    "batch_groups",
+    "samples_per_prompt",
+    "update_interval",
+    "save_interval",
+    "eval_interval",
+)
+
+
 def settings(**kw: object) -> AsyncSettings:
-    base: dict[str, object] = {"steps": 6, "batch_groups": 2, "n_samples_per_prompt": 2, "max_in_flight": 8}
+    """Steps 6, 2 groups of 2, 8 in flight; `kw` overrides schedule and async knobs alike."""
+    base: dict[str, object] = {"steps": 6, "batch_groups": 2, "samples_per_prompt": 2, "max_in_flight": 8}
     base.update(kw)
-    return AsyncSettings(**base)  # type: ignore[arg-type]
+    schedule = Schedule(**{k: v for k, v in base.items() if k in SCHEDULE_KEYS})  # type: ignore[arg-type]
+    rest = {k: v for k, v in base.items() if k not in SCHEDULE_KEYS}
+    return AsyncSettings(schedule=schedule, **rest)  # type: ignore[arg-type]
 
 
-async def test_loop_trains_publishes_and_measures() -> None:
+async def test_loop_trains_updates_weights_and_measures() -> None:
     engine = ToyEngine()
     hooks = Hooks(engine)
     loop = AsyncLoop(settings(save_interval=3), hooks, engine, long_tail_prompts())
@@ -232,23 +246,25 @@ def test_settings_for_job_golden() -> None:
 
     text = (Path(__file__).parent / "fixtures" / "tiny-async.yaml").read_text()
     job = load_manifest(text)
-    got = settings_for_job(job, settings_from_job(job, steps=5))
+    got = settings_for_job(job, settings_from_job(job, steps=5).schedule)
     assert got == AsyncSettings(
-        steps=5,
-        batch_groups=4,
-        n_samples_per_prompt=4,
+        schedule=Schedule(
+            steps=5,
+            batch_groups=4,
+            samples_per_prompt=4,
+            update_interval=1,
+            eval_interval=2,
+            save_interval=None,
+        ),
         max_in_flight=24,
         max_staleness=2,
         buffer_groups=None,
-        update_interval=1,
-        eval_interval=2,
-        save_interval=None,
         sample_timeout_s=None,
     )
     assert got.capacity == 8
     sized = text.replace("  schedule:\n", "  schedule:\n    bufferGroups: 3\n")
     job = load_manifest(sized)
-    assert settings_for_job(job, settings_from_job(job)).capacity == 3
+    assert settings_for_job(job, settings_from_job(job).schedule).capacity == 3
     with pytest.raises(ManifestError, match="bufferGroups"):
         load_manifest(sized.replace("bufferGroups: 3", "bufferGroups: 0"))
 

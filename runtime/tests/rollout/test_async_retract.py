@@ -76,7 +76,7 @@ async def test_retracted_trajectories_continue_under_new_weights(
             return await single_turn(ctx, sample)
 
         buffer = GroupBuffer(capacity=4)
-        worker = AsyncRolloutWorker(generate, two_prompts(), buffer, n_samples_per_prompt=2, max_in_flight=4)
+        worker = AsyncRolloutWorker(generate, two_prompts(), buffer, samples_per_prompt=2, max_in_flight=4)
         worker.start()
         while engine.engine.stats.generated_tokens < 8:  # every trajectory is under way
             await asyncio.sleep(0.005)

@@ -59,7 +59,7 @@ async def settle() -> None:
 async def test_sample_granularity_refill() -> None:
     wl = GatedWorkload()
     buf = GroupBuffer(capacity=8)
-    w = AsyncRolloutWorker(wl, prompts(), buf, n_samples_per_prompt=2, max_in_flight=4)
+    w = AsyncRolloutWorker(wl, prompts(), buf, samples_per_prompt=2, max_in_flight=4)
     w.start()
     await settle()
     assert w.counters.submitted_groups == 2 and w.in_flight == 4  # groups 0, 1
@@ -84,9 +84,7 @@ async def test_sample_granularity_refill() -> None:
 async def test_failures_and_timeouts_are_dropped_at_put() -> None:
     wl = GatedWorkload()
     buf = GroupBuffer(capacity=8)
-    w = AsyncRolloutWorker(
-        wl, prompts(3), buf, n_samples_per_prompt=2, max_in_flight=6, sample_timeout_s=0.05
-    )
+    w = AsyncRolloutWorker(wl, prompts(3), buf, samples_per_prompt=2, max_in_flight=6, sample_timeout_s=0.05)
     wl.fail.add((0, 1))
     for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         wl.gate(*key).set()
@@ -104,7 +102,7 @@ async def test_failures_and_timeouts_are_dropped_at_put() -> None:
 async def test_backpressure_when_buffer_full() -> None:
     wl = GatedWorkload()
     buf = GroupBuffer(capacity=1)
-    w = AsyncRolloutWorker(wl, prompts(), buf, n_samples_per_prompt=1, max_in_flight=2)
+    w = AsyncRolloutWorker(wl, prompts(), buf, samples_per_prompt=1, max_in_flight=2)
     w.start()
     await settle()
     wl.gate(0, 0).set()
@@ -128,13 +126,13 @@ async def test_backpressure_when_buffer_full() -> None:
 async def test_in_flight_budget_must_hold_a_group() -> None:
     with pytest.raises(ValueError, match="maxInFlight"):
         AsyncRolloutWorker(
-            GatedWorkload(), prompts(), GroupBuffer(capacity=1), n_samples_per_prompt=4, max_in_flight=3
+            GatedWorkload(), prompts(), GroupBuffer(capacity=1), samples_per_prompt=4, max_in_flight=3
         )
 
 
 async def test_stop_cancels_in_flight() -> None:
     wl = GatedWorkload()
-    w = AsyncRolloutWorker(wl, prompts(), GroupBuffer(capacity=4), n_samples_per_prompt=2, max_in_flight=4)
+    w = AsyncRolloutWorker(wl, prompts(), GroupBuffer(capacity=4), samples_per_prompt=2, max_in_flight=4)
     w.start()
     await settle()
     assert wl.running == 4
@@ -151,7 +149,7 @@ async def test_truncated_samples_train() -> None:
         return sample
 
     buf = GroupBuffer(capacity=4)
-    w = AsyncRolloutWorker(truncating, prompts(2), buf, n_samples_per_prompt=2, max_in_flight=2)
+    w = AsyncRolloutWorker(truncating, prompts(2), buf, samples_per_prompt=2, max_in_flight=2)
     w.start()
     got = [await buf.get(), await buf.get()]
     assert [c.group.index for c in got] == [0, 1]
@@ -161,7 +159,7 @@ async def test_truncated_samples_train() -> None:
 async def test_exhausted_source_drains_then_closes() -> None:
     wl = GatedWorkload()
     buf = GroupBuffer(capacity=4)
-    w = AsyncRolloutWorker(wl, prompts(2), buf, n_samples_per_prompt=2, max_in_flight=4)
+    w = AsyncRolloutWorker(wl, prompts(2), buf, samples_per_prompt=2, max_in_flight=4)
     w.start()
     await settle()
     for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
@@ -178,7 +176,7 @@ async def test_unreachable_engine_stops_rollout() -> None:
         raise ConnectionError("engine at http://127.0.0.1:1 unreachable")
 
     buf = GroupBuffer(capacity=4)
-    w = AsyncRolloutWorker(unreachable, prompts(), buf, n_samples_per_prompt=2, max_in_flight=4)
+    w = AsyncRolloutWorker(unreachable, prompts(), buf, samples_per_prompt=2, max_in_flight=4)
     w.start()
     with pytest.raises(BufferClosed):
         await buf.get()
@@ -193,7 +191,7 @@ async def test_a_generate_that_always_fails_stops_rollout() -> None:
 
     buf = GroupBuffer(capacity=4)
     w = AsyncRolloutWorker(
-        broken_reward, prompts(), buf, n_samples_per_prompt=2, max_in_flight=4, max_consecutive_failures=6
+        broken_reward, prompts(), buf, samples_per_prompt=2, max_in_flight=4, max_consecutive_failures=6
     )
     w.start()
     with pytest.raises(BufferClosed):
@@ -207,7 +205,7 @@ async def test_a_usable_trajectory_resets_the_failure_count() -> None:
     wl = GatedWorkload()
     buf = GroupBuffer(capacity=8)
     w = AsyncRolloutWorker(
-        wl, prompts(2), buf, n_samples_per_prompt=2, max_in_flight=2, max_consecutive_failures=2
+        wl, prompts(2), buf, samples_per_prompt=2, max_in_flight=2, max_consecutive_failures=2
     )
     wl.fail |= {(0, 0), (1, 1)}  # failed, usable, usable, failed: never two in a row
     w.start()

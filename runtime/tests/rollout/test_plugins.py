@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lockstep.driver.engines import EngineServer, ReplicaSet, start_reference_engine
+from lockstep.driver.engines import EngineServer, PoolClient, start_reference_engine
 from lockstep.models import TinyTokenizer, resolve_checkpoint
 from lockstep.rollout.generate import Rollout, single_turn
 from lockstep.rollout.plugins import AgentContext, PluginError, RolloutContext, load_plugins
@@ -98,7 +98,7 @@ async def _run(
     tok = TinyTokenizer.load(model)
     async with EngineClient(server.url) as client:
         ctx = RolloutContext(
-            client=ReplicaSet([client]),
+            client=PoolClient([client]),
             sampling=SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=[tok.eos_token_id]),
             decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
             encode=tok.encode,

@@ -36,7 +36,7 @@ def test_each_loop_gets_a_live_server() -> None:
 
 def test_driver_replicas_get_session_affinity_and_stay_open() -> None:
     clients = [EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")]
-    engine = turn_engine(SimpleNamespace(clients=clients))  # the driver's round-robin ReplicaSet shape
+    engine = turn_engine(SimpleNamespace(clients=clients))  # the driver's round-robin PoolClient shape
     assert isinstance(engine, ReplicaPool)
     assert sorted(engine.ring.replicas) == [c.base_url for c in clients]
     asyncio.run(engine.aclose())

@@ -7,7 +7,8 @@ tests drive the real engine). Every assertion compares token IDs, never text.
 from __future__ import annotations
 
 import pytest
-from lockstep.models.registry import Message, ModelFamily, ToolCall, get_family
+from lockstep.models.families import get_family
+from lockstep.models.registry import Message, ModelFamily, ToolCall
 from lockstep.rollout.session.matcher import get_matcher
 from lockstep.rollout.session.mismatch import classify, closed_row
 from lockstep.rollout.session.tree import SessionError, SessionMode, TokenTree, TurnOutput

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from lockstep.models.tiny import bigger_config, materialize_builtin, tiny_config
-from lockstep.models.tiny_moe import tiny_moe_config
+from lockstep.models.tiny import bigger_config, materialize_builtin, tiny_config, tiny_moe_config
 from lockstep.train.megatron.config import (
     ModelShape,
     ParallelLayout,

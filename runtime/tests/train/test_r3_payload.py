@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from lockstep.models.tiny_moe import tiny_moe_model
+from lockstep.models.tiny import tiny_moe_model
 from lockstep.train.common.r3 import (
     R3PayloadError,
     build_replay,
@@ -123,8 +123,7 @@ def test_replaying_own_routing_is_a_no_op_and_foreign_routing_is_forced() -> Non
 
 def test_routing_shape_from_config_json(tmp_path: Path) -> None:
     from lockstep.models.moe import routing_shape
-    from lockstep.models.tiny import tiny_config
-    from lockstep.models.tiny_moe import tiny_moe_config
+    from lockstep.models.tiny import tiny_config, tiny_moe_config
 
     tiny_moe_config().save_pretrained(tmp_path / "moe")
     tiny_config().save_pretrained(tmp_path / "dense")

@@ -82,7 +82,7 @@ def test_three_versions_patch_exactly(tmp_path: Path, encoding: Encoding) -> Non
     current = v0
     for version in (1, 2, 3):
         current = step(current, seed=version)
-        report = transport.push(current.items(), version)
+        report = transport.update_weights(current.items(), version)
         assert reloads[-1] == (local, version)
         got = loaded(local)
         assert all(torch.equal(got[n], current[n]) for n in current)
@@ -143,7 +143,7 @@ def test_replica_mismatch_fails_before_any_reload(tmp_path: Path) -> None:
     stage2_copy = v1["lm_head.weight"].clone()
     stage2_copy[0, 0] += 1  # the second pipeline stage holds a diverged replica
     with pytest.raises(dd.ReplicaMismatchError, match=r"lm_head\.weight"):
-        transport.push([*v1.items(), ("lm_head.weight", stage2_copy)], 1)
+        transport.update_weights([*v1.items(), ("lm_head.weight", stage2_copy)], 1)
     assert reloads == [] and dd.published_versions(tmp_path / "root") == []
     assert not dd.version_dir(tmp_path / "root", 1).exists()
 

@@ -61,7 +61,7 @@ def test_loopback_update_into_tp_targets(verify: bool) -> None:
         targets, staging_bytes=512, config=PipelineConfig(bucket_bytes=300), verify=verify
     )
     try:
-        report = transport.push(sd.items(), version=1)
+        report = transport.update_weights(sd.items(), version=1)
     finally:
         transport.close()
     assert report.tensors == 3 * len(sd)
@@ -88,7 +88,7 @@ def test_failed_write_raises() -> None:
         transport = p2p.P2PTransport(targets, staging_bytes=1 << 16)
         try:
             with pytest.raises(p2p.P2PWriteError, match="failed"):
-                transport.push(sd.items(), version=1)
+                transport.update_weights(sd.items(), version=1)
         finally:
             transport.close()
     assert commits == []  # nothing was activated

@@ -71,12 +71,12 @@ def test_broadcast_gloo(engine_server: EngineServer, tiny_dir: Path) -> None:
         lock=lock,
     )
     try:
-        report = transport.push(named, version=1)
+        report = transport.update_weights(named, version=1)
         assert_engine_holds(engine_server, named, 1)
         assert len(lock.versions) > 2 and set(lock.versions) == {0}  # version set only after the last bucket
         assert report.tensors == len(named)
         named2 = export(trainer_model(tiny_dir, seed=2))
-        transport.push(named2, version=2)  # the group is reused
+        transport.update_weights(named2, version=2)  # the group is reused
         assert_engine_holds(engine_server, named2, 2)
     finally:
         transport.close()
@@ -88,7 +88,7 @@ def test_ipc_code_path_on_cpu(engine_server: EngineServer, tiny_dir: Path) -> No
         engine_server.url, device="cpu", config=PipelineConfig(bucket_bytes=64 * 1024)
     )
     try:
-        transport.push(named, version=3)
+        transport.update_weights(named, version=3)
     finally:
         transport.close()
     assert_engine_holds(engine_server, named, 3)
@@ -98,7 +98,7 @@ def test_p2p_into_engine(engine_server: EngineServer, tiny_dir: Path) -> None:
     named = export(trainer_model(tiny_dir))
     transport = p2p.P2PTransport([p2p.http_target(engine_server.url)], staging_bytes=1 << 20)
     try:
-        transport.push(named, version=4)
+        transport.update_weights(named, version=4)
     finally:
         transport.close()
     assert_engine_holds(engine_server, named, 4)
@@ -163,8 +163,10 @@ class DroppingTransport:
     def __init__(self, inner: BroadcastTransport, dropped: str) -> None:
         self.inner, self.dropped = inner, dropped
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        return self.inner.push(((n, t) for n, t in named_tensors if n != self.dropped), version)
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> TransferReport:
+        return self.inner.update_weights(((n, t) for n, t in named_tensors if n != self.dropped), version)
 
     def close(self) -> None:
         self.inner.close()
@@ -210,7 +212,7 @@ def test_disk_delta_into_engine(engine_server: EngineServer, tiny_dir: Path, tmp
     )
     transport.first_update(v0)
     named = export(trainer_model(tiny_dir))
-    report = transport.push(named, version=5)
+    report = transport.update_weights(named, version=5)
     assert_engine_holds(engine_server, named, 5)
     assert report.extra["update_weights_wire_bytes"] == report.wire_bytes > 0
 

@@ -44,7 +44,7 @@ _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopServers] = 
 
 def turn_engine(client: Any) -> TurnEngine:
     """Session affinity over the driver's replicas when its client holds several EngineClients (its
-    round-robin ReplicaSet would send every turn elsewhere); otherwise the client itself."""
+    round-robin PoolClient would send every turn elsewhere); otherwise the client itself."""
     replicas = getattr(client, "clients", None)
     if (
         isinstance(replicas, list)

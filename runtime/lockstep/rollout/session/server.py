@@ -34,7 +34,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
 
-from lockstep.models.registry import Message, ModelFamily, ToolCall, get_family
+from lockstep.models.families import get_family
+from lockstep.models.registry import Message, ModelFamily, ToolCall
 from lockstep.rollout.session.engine import TurnEngine
 from lockstep.rollout.session.matcher import get_matcher
 from lockstep.rollout.session.mismatch import MISMATCH_TYPES, classify, closed_row

@@ -16,11 +16,12 @@ Who calls it: lockstep.train.fsdp.backend (save / load).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from lockstep.train.fsdp.backend import FSDPBackend
+    import torch
 
 WEIGHTS = "model.safetensors"
 """File name of the gathered weights."""
@@ -28,12 +29,28 @@ STATE = "trainer_state.json"
 """File name of step and extra resume data."""
 
 
+class Checkpointed(Protocol):
+    """What save and load read and restore of lockstep.train.fsdp.backend.FSDPBackend (declared here so
+    this module does not import the backend that calls it)."""
+
+    model: Any
+    optimizer: Any
+    device: torch.device
+    rank: int
+    step: int
+
+    @property
+    def device_type(self) -> str: ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
 def has_weights(path: Path) -> bool:
     """True when `path` holds safetensors weights (otherwise the model is randomly initialised)."""
     return Path(path).is_dir() and any(Path(path).glob("*.safetensors"))
 
 
-def save(backend: FSDPBackend, directory: Path, extra: dict[str, Any]) -> None:
+def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     """Write the checkpoint; all ranks must call it (gathers are collective)."""
     import torch
     import torch.distributed as dist
@@ -56,7 +73,7 @@ def save(backend: FSDPBackend, directory: Path, extra: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def load(backend: FSDPBackend, directory: Path) -> dict[str, Any]:
+def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     """Restore weights, optimizer, step and RNG written by `save`; returns the saved `extra`."""
     import torch
     from safetensors.torch import load_file

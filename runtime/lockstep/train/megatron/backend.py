@@ -7,7 +7,7 @@ Adam moments sharded over data-parallel ranks; torch's AdamW underneath, so the 
 backend's). Forward and backward go through megatron-core's schedules (`get_forward_backward_func`),
 which run the pipeline and finalise gradients.
 
-Batches: the SPMD layer (lockstep.driver.spmd) hands every rank a contiguous slice of rows, as for
+Batches: the SPMD layer (lockstep.trainer.spmd) hands every rank a contiguous slice of rows, as for
 FSDP, but TP/PP peers must see the same rows. So the backend first reassembles the whole batch (one
 all-gather of the slices), trains its data-parallel rank's rows, and hands back the rows of its own
 slice: logprobs are all-gathered over data parallel (and sent from the last pipeline stage), losses

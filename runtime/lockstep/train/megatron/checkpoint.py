@@ -20,20 +20,40 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lockstep.train.megatron.model import load_into, local_weights
 from lockstep.train.megatron.state import MOMENTS, optimizer_params, resident
 
 if TYPE_CHECKING:
-    from lockstep.train.megatron.backend import MegatronBackend
+    import torch
+
+
+class Checkpointed(Protocol):
+    """What save and load read and restore of lockstep.train.megatron.backend.MegatronBackend (declared
+    here so this module does not import the backend that calls it)."""
+
+    bare: Any
+    config: Any
+    device: torch.device
+    groups: Any
+    optimizer: Any
+    rank: int
+    shape: Any
+    step: int
+    streamed: Any
+    world_size: int
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
 
 WEIGHTS = "model.safetensors"
 STATE = "trainer_state.json"
 
 
-def save(backend: MegatronBackend, directory: Path, extra: dict[str, Any]) -> None:
+def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     """Write the checkpoint; every rank calls it (the weight gathers are collective)."""
     import torch
     import torch.distributed as dist
@@ -51,7 +71,7 @@ def save(backend: MegatronBackend, directory: Path, extra: dict[str, Any]) -> No
     dist.barrier()
 
 
-def _layout(backend: MegatronBackend) -> dict[str, Any]:
+def _layout(backend: Checkpointed) -> dict[str, Any]:
     p = backend.config.parallelism
     return {
         "world_size": backend.world_size,
@@ -62,7 +82,7 @@ def _layout(backend: MegatronBackend) -> dict[str, Any]:
     }
 
 
-def _optimizer_shard(backend: MegatronBackend) -> dict[str, Any]:
+def _optimizer_shard(backend: Checkpointed) -> dict[str, Any]:
     """This rank's master weights and moments as CPU tensors (streamed moments read from disk)."""
     tensors: dict[str, Any] = {}
     steps: dict[str, Any] = {}
@@ -77,14 +97,14 @@ def _optimizer_shard(backend: MegatronBackend) -> dict[str, Any]:
     return {"layout": _layout(backend), "tensors": tensors, "steps": steps}
 
 
-def _read(backend: MegatronBackend, inner: Any, p: Any, name: str, t: Any) -> Any:
+def _read(backend: Checkpointed, inner: Any, p: Any, name: str, t: Any) -> Any:
     streamed = backend.streamed
     if streamed is not None and not resident(t):
         return streamed.read(streamed.key_of(inner, p, name), t)
     return t.detach().cpu()
 
 
-def load(backend: MegatronBackend, directory: Path) -> dict[str, Any]:
+def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     """Restore weights, optimizer shard, step and RNG written by `save`; returns the saved `extra`."""
     import torch
 
@@ -111,7 +131,7 @@ def load(backend: MegatronBackend, directory: Path) -> dict[str, Any]:
     return extra
 
 
-def _restore_optimizer(backend: MegatronBackend, shard: dict[str, Any]) -> None:
+def _restore_optimizer(backend: Checkpointed, shard: dict[str, Any]) -> None:
     import torch
 
     tensors, steps = shard["tensors"], shard["steps"]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 from lockstep.api import RLJob, load_manifest
-from lockstep.driver.transports import check_transport, needs_tensor_updates
+from lockstep.weights.factory import check_transport, needs_tensor_updates
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 
 
 def _job(transport: str, device: str = "cpu", replicas: int = 1) -> RLJob:

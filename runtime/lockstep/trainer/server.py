@@ -1,17 +1,12 @@
 """The trainer group's command server: rank 0 serves the driver's commands, every rank runs them.
 
-Why it exists: in a cluster the TrainerGroup's ranks own the policy (train steps, weight pushes to the
-engines, checkpoints) and the driver owns the loop. `lockstep trainer --serve` runs `serve()` on
-every rank under torchrun: each rank loads the policy FSDP2-sharded; rank 0 builds the trainer side
-of the run (LocalTrainer over a LeaderBackend: the weight transport to every engine of the pool, found
-again before each push through lockstep.driver.membership, the task's text functions) and serves lockstep.driver.wire on an aiohttp server;
-ranks > 0 follow rank 0's backend calls (lockstep.driver.spmd). Weights go from the ranks to the
-engines directly; the driver only sends token IDs and receives metrics.
-
-HTTP semantics: a body that does not validate is a 400 naming the field; an unknown command a 404; a
-command while another runs a 409 (the driver is the only client and runs one at a time); a failure
-on the trainer a 500 with a typed ErrorReply (non_finite_loss, preflight_failed, bad_settings,
-internal) that the driver raises as its own exception. `shutdown` replies, then every rank exits 0.
+Why it exists: in a cluster the TrainerGroup's ranks own the policy and the driver owns the loop.
+`lockstep trainer --serve` runs `serve()` on every rank under torchrun: each rank loads the policy
+FSDP2-sharded; rank 0 builds a LocalTrainer over a LeaderBackend (lockstep.trainer.spmd) and serves
+lockstep.trainer.wire on aiohttp; ranks > 0 follow rank 0's backend calls. Weights go from the ranks
+to the engines directly. HTTP: an invalid body is a 400 naming the field, an unknown command a 404,
+a command while another runs a 409, a failure a 500 with a typed ErrorReply the driver raises as its
+own exception; `shutdown` replies, then every rank exits 0 (docs/trainer.md).
 
 Who calls it: lockstep.cli.trainer (`--serve`), tests (2 gloo ranks on loopback).
 """
@@ -32,30 +27,36 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.wire import (
+from lockstep.models import resolve_checkpoint
+from lockstep.serving.membership import probe_health
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.settings import TrainerSettings
+from lockstep.trainer.spmd import LeaderBackend, control_group, follow
+from lockstep.trainer.wire import (
     API_PREFIX,
     INSTANCE_HEADER,
     DriverStateWire,
     Empty,
     ErrorKind,
     ErrorReply,
+    FirstUpdateReply,
     HealthReply,
     LoadReply,
     MetricsListReply,
     MetricsReply,
     OkReply,
-    PushReply,
     SaveReply,
     SaveRequest,
     TrainRequest,
     VersionRequest,
 )
+from lockstep.weights.factory import check_transport, wait_for_transport, with_transport
 
 if TYPE_CHECKING:
     from lockstep.api import RLJob
-    from lockstep.driver.membership import EngineMembers
-    from lockstep.driver.trainer import ServedTrainer
+    from lockstep.serving.membership import EngineMembers
+    from lockstep.trainer.protocol import ServedTrainer
     from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
@@ -78,20 +79,20 @@ def _load(t: ServedTrainer, _: Empty) -> LoadReply:
     return LoadReply(state=DriverStateWire.of(state), path=t.where())
 
 
-def _first_push(t: ServedTrainer, r: VersionRequest) -> PushReply:
-    return PushReply(metrics=t.first_push(r.version), preflight=t.preflight_result())
+def _first_update(t: ServedTrainer, r: VersionRequest) -> FirstUpdateReply:
+    return FirstUpdateReply(metrics=t.first_update(r.version), preflight=t.preflight_result())
 
 
 COMMANDS: dict[str, Command] = {
     "warm_start": Command(Empty, lambda t, _: MetricsListReply(steps=list(t.warm_start()))),
-    "first_push": Command(VersionRequest, _first_push),
+    "first_update": Command(VersionRequest, _first_update),
     "train": Command(TrainRequest, lambda t, r: MetricsReply(metrics=t.train([g.group() for g in r.groups]))),
-    "push": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.push(r.version))),
+    "update_weights": Command(VersionRequest, lambda t, r: MetricsReply(metrics=t.update_weights(r.version))),
     "save": Command(SaveRequest, lambda t, r: SaveReply(path=t.save(r.state.state()))),
     "load_latest": Command(Empty, _load),
     "shutdown": Command(Empty, lambda t, _: OkReply()),
 }
-"""The wire's commands (lockstep.driver.wire documents them)."""
+"""The wire's commands (lockstep.trainer.wire documents them)."""
 
 
 def _error(
@@ -236,16 +237,11 @@ def serve(
     Every rank: load the policy sharded. Rank 0: resolve spec.weightSync.transport `auto` from
     `transport_file` (the operator's choice; in a pod, `in_pod`, waited for up to `transport_timeout_s`;
     None: the local rule), wait for at least one engine of `members` to serve, build the trainer side
-    (its pushes follow `members`), serve on host:port (`on_listening(port)` once listening) until
-    shutdown. Ranks > 0: follow rank 0 (they push nothing themselves).
+    (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
+    shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
-    from lockstep.driver.components import build_backend, check_supported
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.spmd import LeaderBackend, control_group, follow
-    from lockstep.models import resolve_checkpoint
-
     check_supported(job)
-    settings = settings_from_job(job)
+    settings = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)
     want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
@@ -270,9 +266,7 @@ def serve(
 
 
 def _resolve_transport(job: RLJob, path: Path, *, timeout_s: float, in_pod: bool) -> RLJob:
-    """`job` with spec.weightSync.transport resolved (lockstep.driver.transports); logs the choice."""
-    from lockstep.driver.transports import wait_for_transport, with_transport
-
+    """`job` with spec.weightSync.transport resolved (lockstep.weights.factory); logs the choice."""
     found = wait_for_transport(job, path, in_pod=in_pod, timeout_s=timeout_s)
     log.info("weight transport %s, chosen by the %s: %s", found.transport, found.source, found.reason)
     return with_transport(job, found.transport)
@@ -289,32 +283,17 @@ def _serve_rank0(
     engine_timeout_s: float,
     on_listening: Callable[[int], None] | None,
 ) -> int:
-    from lockstep.driver.settings import settings_from_job
-    from lockstep.driver.trainer import LocalTrainer, build_trainer_parts
-    from lockstep.driver.transports import check_transport
-    from lockstep.serving.client import EngineClient
-    from lockstep.serving.loop import LoopThread
-
-    settings = settings_from_job(job)
+    settings = TrainerSettings.from_job(job)
     check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
     out.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
-    runner = LoopThread()
-    closers.append(runner.close)
     try:
         engine_urls = _wait_for_engines(members, engine_timeout_s)
-        clients = [EngineClient(u) for u in engine_urls]
-
-        def close_clients() -> None:
-            for client in clients:
-                runner.run(client.aclose())
-
-        closers.append(close_clients)
         # Engines join the broadcast weight-update group at rank 0's address: MASTER_ADDR under torchrun
         # (the headless Service's DNS name of rank 0 in a pod).
         master = os.environ.get("MASTER_ADDR", "127.0.0.1")
         parts = build_trainer_parts(
-            job, settings, out, model_dir, leader, runner, clients, closers, master, members
+            job, settings, out, model_dir, leader, engine_urls, closers, master, members
         )
         server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
         log.info(
@@ -341,9 +320,7 @@ def _wait_for_engines(
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[str]:
     """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
-    at a later push. Raises TimeoutError naming the membership source after `timeout_s`."""
-    from lockstep.driver.pushes import probe_health
-
+    at a later update. Raises TimeoutError naming the membership source after `timeout_s`."""
     healthy = healthy or probe_health
     deadline = clock() + timeout_s
     while True:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from lockstep.driver.spmd import shard_rows
 from lockstep.train.common.batch import TrainBatch
+from lockstep.trainer.spmd import shard_rows
 
 
 def _batch(rows: int) -> TrainBatch:

@@ -1,27 +1,15 @@
 """The driver <-> trainer command wire: one pydantic model per request and reply (extra="forbid").
 
 Why it exists: in a cluster the driver sends the trainer group's rank 0 one command per loop step
-(lockstep.driver.remote -> lockstep.driver.trainer_server). Everything that crosses is validated at
-the boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group
-carries every field the loss needs, token-exact: prompt and response token IDs, the loss mask, the
-engine's rollout logprobs, the reward, the status and the weight version of every token (staleness
-and the mismatch metrics read them); task metadata stays in the driver (the reward is already
-computed).
+(lockstep.driver.remote -> lockstep.trainer.server); everything that crosses is validated at the
+boundary, so a bad payload is a 400 naming the field instead of a wrong gradient. A group carries
+every field the loss needs, token-exact; task metadata stays in the driver (the reward is computed).
+Commands are POST /v2/<name> (COMMANDS), GET /v2/health answers HealthReply; every command carries
+the group's instance ID (INSTANCE_HEADER), so a group that restarted since the driver attached
+refuses it (409 `restarted`). It lives in the trainer layer, below the driver, so both sides import
+it. docs/trainer.md has the command table and the failure semantics.
 
-Commands (POST /v1/<name>, JSON body -> JSON reply; GET /v1/health):
-  warm_start  {}                   -> MetricsListReply  SFT warm start, one metrics dict per step
-  first_push  VersionRequest       -> PushReply         push before step 1 (pre-flight when asked)
-  train       TrainRequest         -> MetricsReply      one RL optimizer step on complete groups
-  push        VersionRequest       -> MetricsReply      publish the current weights as a version
-  save        SaveRequest          -> SaveReply         checkpoint with the driver's state beside it
-  load_latest {}                   -> LoadReply         restore the latest checkpoint (state or null)
-  shutdown    {}                   -> OkReply           every rank exits 0 (the job is done)
-Errors: ErrorReply with a `kind` the driver maps back to its exception (and exit code). Every
-command carries the group's instance ID (INSTANCE_HEADER): a group that restarted since the driver
-attached holds the last checkpoint's policy, not the one the driver trained, and refuses (409
-`restarted`); the driver then restarts and resumes.
-
-Who calls it: lockstep.driver.remote (client), lockstep.driver.trainer_server (server), tests.
+Who calls it: lockstep.driver.remote (client), lockstep.trainer.server (server), tests.
 """
 
 from __future__ import annotations
@@ -31,14 +19,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from lockstep.driver.state import DriverState
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult
 
-API_PREFIX = "/v1"
-"""Every command path starts with this (a later incompatible wire gets /v2)."""
+API_PREFIX = "/v2"
+"""Every command path starts with this (v2: the weight-update commands were renamed; a later
+incompatible wire gets /v3)."""
 
-COMMANDS = ("warm_start", "first_push", "train", "push", "save", "load_latest", "shutdown")
+COMMANDS = ("warm_start", "first_update", "train", "update_weights", "save", "load_latest", "shutdown")
 """The command names (POST /v1/<name>)."""
 
 
@@ -145,14 +134,14 @@ class TrainRequest(_Strict):
 
 
 class VersionRequest(_Strict):
-    """first_push / push: the version the engines must hold afterwards."""
+    """first_update / update_weights: the version the engines must hold afterwards."""
 
     version: int = Field(ge=0)
-    """Weight version to publish."""
+    """Weight version to update the engines to."""
 
 
 class DriverStateWire(_Strict):
-    """lockstep.driver.state.DriverState on the wire (saved in the trainer's checkpoint)."""
+    """lockstep.trainer.state.DriverState on the wire (saved in the trainer's checkpoint)."""
 
     step: int = Field(ge=0)
     """RL optimizer steps done."""
@@ -187,8 +176,8 @@ class MetricsReply(_Strict):
     """Metric name -> value."""
 
 
-class PushReply(_Strict):
-    """first_push: the push's metrics and, when the manifest asked for it, the pre-flight result."""
+class FirstUpdateReply(_Strict):
+    """first_update: the update's metrics and, when the manifest asked for it, the pre-flight result."""
 
     metrics: dict[str, float]
     """Metric name -> value."""

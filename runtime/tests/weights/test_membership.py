@@ -22,13 +22,17 @@ import pytest
 import torch
 import yaml
 from lockstep.api import RLJob, load_manifest
-from lockstep.driver.membership import ServiceMembers, StaticMembers, members_from
-from lockstep.driver.pushes import MembershipChanged
-from lockstep.driver.transports import build_transport
-from lockstep.serving.client import EngineClient
-from lockstep.serving.loop import LoopThread
+from lockstep.serving.membership import ServiceMembers, StaticMembers, members_from
+from lockstep.weights.factory import build_transport
+from lockstep.weights.transport import (
+    EngineSet,
+    MembershipChanged,
+    TransferReport,
+    WeightTransport,
+    update_members,
+)
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 HOSTS = ["127.0.0.1", "127.0.0.2"]
 
 
@@ -100,6 +104,22 @@ def _job(transport: str) -> RLJob:
     return load_manifest(yaml.safe_dump(doc))
 
 
+class Pushes:
+    """The trainer's weight updates (lockstep.trainer.local): the transport and the engine set it follows."""
+
+    def __init__(
+        self, transport: str, members: ServiceMembers, urls: list[str], tiny: Path, run_dir: Path
+    ) -> None:
+        self.transport: WeightTransport = build_transport(_job(transport), run_dir, tiny, urls, "cpu")
+        self.engines = EngineSet(members, sorted(urls))
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+        return update_members(self.transport, self.engines, named, version)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 def _weights(tiny: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
     """The base checkpoint's tensors, every one moved (a trainer after a step), in HF names."""
     from safetensors.torch import load_file
@@ -115,72 +135,59 @@ def _holds(engines: Engines, host: str, named: list[tuple[str, torch.Tensor]]) -
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta"])
-def test_an_engine_that_joined_gets_the_next_push(
+def test_an_engine_that_joined_gets_the_next_update(
     transport: str, engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     listed = ["127.0.0.1"]
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
-    runner = LoopThread()
-    first = EngineClient(engines.url("127.0.0.1"))
-    pushes = build_transport(_job(transport), tmp_path, tiny, runner, [first], "cpu", members=members)
+    pushes = Pushes(transport, members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        report = pushes.push(_weights(tiny, 1), 1)
+        report = pushes.update_weights(_weights(tiny, 1), 1)
         assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)
-        assert report.extra["weights_engines"] == 1.0
+        assert report.extra["update_weights_engines"] == 1.0
 
         listed.append("127.0.0.2")  # a new engine pod: base checkpoint, version 0
         v2 = _weights(tiny, 2)
-        report = pushes.push(v2, 2)
+        report = pushes.update_weights(v2, 2)
         assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (2, 2)
-        assert report.extra["weights_engines"] == 2.0
+        assert report.extra["update_weights_engines"] == 2.0
         assert _holds(engines, "127.0.0.1", v2) and _holds(engines, "127.0.0.2", v2)
 
         listed.remove("127.0.0.1")  # that pod is gone from the Service: dropped, not an error
         v3 = _weights(tiny, 3)
-        report = pushes.push(v3, 3)
+        report = pushes.update_weights(v3, 3)
         assert engines.version("127.0.0.2") == 3 and _holds(engines, "127.0.0.2", v3)
-        assert report.extra["weights_engines"] == 1.0
+        assert report.extra["update_weights_engines"] == 1.0
     finally:
         pushes.close()
-        runner.run(first.aclose())
-        runner.close()
 
 
-def test_a_push_to_an_engine_that_is_down_fails_naming_it(
+def test_an_update_to_an_engine_that_is_down_fails_naming_it(
     engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(HOSTS))
-    runner = LoopThread()
-    clients = [EngineClient(engines.url(h), retries=1) for h in HOSTS]
-    pushes = build_transport(_job("auto"), tmp_path, tiny, runner, clients, "cpu", members=members)
+    pushes = Pushes("auto", members, [engines.url(h) for h in HOSTS], tiny, tmp_path)
     try:
-        pushes.push(_weights(tiny, 1), 1)
+        pushes.update_weights(_weights(tiny, 1), 1)
         engines.stop("127.0.0.2")  # crashed, still listed by the Service
         with pytest.raises(Exception, match=r"127\.0\.0\.2") as e:
-            pushes.push(_weights(tiny, 2), 2)
+            pushes.update_weights(_weights(tiny, 2), 2)
         assert "127.0.0.1" not in str(e.value).replace(engines.url("127.0.0.2"), "")
     finally:
         pushes.close()
-        for c in clients:
-            runner.run(c.aclose())
-        runner.close()
 
 
-def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_push(
+def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_update(
     engines: Engines, tiny: Path, tmp_path: Path
 ) -> None:
     listed = ["127.0.0.1", "127.0.0.3"]  # .3: a pod with an IP whose server has not started
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
-    runner = LoopThread()
-    first = EngineClient(engines.url("127.0.0.1"))
-    pushes = build_transport(_job("auto"), tmp_path, tiny, runner, [first], "cpu", members=members)
+    pushes = Pushes("auto", members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        report = pushes.push(_weights(tiny, 1), 1)
-        assert report.extra["weights_engines"] == 1.0 and engines.version("127.0.0.1") == 1
+        report = pushes.update_weights(_weights(tiny, 1), 1)
+        assert report.extra["update_weights_engines"] == 1.0 and engines.version("127.0.0.1") == 1
     finally:
         pushes.close()
-        runner.run(first.aclose())
-        runner.close()
 
 
 def test_p2p_refuses_a_changed_membership_naming_the_fix(
@@ -188,22 +195,18 @@ def test_p2p_refuses_a_changed_membership_naming_the_fix(
 ) -> None:
     listed = ["127.0.0.1"]
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
-    runner = LoopThread()
-    first = EngineClient(engines.url("127.0.0.1"))
-    pushes = build_transport(_job("p2p"), tmp_path, tiny, runner, [first], "cpu", members=members)
+    pushes = Pushes("p2p", members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        pushes.push(_weights(tiny, 1), 1)
+        pushes.update_weights(_weights(tiny, 1), 1)
         assert engines.version("127.0.0.1") == 1
         listed.append("127.0.0.2")
         with pytest.raises(
             MembershipChanged, match=r"joined: http://127\.0\.0\.2:\d+; left: -\) .*use broadcast"
         ):
-            pushes.push(_weights(tiny, 2), 2)
-        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-pushed
+            pushes.update_weights(_weights(tiny, 2), 2)
+        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-updated
     finally:
         pushes.close()
-        runner.run(first.aclose())
-        runner.close()
 
 
 def test_members_from_flags_and_env() -> None:
@@ -216,7 +219,7 @@ def test_members_from_flags_and_env() -> None:
 
 
 def test_rank0_waits_for_a_serving_engine_and_names_the_service_when_none(engines: Engines) -> None:
-    from lockstep.driver.trainer_server import _wait_for_engines
+    from lockstep.trainer.server import _wait_for_engines
 
     listed: list[str] = []
     now = [0.0]

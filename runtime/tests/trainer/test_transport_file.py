@@ -5,7 +5,7 @@ ConfigMap mounted at /etc/lockstep). Covers the rule (explicit wins; auto + file
 transport; auto without a file -> the one-machine rule outside a pod, a wait then a clear error in a
 pod, with an injected clock), a bad file is an error naming it, and `lockstep trainer --serve` with a
 transport.json of `broadcast` pushes to a real reference engine on 127.0.0.1 by broadcast (the push
-reports the broadcast's wire bytes and the engine holds the pushed version).
+reports the broadcast's wire bytes and the engine holds the new version).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 from lockstep.api import RLJob, TransportChoice, TransportFileError, load_manifest, load_transport_choice
-from lockstep.driver.transports import (
+from lockstep.weights.factory import (
     LOCAL_RULE,
     TransportNotChosen,
     TransportResolution,
@@ -31,7 +31,7 @@ from lockstep.driver.transports import (
     with_transport,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny-fast.yaml"
+FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 CHOICE = TransportChoice(transport="broadcast", reason="one network without RDMA", observed_generation=1)
 
 
@@ -153,7 +153,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         server.stop()
 
 
-def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path], tmp_path: Path) -> None:
+def test_trainer_serve_updates_weights_by_the_operators_transport(
+    engine: tuple[str, Path], tmp_path: Path
+) -> None:
     url, cache = engine
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(FIXTURE.read_text())  # transport: auto (the default)
@@ -167,7 +169,7 @@ def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCKSTEP_ROLE": "trainer"}
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
+    base = f"http://127.0.0.1:{port}/v2"
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -178,13 +180,13 @@ def test_trainer_serve_pushes_by_the_operators_transport(engine: tuple[str, Path
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        first = httpx.post(f"{base}/first_push", json={"version": 0}, timeout=120)
+        first = httpx.post(f"{base}/first_update", json={"version": 0}, timeout=120)
         assert first.status_code == 200, first.text
-        pushed = httpx.post(f"{base}/push", json={"version": 1}, timeout=120)
-        assert pushed.status_code == 200, pushed.text
-        metrics = pushed.json()["metrics"]
+        updated = httpx.post(f"{base}/update_weights", json={"version": 1}, timeout=120)
+        assert updated.status_code == 200, updated.text
+        metrics = updated.json()["metrics"]
         # Only the broadcast transport reports wire bytes (from-disk, the local rule, reports none).
-        assert metrics["update_weights_wire_bytes"] > 0 and metrics["weights_engines"] == 1.0, metrics
+        assert metrics["update_weights_wire_bytes"] > 0 and metrics["update_weights_engines"] == 1.0, metrics
         assert str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]) == "1"
         assert httpx.post(f"{base}/shutdown", json={}, timeout=30).status_code == 200
         assert proc.wait(60) == 0, log.read_text()[-3000:]

@@ -1,19 +1,15 @@
-"""Which engines a weight push must reach: a static URL list, or every pod behind the pool's headless Service.
+"""Which engines a weight update must reach: a static URL list, or every pod behind the pool's headless Service.
 
-Why it exists: in a cluster the rollout pool's engines come and go (a replaced pod, a scale-up, an
-engine roll), and a push through the load-balanced router reaches one engine only. Pushes therefore
-go to each engine's own address, and the set of addresses is asked for again before every push: the
-headless Service `<pool>-engines` (LOCKSTEP_ENGINES_SERVICE, publishNotReadyAddresses) lists every
-engine pod's IP, ready or not, so an engine that is not Ready because it still holds an old version
-(a new pod starts from the base checkpoint) is pushed to, and then becomes Ready. A local run or a
-test names its engines (`StaticMembers`, `--engine-url`).
+Why it exists: in a cluster the rollout pool's engines come and go, and an update through the
+load-balanced router reaches one engine only. Updates therefore go to each engine's own address,
+asked for again before every update: the headless Service `<pool>-engines` (LOCKSTEP_ENGINES_SERVICE,
+publishNotReadyAddresses) lists every engine pod's IP, ready or not, so a new engine (base checkpoint,
+not Ready) is updated and then becomes Ready. A local run or a test names its engines
+(`StaticMembers`, `--engine-url`). It sits below the driver and the trainer because both ask it: the
+trainer's weight updates (lockstep.weights.transport.EngineSet) and the driver's progress report.
 
-The DNS resolver lives here because two parts of the driver need it: the weight pushes
-(lockstep.driver.transports.MemberTransport) and the progress report's per-engine versions
-(lockstep.driver.report.EngineVersionProbe).
-
-Who calls it: lockstep.driver.transports, lockstep.driver.report, lockstep.driver.trainer_server,
-lockstep.cli.trainer, tests (an injected resolver maps one name to loopback addresses).
+Who calls it: lockstep.weights.transport, lockstep.trainer, lockstep.driver.report, lockstep.cli.trainer,
+tests (an injected resolver maps one name to loopback addresses).
 """
 
 from __future__ import annotations
@@ -23,10 +19,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import httpx
+
 ENGINES_SERVICE_ENV = "LOCKSTEP_ENGINES_SERVICE"
 """Env var the operator sets on the driver and rank pods: the pool's headless Service listing every engine."""
 ROUTER_URL_ENV = "LOCKSTEP_ROUTER_URL"
-"""Env var of the pool's load-balanced router (rollouts only: a push through it reaches one engine)."""
+"""Env var of the pool's load-balanced router (rollouts only: an update through it reaches one engine)."""
 ENGINE_PORT = 30000
 """The engines' HTTP port (SGLang's default; the operator's engine pods listen on it)."""
 
@@ -43,7 +41,7 @@ def engine_url(ip: str, port: int) -> str:
 
 
 class EngineMembers(Protocol):
-    """The engines a push must reach now; asked again before every push."""
+    """The engines an update must reach now; asked again before every update."""
 
     def urls(self) -> list[str]:
         """Base URLs of the current engines, sorted; raises OSError when the source cannot answer."""
@@ -97,7 +95,7 @@ class ServiceMembers:
 def members_from(
     engine_urls: Sequence[str], env: Mapping[str, str], *, port: int = ENGINE_PORT
 ) -> EngineMembers | None:
-    """The push targets of a trainer rank: --engine-url when given, else the headless Service, else the
+    """The update targets of a trainer rank: --engine-url when given, else the headless Service, else the
     router (one engine only: fine for a pool of one); None when nothing names an engine."""
     if engine_urls:
         return StaticMembers(tuple(engine_urls))
@@ -106,3 +104,11 @@ def members_from(
     if env.get(ROUTER_URL_ENV):
         return StaticMembers((env[ROUTER_URL_ENV],))
     return None
+
+
+def probe_health(url: str, timeout_s: float = 2.0) -> bool:
+    """True when the engine at `url` answers GET /health with 200 (one try; a new engine's first sign)."""
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False

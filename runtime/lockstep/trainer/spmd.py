@@ -1,20 +1,15 @@
 """SPMD over a trainer group: rank 0 leads, the other ranks mirror every backend call, data parallel.
 
-Why it exists: a TrainBackend call is collective ("all ranks call every method collectively"), but
-the trainer's commands (lockstep.driver.trainer_server) run code with data-dependent control flow on
-rank 0 (the pre-flight only runs its logprob probe when the checksums match; a transport may stop
-reading the export early). Instead of mirroring each command's control flow on every rank, rank 0
-wraps its backend in `LeaderBackend`: each call first tells the other ranks which call comes next
-(one small broadcast on a gloo control group), then every rank runs the same call, so the FSDP
-collectives line up by construction. Ranks > 0 sit in `follow()` until told to exit.
+Why it exists: a TrainBackend call is collective, but the trainer's commands run code with
+data-dependent control flow on rank 0 (the pre-flight only probes when the checksums match; a
+transport may stop reading the export early). So rank 0 wraps its backend in `LeaderBackend`: each
+call is first announced to the other ranks (one broadcast on a gloo control group), then every rank
+runs it, and the FSDP collectives line up by construction; ranks > 0 sit in `follow()`. Data
+parallel: every rank takes its slice of the batch's rows (`shard_rows`, padded with rows that train
+nothing), logprobs are all-gathered back to [B, T-1], loss metrics averaged by trained tokens.
+docs/trainer.md ("How every rank runs a command") has the details.
 
-Data parallel: the batch is sent whole to every rank; each rank takes its own contiguous slice of
-rows (`shard_rows`, padded with rows that train nothing so every rank runs the same number of
-micro-batches, which FSDP's all-gathers need), computes logprobs / gradients on it, and the results
-are combined: logprobs are all-gathered back to the full [B, T-1], loss metrics are averaged weighted
-by each rank's trained tokens. The loss, gradient norm and token count already come out global.
-
-Who calls it: lockstep.driver.trainer_server (rank 0: LeaderBackend; ranks > 0: follow).
+Who calls it: lockstep.trainer.server (rank 0: LeaderBackend; ranks > 0: follow).
 """
 
 from __future__ import annotations
@@ -147,7 +142,7 @@ def follow(backend: TrainBackend, group: Any) -> None:
         if call[0] == "exit":
             return
         if call[0] == "export":
-            for _ in backend.export_weights():  # the gathers are collective; rank 0 pushes the tensors
+            for _ in backend.export_weights():  # the gathers are collective; rank 0 updates the tensors
                 pass
             continue
         _run(backend, group, call)

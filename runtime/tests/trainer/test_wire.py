@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 from lockstep.driver.remote import RemoteTrainer, TrainerCommandError, TrainerUnreachable
-from lockstep.driver.state import DriverState
-from lockstep.driver.steps import NonFiniteLoss, PreflightFailed
-from lockstep.driver.trainer_server import CommandServer, _serve_http
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.server import CommandServer, _serve_http
+from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult, TensorMismatch
 
@@ -44,8 +44,8 @@ class ScriptedTrainer:
         yield {"loss": 2.0}
         yield {"loss": 1.0}
 
-    def first_push(self, version: int) -> dict[str, float]:
-        self._maybe_fail("first_push")
+    def first_update(self, version: int) -> dict[str, float]:
+        self._maybe_fail("first_update")
         return {"weight_version": float(version)}
 
     def preflight_result(self) -> PreflightResult | None:
@@ -56,7 +56,7 @@ class ScriptedTrainer:
         self.groups = groups
         return {"loss": 0.5}
 
-    def push(self, version: int) -> dict[str, float]:
+    def update_weights(self, version: int) -> dict[str, float]:
         self.release.wait(30)
         return {"weight_version": float(version)}
 
@@ -95,7 +95,7 @@ def served() -> Iterator[tuple[ScriptedTrainer, str]]:
         yield trainer, url
     finally:
         trainer.release.set()
-        httpx.post(f"{url}/v1/shutdown", json={})
+        httpx.post(f"{url}/v2/shutdown", json={})
         thread.join(30)
 
 
@@ -112,7 +112,7 @@ def test_commands_round_trip_token_exact(served: tuple[ScriptedTrainer, str]) ->
     try:
         assert remote.wait_ready("job-a", timeout_s=10).world_size == 2
         assert list(remote.warm_start()) == [{"loss": 2.0}, {"loss": 1.0}]
-        assert remote.first_push(0) == {"weight_version": 0.0}
+        assert remote.first_update(0) == {"weight_version": 0.0}
         assert remote.train(_groups()) == {"loss": 0.5}
         assert trainer.groups == _groups()  # every field the loss and staleness read, per token
         assert remote.load_latest() is None
@@ -130,14 +130,14 @@ def test_trainer_errors_come_back_as_the_drivers_exceptions(served: tuple[Script
     remote = RemoteTrainer(url)
     trainer.fail = {
         "train": NonFiniteLoss("non-finite loss (nan); the step was not applied"),
-        "first_push": PreflightFailed("spec.weightSync.checkWeightUpdateEqual: 2 tensors differ"),
+        "first_update": PreflightFailed("spec.weightSync.checkWeightUpdateEqual: 2 tensors differ"),
         "save": ValueError("spec.schedule.saveInterval: broken"),
     }
     try:
         with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(nan\)"):
             remote.train(_groups())
         with pytest.raises(PreflightFailed, match="2 tensors differ"):
-            remote.first_push(0)
+            remote.first_update(0)
         with pytest.raises(ValueError, match="saveInterval: broken"):
             remote.save(DriverState())
         trainer.fail["train"] = RuntimeError("CUDA out of memory")
@@ -149,22 +149,26 @@ def test_trainer_errors_come_back_as_the_drivers_exceptions(served: tuple[Script
 
 def test_one_command_at_a_time(served: tuple[ScriptedTrainer, str]) -> None:
     trainer, url = served
-    pushed: list[dict[str, float]] = []
-    first = threading.Thread(target=lambda: pushed.append(RemoteTrainer(url).push(5)))
+    updated: list[dict[str, float]] = []
+    first = threading.Thread(target=lambda: updated.append(RemoteTrainer(url).update_weights(5)))
     first.start()
-    for _ in range(600):  # until the push is running on the trainer
-        if httpx.get(f"{url}/v1/health").json()["busy"] == "push":
+    for _ in range(600):  # until the update is running on the trainer
+        if httpx.get(f"{url}/v2/health").json()["busy"] == "update_weights":
             break
         threading.Event().wait(0.01)
-    r = httpx.post(f"{url}/v1/push", json={"version": 6})
-    assert r.status_code == 409 and r.json()["kind"] == "busy" and "'push' is running" in r.json()["message"]
+    r = httpx.post(f"{url}/v2/update_weights", json={"version": 6})
+    assert (
+        r.status_code == 409
+        and r.json()["kind"] == "busy"
+        and "'update_weights' is running" in r.json()["message"]
+    )
     # A restarted driver waits for the command of its predecessor to end before it attaches.
     second = RemoteTrainer(url)
     with pytest.raises(TrainerUnreachable, match="not ready within 0 s"):
         second.wait_ready("job-a", timeout_s=0.2, poll_s=0.1)
     trainer.release.set()
     first.join(30)
-    assert pushed == [{"weight_version": 5.0}]
+    assert updated == [{"weight_version": 5.0}]
     assert second.wait_ready("job-a", timeout_s=10).busy is None
     second.close()
 
@@ -176,7 +180,7 @@ def test_unreachable_trainer_is_retried_with_backoff_then_fails_clearly() -> Non
         slept: list[float] = []
         remote = RemoteTrainer(url, retries=4, backoff_s=0.25, sleep=slept.append)
         with pytest.raises(TrainerUnreachable, match="unreachable after 4 attempts") as e:
-            remote.push(1)
+            remote.update_weights(1)
         remote.close()
     assert slept == [0.25, 0.5, 1.0]
     assert f"trainer at {url}" in str(e.value) and "LOCKSTEP_TRAINER_URL" in str(e.value)
@@ -189,7 +193,7 @@ def test_a_restarted_trainer_group_refuses_the_old_drivers_commands(
     remote = RemoteTrainer(url)
     try:
         remote.wait_ready("job-a", timeout_s=10)
-        assert remote.first_push(0) == {"weight_version": 0.0}
+        assert remote.first_update(0) == {"weight_version": 0.0}
         remote.instance = "0" * 32  # what the driver saw before the group restarted at the same URL
         with pytest.raises(TrainerUnreachable, match="started again") as e:
             remote.train(_groups())
@@ -220,7 +224,7 @@ def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
     served: tuple[ScriptedTrainer, str], tmp_path: Path
 ) -> None:
     """The progress channel reads preflight.json from the driver's run dir, as with a local trainer."""
-    from lockstep.driver.steps import PREFLIGHT_FILE
+    from lockstep.trainer.protocol import PREFLIGHT_FILE
 
     trainer, url = served
     remote = RemoteTrainer(url, run_dir=tmp_path)
@@ -229,10 +233,10 @@ def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
         trainer.preflight = PreflightResult(
             passed=True, engines=1, checked_tensors=24, message="24 tensors equal"
         )
-        remote.first_push(0)
+        remote.first_update(0)
         assert PreflightResult.model_validate_json(written.read_text()) == trainer.preflight
         trainer.preflight = None  # a start without the check: an earlier result is not this one's
-        remote.first_push(0)
+        remote.first_update(0)
         assert not written.exists()
         bad = PreflightResult(
             passed=False,
@@ -241,9 +245,9 @@ def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
             mismatches=[TensorMismatch(engine="http://e:1", name="model.norm.weight", reason="checksum")],
             message="1 tensors differ after the first update: model.norm.weight",
         )
-        trainer.fail["first_push"] = PreflightFailed("spec.weightSync.checkWeightUpdateEqual: differ", bad)
+        trainer.fail["first_update"] = PreflightFailed("spec.weightSync.checkWeightUpdateEqual: differ", bad)
         with pytest.raises(PreflightFailed) as e:
-            remote.first_push(0)
+            remote.first_update(0)
         assert e.value.result == bad
         assert PreflightResult.model_validate_json(written.read_text()) == bad
     finally:

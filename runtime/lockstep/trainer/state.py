@@ -1,7 +1,7 @@
 """DriverState and run checkpoints: what resume needs, saved atomically beside the trainer's state.
 
 Why it exists: a run stopped by Ctrl-C, a NaN or a crash must resume exactly: the trainer's weights,
-optimizer and RNG (the backend saves those), plus the loop's own position: step, published version,
+optimizer and RNG (the backend saves those), plus the loop's own position: step, the engines' weight version,
 how many prompts were drawn (the data position) and the next group index. A checkpoint directory is
 written under a temp name and renamed, then `checkpoints/latest` (a one-line file naming it) is
 replaced atomically, so `latest` always names a complete checkpoint.
@@ -9,7 +9,7 @@ replaced atomically, so `latest` always names a complete checkpoint.
 Layout: RUN_DIR/checkpoints/step_NNNNNN/ (HF config + safetensors + optimizer + RNG + state) and
 RUN_DIR/checkpoints/latest.
 
-Who calls it: lockstep.driver.trainer (LocalTrainer.save / load_latest: in the driver's process, or on
+Who calls it: lockstep.trainer.local (LocalTrainer.save / load_latest: in the driver's process, or on
 the trainer ranks of a cluster, whose checkpoints then carry the driver's state), cli/driver.
 """
 
@@ -82,13 +82,3 @@ def save_checkpoint(backend: TrainBackend, run_dir: Path, state: DriverState) ->
         pointer_tmp.write_text(name + "\n")
         os.replace(pointer_tmp, root / "latest")
     return final
-
-
-def load_checkpoint(backend: TrainBackend, run_dir: Path) -> DriverState:
-    """Restore the latest checkpoint into `backend`; raises FileNotFoundError naming the run dir."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint in {checkpoints_dir(run_dir)} (no 'latest' file); run without --resume"
-        )
-    return DriverState.from_dict(backend.load(path))

@@ -1,0 +1,21 @@
+"""The subcommands of `lockstep`, one module of this package each, with their one-line help.
+
+Why it exists: `lockstep COMMAND` imports only COMMAND's module (a module imports what it runs at its
+top, so `lockstep run` pulls in torch while `lockstep validate` stays light); the listing of
+`lockstep --help` needs only these lines.
+
+Who calls it: lockstep.cli (the parser), each subcommand module (its help line).
+"""
+
+from __future__ import annotations
+
+HELP: dict[str, str] = {
+    "delta": "publish, apply and verify disk-delta weight versions",
+    "driver": "run the RL loop of a rendered job (driver pod)",
+    "engine": "serve the reference rollout engine (SGLang HTTP API subset)",
+    "run": "run an RLJob manifest on this machine",
+    "sessions": "serve the TITO session server (token-exact multi-turn agent sessions)",
+    "trainer": "run one trainer rank (torchrun env)",
+    "validate": "check manifests offline (schema and cross-field rules)",
+}
+"""Subcommand (= module name in lockstep.cli) -> its help line."""
