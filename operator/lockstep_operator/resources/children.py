@@ -84,6 +84,8 @@ def child_manifests(
             "engine": engine_part(spec),
             "placement": spec.placement.wire(),
             **({"autoscaling": spec.rollout.autoscaling.wire()} if spec.rollout.autoscaling else {}),
+            **({"r3": True} if spec.algorithm.r3 else {}),
+            **({"trueOnPolicy": True} if spec.algorithm.true_on_policy else {}),
         },
     }
     trainer_ann = {

@@ -41,6 +41,11 @@ WEIGHTS_CURRENT = f"{GROUP}/weights-current"
 the engine at the current weight version (the kubelet counts a pod Ready only with it True)."""
 CONTROL_PORT = 29600
 """Trainer rank 0's control endpoint (`lockstep trainer --serve`): the driver sends the RL steps there."""
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+"""The env var holding the job's API key in its pods (from Secret `api_key_secret_name(job)`, key
+API_KEY_SECRET_KEY); SGLang engines get `--api-key $(LOCKSTEP_API_KEY)`, expanded by the kubelet."""
+API_KEY_SECRET_KEY = "api-key"
+"""The data key of the job's API key Secret."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +181,11 @@ def trainer_url(trainer: str, namespace: str) -> str:
 def network_policy_name(trainer: str) -> str:
     """The NetworkPolicy guarding a trainer group's rank pods (named like the group)."""
     return trainer
+
+
+def api_key_secret_name(job: str) -> str:
+    """The per-job Secret holding the API key the engines require and the runtime sends."""
+    return f"{job}-api-key"
 
 
 def engines_service_name(pool: str) -> str:

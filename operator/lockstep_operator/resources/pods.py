@@ -41,6 +41,10 @@ from lockstep_operator.resources.common import (
 )
 
 GPU = "nvidia.com/gpu"
+ENGINE_STARTUP_S = 3600
+"""How long an engine may take to load its checkpoint before the kubelet restarts it."""
+ENGINE_DRAIN_S = 600
+"""How long a deleted engine may finish its running requests (the runtime's request timeout)."""
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
@@ -95,6 +99,13 @@ class Container:
     """A ReadWriteMany PersistentVolumeClaim mounted at /shared (checkpoints, disk-delta)."""
     image_pull_policy: str = "IfNotPresent"
     """imagePullPolicy."""
+    secret_env: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Env vars read from Secrets: name -> (Secret name, data key); the value never enters the pod spec."""
+    shm_size: str | None = None
+    """Size of a memory-backed /dev/shm (NCCL, SGLang's and torch's shared-memory transfers); None keeps
+    the runtime's 64 MiB default."""
+    capabilities: Sequence[str] = ()
+    """Linux capabilities added to the dropped-ALL set (IPC_LOCK to pin RDMA buffers)."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -116,6 +127,13 @@ def _resources(p: Placement) -> Manifest:
     return out
 
 
+def _capabilities(c: Container) -> Manifest:
+    caps: Manifest = {"drop": ["ALL"]}
+    if c.capabilities:
+        caps["add"] = list(c.capabilities)
+    return caps
+
+
 def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str], restart: str) -> Manifest:
     selector = dict(p.node_selector)
     if p.product:
@@ -133,6 +151,10 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": c.shared_volume_claim}})
     all_env: list[Manifest] = [{"name": k, "value": v} for k, v in {**env, **c.env}.items()]
     all_env += [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        for name, (secret, key) in c.secret_env.items()
+    ]
+    all_env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
@@ -144,8 +166,11 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "env": all_env,
         "resources": _resources(p),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": _capabilities(c)},
     }
+    if c.shm_size:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}})
     spec: Manifest = {
         "restartPolicy": restart,
         "containers": [container],
@@ -184,9 +209,14 @@ def engine_pod(
 ) -> Manifest:
     """Rollout engine replica `replica` of pool `pool`: `<pool>-<replica>`, serving on port 30000.
 
-    Ready means the engine's /health answers AND it holds the current weight version: the readiness
-    gate rl.lockstep.dev/weights-current is a pod condition the pool reconcile sets from the driver's
+    As SGLang's docs run it: started once /health answers (loading a large checkpoint takes long, so
+    the startup probe allows ENGINE_STARTUP_S); ready while /health_generate can sample a token (SGLang
+    waits up to 20 s for it) AND it holds the current weight version: the readiness gate
+    rl.lockstep.dev/weights-current is a pod condition the pool reconcile sets from the driver's
     per-engine report, so the router Service only sends rollouts to engines on the current policy.
+    Graceful drain: on deletion the pod leaves the Service's endpoints during the preStop pause, then
+    SIGTERM makes SGLang answer 503 to health checks and finish its running requests, for up to
+    ENGINE_DRAIN_S (the runtime's request timeout) before the kubelet kills it.
     restartPolicy Never: a failed engine is replaced by the pool reconcile (the driver re-syncs it).
     """
     env = {
@@ -198,11 +228,19 @@ def engine_pod(
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
     main = spec["containers"][0]
     main["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
-    main["readinessProbe"] = {
+    main["startupProbe"] = {
         "httpGet": {"path": "/health", "port": ENGINE_PORT},
-        "periodSeconds": 5,
+        "periodSeconds": 10,
+        "failureThreshold": ENGINE_STARTUP_S // 10,
+    }
+    main["readinessProbe"] = {
+        "httpGet": {"path": "/health_generate", "port": ENGINE_PORT},
+        "periodSeconds": 10,
+        "timeoutSeconds": 30,
         "failureThreshold": 3,
     }
+    main["lifecycle"] = {"preStop": {"sleep": {"seconds": 10}}}
+    spec["terminationGracePeriodSeconds"] = ENGINE_DRAIN_S
     spec["readinessGates"] = [{"conditionType": WEIGHTS_CURRENT}]
     labels = {**job_labels(job, "engine", pool=pool, replica=str(replica)), **gang.labels}
     return {

@@ -306,6 +306,10 @@ class EngineSpec(ApiModel):
     """Prefill-decode disaggregation (separate prefill and decode servers)."""
     multi_token_prediction: bool = False
     """Speculative decoding with the model's MTP draft head."""
+    p2p_receiver: bool = False
+    """The engine image serves Lockstep's P2P receive extension (GET /p2p_receiver_info, POST
+    /p2p_receiver_commit; docs/sglang.md). Stock SGLang has none, so for engine `sglang` the operator
+    chooses the p2p transport only when this is true; the reference engine always serves it."""
     extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 
