@@ -44,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="enable /update_weights_from_tensor (unpickles request data: trusted networks only)",
     )
     p.add_argument("--weight-version", type=int, default=0, help="version reported for the loaded weights")
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="serve only what stock SGLang serves: no per-token versions, /engine_stats or P2P receive side",
+    )
     p.set_defaults(func=_run)
 
 
@@ -61,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     engine.set_weight_version(args.weight_version)
     web.run_app(
-        create_app(engine, allow_tensor_updates=args.allow_tensor_updates), host=args.host, port=args.port
+        create_app(engine, allow_tensor_updates=args.allow_tensor_updates, stock=args.stock),
+        host=args.host,
+        port=args.port,
     )
     return 0

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Offload
+from lockstep.api import Engine, Offload
 from lockstep.models import TinyTokenizer
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
@@ -112,7 +112,8 @@ class LocalTrainer:
         return self.update_weights(version)
 
     def _preflight_update(self, version: int) -> dict[str, float]:
-        """The first update through the pre-flight check (seed §7.2.5): randomize engines, update, compare.
+        """The first update through the pre-flight check (seed §7.2.5): SGLang's /weights_checker
+        snapshot and reset_tensors on every engine, the update, then compare and checksum.
 
         Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
         """
@@ -136,7 +137,11 @@ class LocalTrainer:
                 trainer_logprobs,
                 tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
             ),
-            seed=c.settings.seed,
+            # The reference engine names tensors as HF does and hashes them on the CPU, as the trainer can;
+            # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
+            trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
+            # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
+            compare_loaded=version == 0 and c.settings.sft_steps == 0,
         )
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")

@@ -165,11 +165,20 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, Any, bool]]:
     return out
 
 
+def _checkable(t: Any) -> Any:
+    """`t`, or Any where msgspec cannot check it (a union of several list types: the name is still checked)."""
+    try:
+        msgspec.json.Decoder(t)
+    except TypeError:
+        return Any
+    return t
+
+
 @functools.cache
 def request_struct(name: str) -> type[msgspec.Struct]:
     """io_struct class `name` rebuilt as a msgspec Struct with the same field names, types and
     required fields, refusing unknown fields."""
-    fields = _fields(_io_struct_classes()[name])
+    fields = [(f, _checkable(t), required) for f, t, required in _fields(_io_struct_classes()[name])]
     spec: list[tuple[str, Any] | tuple[str, Any, Any]] = [
         (f, t) if required else (f, t, None) for f, t, required in fields
     ]
