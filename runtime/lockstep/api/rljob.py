@@ -306,7 +306,7 @@ class EngineSpec(ApiModel):
     """Prefill-decode disaggregation (separate prefill and decode servers)."""
     multi_token_prediction: bool = False
     """Speculative decoding with the model's MTP draft head."""
-    p2p_receiver: bool = False
+    p2p_receiver: bool = Field(default=False, alias="p2pReceiver")
     """The engine image serves Lockstep's P2P receive extension (GET /p2p_receiver_info, POST
     /p2p_receiver_commit; docs/sglang.md). Stock SGLang has none, so for engine `sglang` the operator
     chooses the p2p transport only when this is true; the reference engine always serves it."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import Device, RLJob, Transport
+from lockstep.api import Device, Engine, RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.disk_delta_local import LocalDiskDelta
@@ -122,6 +122,17 @@ def needs_tensor_updates(job: RLJob) -> bool:
 
 def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool) -> None:
     """Refuse, before anything starts, a transport this process cannot run; the error names the field."""
+    rollout = job.spec.rollout
+    if (
+        job.spec.weight_sync.transport is Transport.P2P
+        and rollout.engine is Engine.SGLANG
+        and not rollout.p2p_receiver
+    ):
+        raise ValueError(
+            f"{FIELD}: p2p writes into the engines through Lockstep's P2P receive extension, which stock "
+            "SGLang does not serve (docs/sglang.md); use broadcast, or set spec.rollout.p2pReceiver to true "
+            "for an engine image that serves it"
+        )
     if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
     if max(job.spec.rollout.replicas, 1) != 1:
