@@ -20,10 +20,15 @@ from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
 from lockstep_operator.resources.driver import driver_manifest
 from lockstep_operator.resources.engines import engine_manifest
-from lockstep_operator.resources.network import trainer_network_policy
+from lockstep_operator.resources.network import (
+    driver_network_policy,
+    engine_network_policy,
+    trainer_network_policy,
+)
 from lockstep_operator.resources.podgroups import gang_min_member
 from lockstep_operator.resources.pods import rank_env, selector_labels
 from lockstep_operator.resources.ranks import rank_manifest
+from lockstep_operator.resources.secrets import api_key_secret, new_api_key
 from lockstep_operator.resources.services import engines_service, headless_service
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -112,6 +117,14 @@ def test_job_children(example: str) -> None:
                 trainer=f"{name}-trainer",
                 pool=f"{name}-rollout",
             ),
+            "engineNetworkPolicy": engine_network_policy(
+                owner("RolloutPool", f"{name}-rollout"),
+                job=name,
+                pool=f"{name}-rollout",
+                trainer=f"{name}-trainer",
+            ),
+            "driverNetworkPolicy": driver_network_policy(own, job=name),
+            "apiKeySecret": api_key_secret(own, job=name, key="<random>"),
         },
     )
     # The sections copied from the job are exactly the job's (kept out of the golden file, so new
@@ -248,3 +261,19 @@ def test_p2p_rank_pods_get_rdma_ipc_lock_and_shm() -> None:
         "rdma/ib" not in plain["resources"]["limits"]
         and "add" not in plain["securityContext"]["capabilities"]
     )
+
+
+def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
+    keys = {new_api_key() for _ in range(64)}
+    assert len(keys) == 64 and all(len(k) >= 43 for k in keys)
+    job = load("h100")
+    own = owner("RLJob", job.metadata.name)
+    secret = api_key_secret(own, job=job.metadata.name, key="s3cret")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == own.uid  # deleted with the job
+    driver = driver_manifest(own, job.spec, image=IMAGE)
+    env = {e["name"]: e for e in driver["spec"]["containers"][0]["env"]}
+    assert env["LOCKSTEP_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{job.metadata.name}-api-key",
+        "key": "api-key",
+    }
+    assert "s3cret" not in yaml.safe_dump(driver)

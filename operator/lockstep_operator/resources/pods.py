@@ -20,6 +20,8 @@ from typing import Any
 
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
+    API_KEY_ENV,
+    API_KEY_ITEM,
     CONFIG_FILE,
     CONFIG_MOUNT,
     CONTROL_PORT,
@@ -28,12 +30,14 @@ from lockstep_operator.resources.common import (
     LABEL_POOL,
     LABEL_ROLE,
     LABEL_TRAINER,
+    POD_IP_ENV,
     RENDEZVOUS_PORT,
     RUN_MOUNT,
     SHARED_MOUNT,
     WEIGHTS_CURRENT,
     Manifest,
     Owner,
+    api_key_secret_name,
     config_name,
     driver_name,
     job_labels,
@@ -157,6 +161,7 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
     all_env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     container: Manifest = {
         "name": "main",
@@ -193,6 +198,17 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
                 }
             }
         }
+    return spec
+
+
+def api_key_env(job: str) -> Manifest:
+    """LOCKSTEP_API_KEY from the job's Secret `<job>-api-key` (never a literal in a pod spec)."""
+    ref = {"name": api_key_secret_name(job), "key": API_KEY_ITEM}
+    return {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _with_api_key(spec: Manifest, job: str) -> Manifest:
+    spec["containers"][0]["env"].append(api_key_env(job))
     return spec
 
 
@@ -322,7 +338,7 @@ def rank_pod(
         "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
-    spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), job)
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
@@ -369,7 +385,7 @@ def driver_pod(
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
     }
-    spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
+    spec = _with_api_key(_pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure"), job)
     spec["serviceAccountName"] = driver_name(job)
     return {
         "apiVersion": "v1",
