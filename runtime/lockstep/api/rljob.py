@@ -65,7 +65,8 @@ class ModelSpec(ApiModel):
     chat_template: str | None = Field(default=None, max_length=1024)
     """Path of a Jinja chat template overriding the tokenizer's own."""
     lora: LoraSpec | None = None
-    """Train LoRA adapters instead of the full weights; unset trains all weights."""
+    """Train LoRA adapters instead of the full weights; unset trains all weights. Not built yet:
+    refused at apply (rule lora-not-built)."""
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -186,7 +187,7 @@ class AlgorithmSpec(ApiModel):
     """Deterministic, batch-invariant kernels on both sides so train and rollout logprobs are equal.
     Needs a registered model profile and the fsdp backend."""
     opd: OPDSpec | None = None
-    """On-policy distillation; unset disables it."""
+    """On-policy distillation; unset disables it. Not built yet: refused at apply (rule opd-not-built)."""
     sft_warm_start: SFTWarmStartSpec = Field(
         default_factory=SFTWarmStartSpec, json_schema_extra=EMPTY_DEFAULT
     )
@@ -276,9 +277,11 @@ class SamplingSpec(ApiModel):
     max_new_tokens: int = Field(default=1024, ge=1, le=1048576)
     """Most tokens per model reply (one turn)."""
     max_session_tokens: int | None = Field(default=None, ge=1, le=16777216)
-    """Most tokens of a whole multi-turn session; unset means no cap beyond the context length."""
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    """Sampling temperature; RL normally keeps 1.0 so logprobs describe the sampled distribution."""
+    """Most tokens of a whole multi-turn session; unset means no cap beyond the context length. Not
+    built yet: refused at apply (rule session-token-cap-not-built)."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature, above 0 (greedy decoding has no logprobs to train on); RL normally keeps
+    1.0 so logprobs describe the sampled distribution."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
 
@@ -303,9 +306,11 @@ class EngineSpec(ApiModel):
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     """KV-cache dtype (`auto` follows the weights)."""
     prefill_decode: bool = False
-    """Prefill-decode disaggregation (separate prefill and decode servers)."""
+    """Prefill-decode disaggregation (separate prefill and decode servers). Not built yet: true is
+    refused at apply (rule prefill-decode-not-built)."""
     multi_token_prediction: bool = False
-    """Speculative decoding with the model's MTP draft head."""
+    """Speculative decoding with the model's MTP draft head. Not built yet: true is refused at apply
+    (rule mtp-not-built)."""
     extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 
@@ -366,7 +371,7 @@ class Parallelism(ApiModel):
     pipeline: int = Field(default=1, ge=1, le=1024)
     """Pipeline parallel size (PP)."""
     context: int = Field(default=1, ge=1, le=1024)
-    """Context parallel size (CP)."""
+    """Context parallel size (CP). Not built yet: only 1 is accepted (rule context-parallel-not-built)."""
     expert: int = Field(default=1, ge=1, le=1024)
     """Expert parallel size (EP) of MoE layers."""
     expert_tensor: int = Field(default=1, ge=1, le=1024)
