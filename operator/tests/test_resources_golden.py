@@ -137,6 +137,7 @@ def test_driver_config_and_rbac() -> None:
         "config": config.runtime_config_map(own, job="j", rendered={"spec": {"a": 1}}),
         "progress": config.progress_config_map(own, job="j"),
         "rbac": config.driver_rbac(own, job="j"),
+        "trainer-rbac": config.trainer_rbac(own, job="j"),
     })  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from lockstep.api.progress import ProgressReport
 from lockstep.api.rljob import Phase
@@ -32,6 +33,8 @@ class JobObserved:
     """Pod phase of the driver pod (None when it does not exist)."""
     gang_problem: str | None
     """Why the gang scheduler cannot be used (its CRDs are not served), if so."""
+    rank_reports: Mapping[int, ProgressReport] = field(default_factory=dict)
+    """Trainer rank -> its document in the progress channel (written only when it cannot start)."""
 
 
 @dataclass(frozen=True, slots=True)

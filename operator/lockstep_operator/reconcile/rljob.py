@@ -28,7 +28,7 @@ from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.policy.condition import set_condition
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
-from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.progress import read_progress, read_rank_reports
 from lockstep_operator.reconcile.status import JobObserved, job_status
 from lockstep_operator.resources import config, podgroups
 from lockstep_operator.resources.annotations import Annotation
@@ -77,6 +77,7 @@ async def reconcile_job(
         config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
         config.progress_config_map(owner, job=name),
         *config.driver_rbac(owner, job=name),
+        *config.trainer_rbac(owner, job=name),
     ]
     await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests))
     gang_problem = await _ensure_gang(kube, owner, spec)
@@ -219,4 +220,5 @@ async def _observe(
         progress_problem=problem,
         driver_phase=(driver.get("status") or {}).get("phase") if driver else None,
         gang_problem=gang_problem,
+        rank_reports=read_rank_reports(progress_cm),
     )

@@ -38,6 +38,8 @@ from lockstep_operator.resources.common import (
     driver_name,
     job_labels,
     metadata,
+    progress_name,
+    trainer_name,
 )
 
 GPU = "nvidia.com/gpu"
@@ -273,7 +275,9 @@ def rank_pod(
     engines read disk-delta copies from the same path), else an emptyDir that lives as long as the pod
     (a gang restart then starts from the base checkpoint).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
-    restarts as a gang (all ranks deleted and recreated with `generation` + 1).
+    restarts as a gang (all ranks deleted and recreated with `generation` + 1). A rank that cannot
+    start reports why into the progress ConfigMap (ServiceAccount `<job>-trainer`, patch only), so the
+    job fails with the reason instead of restarting the gang.
     """
     nproc = max(placement.gpus, 1)
     env = {
@@ -282,12 +286,14 @@ def rank_pod(
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
         "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
+        "LOCKSTEP_PROGRESS_CONFIGMAP": progress_name(job),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
+    spec["serviceAccountName"] = trainer_name(job)
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [

@@ -36,6 +36,34 @@ FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
         seen(progress=ProgressReport(error="non-finite loss")),
         ("DriverError", "non-finite loss"),
     ),
+    (
+        "driver could not start",
+        seen(
+            progress=ProgressReport(
+                error="driver could not start: FileNotFoundError: /models/x", reason="DriverStartFailed"
+            ),
+            driver="Running",
+        ),
+        ("DriverStartFailed", "driver could not start: FileNotFoundError: /models/x"),
+    ),
+    (
+        "trainer rank could not start: the lowest failed rank",
+        seen(
+            rank_reports={
+                3: ProgressReport(error="trainer rank 3 could not start: b", reason="TrainerStartFailed"),
+                1: ProgressReport(error="trainer rank 1 could not start: a", reason="TrainerStartFailed"),
+                0: ProgressReport(),
+            },
+            progress=ProgressReport(error="later", reason="DriverStartFailed"),
+        ),
+        ("TrainerStartFailed", "trainer rank 1 could not start: a"),
+    ),
+    (
+        "rank report without a reason",
+        seen(rank_reports={0: ProgressReport(error="x")}),
+        ("TrainerStartFailed", "x"),
+    ),
+    ("rank report without an error", seen(rank_reports={0: ProgressReport()}), None),
     ("driver pod failed", seen(driver="Failed"), ("DriverFailed", "the driver pod failed")),
     (
         "trainer wins over driver",
