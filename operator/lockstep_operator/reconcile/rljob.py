@@ -44,6 +44,7 @@ from lockstep_operator.resources.common import (
     trainer_name,
 )
 from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.model import local_model
 from lockstep_operator.resources.pods import template_hash_of
 from lockstep_operator.settings import FIELD_MANAGER, OperatorSettings
 
@@ -71,7 +72,8 @@ async def reconcile_job(
         "apiVersion": API_VERSION,
         "kind": "RLJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": spec.wire(),
+        # hub references read as the model volume's directories (resources.model)
+        "spec": spec.model_copy(update={"model": local_model(spec.model)}).wire(),
     }
     manifests = [
         config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),

@@ -17,6 +17,7 @@ from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import engine_command, product_label
 from lockstep_operator.resources.common import WEIGHTS_CURRENT, Manifest, Owner
+from lockstep_operator.resources.model import local_model, model_pull
 from lockstep_operator.resources.pods import Container, Placement, engine_pod, with_template_hash
 
 
@@ -55,8 +56,9 @@ def engine_manifest(
     )
     container = Container(
         image=spec.engine.image or image,
-        command=engine_command(spec.engine, spec.model),
+        command=engine_command(spec.engine, local_model(spec.model)),  # the model volume, not the hub
         shared_volume_claim=shared_volume or None,
+        model=model_pull(spec.model, image),
     )
     pod = engine_pod(
         owner,

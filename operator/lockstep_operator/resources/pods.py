@@ -41,6 +41,13 @@ from lockstep_operator.resources.common import (
     progress_name,
     trainer_name,
 )
+from lockstep_operator.resources.model import (
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    SHARED_SUBPATH,
+    ModelPull,
+    pull_command,
+)
 
 GPU = "nvidia.com/gpu"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -97,6 +104,9 @@ class Container:
     """A ReadWriteMany PersistentVolumeClaim mounted at /shared (checkpoints, disk-delta)."""
     image_pull_policy: str = "IfNotPresent"
     """imagePullPolicy."""
+    model: ModelPull | None = None
+    """The hub model the pod's init step downloads into the model volume (resources.model); None
+    when the checkpoint is local."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -138,6 +148,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
+    if c.model is not None:
+        volumes += _add_model_volume(c, mounts)
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -155,6 +167,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
+    if c.model is not None:
+        spec["initContainers"] = [_pull_container(c.model, mounts[-1], c.image_pull_policy)]
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -171,6 +185,37 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
             }
         }
     return spec
+
+
+def _add_model_volume(c: Container, mounts: list[Manifest]) -> list[Manifest]:
+    """Mount the model volume (last in `mounts`): the shared claim's model directory when the pod has
+    the claim, else an emptyDir of its own; the volumes to add."""
+    if c.shared_volume_claim:
+        mounts.append({"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH})
+        return []
+    mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT})
+    return [{"name": MODEL_VOLUME, "emptyDir": {}}]
+
+
+def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:
+    """The init step filling the model volume; the hub token reaches this container only."""
+    env: list[Manifest] = []
+    if pull.token is not None:
+        ref = {"name": pull.token.name, "key": pull.token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    out: Manifest = {
+        "name": "pull-model",
+        "image": pull.image,
+        "imagePullPolicy": pull_policy,
+        "command": pull_command(pull),
+        "volumeMounts": [dict(mount)],
+        # pull-model's last words (the repo, the cache, the fix) become the pod's status message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if env:
+        out["env"] = env
+    return out
 
 
 def _base_env(job: str) -> dict[str, str]:

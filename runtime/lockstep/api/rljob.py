@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -47,6 +48,28 @@ class LoraSpec(ApiModel):
     """Module names (or `all-linear`) that get adapters."""
 
 
+HUB_ID_PATTERN: Final = (
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
+)
+"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit).
+A local directory in a cluster is an absolute path, so it never reads as a repo id."""
+
+
+def is_hub_id(ref: str) -> bool:
+    """Whether a checkpoint or tokenizer reference names a hub repo (`org/name[@rev]`), not a local
+    directory or `builtin:<name>` (pure)."""
+    return re.fullmatch(HUB_ID_PATTERN, ref) is not None
+
+
+class SecretKeySelector(ApiModel):
+    """One key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Secret name."""
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key within the Secret."""
+
+
 class ModelSpec(ApiModel):
     """The policy model. Immutable after creation: a new model is a new job."""
 
@@ -64,6 +87,10 @@ class ModelSpec(ApiModel):
     """Tokenizer location when it differs from the checkpoint (same forms as checkpoint)."""
     chat_template: str | None = Field(default=None, max_length=1024)
     """Path of a Jinja chat template overriding the tokenizer's own."""
+    hub_token_secret: SecretKeySelector | None = None
+    """Secret holding a Hugging Face token for a gated or private hub checkpoint (`name`, and `key`,
+    default `token`). In a cluster only the init step that downloads the model gets it, as HF_TOKEN
+    from the Secret; it is never in job.yaml or the logs."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of the full weights; unset trains all weights. Not built yet:
     refused at apply (rule lora-not-built)."""
