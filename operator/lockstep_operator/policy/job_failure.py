@@ -4,7 +4,8 @@ Rules in order, the first that matches wins: the trainer group failed (its gang 
 reached: its reason and message), a trainer rank reported that it cannot start (the lowest such
 rank's error: TrainerStartFailed), the pre-flight weight-equality check failed (the tensors that
 differ), the driver reported a fatal error (DriverStartFailed when it could not start, else
-DriverError), the driver pod failed. Separately, a job running longer
+DriverError), an init step of the driver pod failed (the model download: ModelPullFailed), the driver
+pod failed. Separately, a job running longer
 than spec.activeDeadlineSeconds fails with DeadlineExceeded.
 """
 
@@ -35,6 +36,8 @@ def job_failure(obs: JobObserved) -> Verdict | None:
         )
     if progress is not None and progress.error:
         return Verdict(Phase.FAILED, progress.reason or "DriverError", progress.error)
+    if obs.driver_init_failure is not None:
+        return Verdict(Phase.FAILED, "ModelPullFailed", f"driver pod: {obs.driver_init_failure}")
     if obs.driver_phase == "Failed":
         return Verdict(Phase.FAILED, "DriverFailed", "the driver pod failed")
     return None

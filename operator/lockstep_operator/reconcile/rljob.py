@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.policy.condition import set_condition
+from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress, read_rank_reports
@@ -223,4 +224,5 @@ async def _observe(
         driver_phase=(driver.get("status") or {}).get("phase") if driver else None,
         gang_problem=gang_problem,
         rank_reports=read_rank_reports(progress_cm),
+        driver_init_failure=init_failure(driver),
     )
