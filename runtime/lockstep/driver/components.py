@@ -270,8 +270,9 @@ def _build_rollout(
             settings.seed,
             max_turns=agent.max_turns,
             timeout_s=timeout,
-            # The session server renders turns with the family's chat-template rules (TITO).
-            extra={"family": job.spec.model.family},
+            # The session server renders turns with the family's chat-template rules (TITO); its new
+            # sessions default to spec.rollout.session.
+            extra={"family": job.spec.model.family, "session": job.spec.rollout.session.wire()},
         )
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731
