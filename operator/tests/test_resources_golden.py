@@ -150,6 +150,7 @@ def test_driver_config_and_rbac() -> None:
         "config": config.runtime_config_map(own, job="j", rendered={"spec": {"a": 1}}),
         "progress": config.progress_config_map(own, job="j"),
         "rbac": config.driver_rbac(own, job="j"),
+        "trainer-rbac": config.trainer_rbac(own, job="j"),
     })  # fmt: skip
 
 
@@ -226,10 +227,10 @@ def test_rank_run_dir_is_on_the_shared_volume_when_the_job_names_one() -> None:
         env = {e["name"]: e.get("value") for e in main["env"]}
         assert env["LOCKSTEP_RUN_DIR"] == run_dir
         assert volume in pod["spec"]["volumes"]
-        mounted = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
-        assert run_dir.startswith(mounted[volume["name"]])  # the run dir is on a mounted volume
-        names = sorted(v["name"] for v in pod["spec"]["volumes"])
-        assert names == sorted(["config", "dshm", volume["name"]])  # exactly one of shared / run
+        mounted = [m["mountPath"] for m in main["volumeMounts"] if m["name"] == volume["name"]]
+        assert any(run_dir.startswith(m) for m in mounted)  # the run dir is on a mounted volume
+        own = sorted(v["name"] for v in pod["spec"]["volumes"] if v["name"] != "model")  # hub model aside
+        assert own == sorted(["config", "dshm", volume["name"]])  # exactly one of shared / run
 
 
 def test_p2p_rank_pods_get_rdma_ipc_lock_and_shm() -> None:

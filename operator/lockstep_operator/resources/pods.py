@@ -42,6 +42,15 @@ from lockstep_operator.resources.common import (
     driver_name,
     job_labels,
     metadata,
+    progress_name,
+    trainer_name,
+)
+from lockstep_operator.resources.model import (
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    SHARED_SUBPATH,
+    ModelPull,
+    pull_command,
 )
 
 GPU = "nvidia.com/gpu"
@@ -110,6 +119,9 @@ class Container:
     the runtime's 64 MiB default."""
     capabilities: Sequence[str] = ()
     """Linux capabilities added to the dropped-ALL set (IPC_LOCK to pin RDMA buffers)."""
+    model: ModelPull | None = None
+    """The hub model the pod's init step downloads into the model volume (resources.model); None
+    when the checkpoint is local."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -163,6 +175,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    if c.model is not None:
+        volumes += _add_model_volume(c, mounts)
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -183,6 +197,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
+    if c.model is not None:
+        spec["initContainers"] = [_pull_container(c.model, mounts[-1], c.image_pull_policy)]
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -210,6 +226,37 @@ def api_key_env(job: str) -> Manifest:
 def _with_api_key(spec: Manifest, job: str) -> Manifest:
     spec["containers"][0]["env"].append(api_key_env(job))
     return spec
+
+
+def _add_model_volume(c: Container, mounts: list[Manifest]) -> list[Manifest]:
+    """Mount the model volume (last in `mounts`): the shared claim's model directory when the pod has
+    the claim, else an emptyDir of its own; the volumes to add."""
+    if c.shared_volume_claim:
+        mounts.append({"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH})
+        return []
+    mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT})
+    return [{"name": MODEL_VOLUME, "emptyDir": {}}]
+
+
+def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:
+    """The init step filling the model volume; the hub token reaches this container only."""
+    env: list[Manifest] = []
+    if pull.token is not None:
+        ref = {"name": pull.token.name, "key": pull.token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    out: Manifest = {
+        "name": "pull-model",
+        "image": pull.image,
+        "imagePullPolicy": pull_policy,
+        "command": pull_command(pull),
+        "volumeMounts": [dict(mount)],
+        # pull-model's last words (the repo, the cache, the fix) become the pod's status message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if env:
+        out["env"] = env
+    return out
 
 
 def _base_env(job: str) -> dict[str, str]:
@@ -327,7 +374,9 @@ def rank_pod(
     engines read disk-delta copies from the same path), else an emptyDir that lives as long as the pod
     (a gang restart then starts from the base checkpoint).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
-    restarts as a gang (all ranks deleted and recreated with `generation` + 1).
+    restarts as a gang (all ranks deleted and recreated with `generation` + 1). A rank that cannot
+    start reports why into the progress ConfigMap (ServiceAccount `<job>-trainer`, patch only), so the
+    job fails with the reason instead of restarting the gang.
     """
     nproc = max(placement.gpus, 1)
     env = {
@@ -336,12 +385,14 @@ def rank_pod(
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
         "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
+        "LOCKSTEP_PROGRESS_CONFIGMAP": progress_name(job),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
     spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), job)
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
+    spec["serviceAccountName"] = trainer_name(job)
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [

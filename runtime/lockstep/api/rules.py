@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from lockstep.api.cel import Expr, field, has, old
 from lockstep.api.common import NAME_PATTERN, KubeObject
 from lockstep.api.rljob import (
+    AlgorithmSpec,
     Autoscaling,
     EngineSpec,
     GangScheduling,
@@ -30,6 +31,7 @@ from lockstep.api.rljob import (
     OPDSpec,
     RLJobSpec,
     RolloutSpec,
+    SamplingSpec,
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
@@ -301,6 +303,70 @@ RULES: Final[tuple[Rule, ...]] = (
         has("defaultTeacher").implies(field("defaultTeacher").in_(field("teachers").map("name"))),
         "defaultTeacher",
         "defaultTeacher must name one of the teachers: fix the name or add that teacher",
+    ),
+    Rule(
+        "fully-async-no-abort",
+        RLJobSpec,
+        _mode.eq("fully-async").implies(~field("weightSync.pauseMode").eq("abort")),
+        "weightSync.pauseMode",
+        "fully-async keeps trajectories in flight across every weight update, and abort would drop "
+        "their groups: set weightSync.pauseMode to retract (the default) or schedule.mode to sync",
+    ),
+    Rule(
+        "cuda-ipc-one-engine",
+        RLJobSpec,
+        _transport.eq("cuda-ipc").implies(field("rollout.replicas").le(1)),
+        "rollout.replicas",
+        "cuda-ipc hands weights to the one colocated engine: set rollout.replicas to 1 or use "
+        "transport broadcast or auto",
+    ),
+    # Not built yet: the API keeps these fields, the runtime does not build them, so a manifest that
+    # asks for one is refused at apply, never at pod start. Each rule goes when its feature is built.
+    Rule(
+        "lora-not-built",
+        ModelSpec,
+        ~has("lora"),
+        "lora",
+        "LoRA is not built yet (the trainer trains all weights): remove model.lora",
+    ),
+    Rule(
+        "opd-not-built",
+        AlgorithmSpec,
+        ~has("opd"),
+        "opd",
+        "on-policy distillation is not built yet: remove algorithm.opd",
+    ),
+    Rule(
+        "prefill-decode-not-built",
+        EngineSpec,
+        field("prefillDecode").eq(False),
+        "prefillDecode",
+        "prefill-decode disaggregation is not built yet (engines are rendered as one server each): "
+        "set prefillDecode to false",
+    ),
+    Rule(
+        "mtp-not-built",
+        EngineSpec,
+        field("multiTokenPrediction").eq(False),
+        "multiTokenPrediction",
+        "multi-token prediction (speculative decoding) is not built yet (no engine command sets it): "
+        "set multiTokenPrediction to false",
+    ),
+    Rule(
+        "session-token-cap-not-built",
+        SamplingSpec,
+        ~has("maxSessionTokens"),
+        "maxSessionTokens",
+        "a whole-session token cap is not built yet (maxNewTokens caps each turn, agent.maxTurns the "
+        "turns): remove rollout.sampling.maxSessionTokens",
+    ),
+    Rule(
+        "context-parallel-not-built",
+        TrainerSpec,
+        field(_par + "context").eq(1),
+        "parallelism.context",
+        "context parallelism is not built yet (megatron-core's local layer spec has no "
+        "context-parallel attention without Transformer Engine): set trainer.parallelism.context to 1",
     ),
     Rule(
         "kueue-needs-queue",

@@ -38,7 +38,7 @@ from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, load_task
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.weights.factory import check_transport, needs_tensor_updates
 
 if TYPE_CHECKING:
@@ -132,7 +132,6 @@ def build_components(
     With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
-    check_supported(job)
     if trainer_url is None:
         check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
     settings = settings_from_job(job, steps)
@@ -271,8 +270,9 @@ def _build_rollout(
             settings.seed,
             max_turns=agent.max_turns,
             timeout_s=timeout,
-            # The session server renders turns with the family's chat-template rules (TITO).
-            extra={"family": job.spec.model.family},
+            # The session server renders turns with the family's chat-template rules (TITO); its new
+            # sessions default to spec.rollout.session.
+            extra={"family": job.spec.model.family, "session": job.spec.rollout.session.wire()},
         )
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731

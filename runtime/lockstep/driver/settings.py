@@ -95,5 +95,5 @@ def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
         top_p=sampling.top_p,
         max_new_tokens=sampling.max_new_tokens,
         eval_temperature=spec.schedule.eval_temperature,
-        trainer=TrainerSettings.from_job(job),  # refuses temperature <= 0
+        trainer=TrainerSettings.from_job(job),
     )

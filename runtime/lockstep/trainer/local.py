@@ -241,18 +241,6 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
     }
 
 
-def check_supported(job: RLJob) -> None:
-    """Refuse manifest features this runtime does not build yet; the error names the fields."""
-    spec = job.spec
-    problems = []
-    if spec.model.lora is not None:
-        problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> TrainBackend:
     """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
     return make_backend(

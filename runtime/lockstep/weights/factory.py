@@ -121,7 +121,10 @@ def needs_tensor_updates(job: RLJob) -> bool:
 
 
 def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool) -> None:
-    """Refuse, before anything starts, a transport this process cannot run; the error names the field."""
+    """Refuse, before anything starts, a transport this process cannot run; the error names the field.
+
+    Only what depends on this machine and process (CUDA, where the engine runs) is checked here; what
+    the manifest alone decides (one engine for cuda-ipc) is refused at apply (lockstep.api.rules)."""
     rollout = job.spec.rollout
     if (
         job.spec.weight_sync.transport is Transport.P2P
@@ -135,11 +138,6 @@ def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool)
         )
     if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
-    if max(job.spec.rollout.replicas, 1) != 1:
-        raise ValueError(
-            f"{FIELD}: cuda-ipc hands weights to the one colocated engine; set spec.rollout.replicas to 1 "
-            "or choose broadcast"
-        )
     if job.spec.trainer.device is not Device.CUDA:
         if external_engines:
             raise ValueError(
