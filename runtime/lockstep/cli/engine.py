@@ -17,7 +17,7 @@ from aiohttp import web
 
 from lockstep.cli.commands import HELP
 from lockstep.engine import ReferenceEngine, create_app
-from lockstep.models.tiny import resolve_checkpoint
+from lockstep.models import resolve_checkpoint
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import torch
 
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tokenizer import ChatTokenizer
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class ReferenceEngine:
         model: torch.nn.Module,
         *,
         model_path: str = "",
-        tokenizer: TinyTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         device: str | torch.device = "cpu",
         max_running_requests: int = 32,
         context_length: int = 1024,
@@ -179,7 +179,7 @@ class ReferenceEngine:
         self.model_path = model_path
         """The checkpoint dir loaded at start."""
         self.tokenizer = tokenizer
-        """Decodes output text when the checkpoint has a tiny tokenizer; else text is empty."""
+        """The checkpoint's tokenizer (decodes output text); None when the dir has none (text is empty)."""
         self.model: Any = model.eval()
         """The Qwen3ForCausalLM holding the live weights under HF names."""
         self.weight_version: int = 0
@@ -221,7 +221,8 @@ class ReferenceEngine:
     def load(
         cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
     ) -> ReferenceEngine:
-        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        """Load an HF-layout checkpoint dir through transformers' auto classes (fp32 on CPU, bf16 on CUDA
+        unless dtype is given); its tokenizer.json, when present, decodes output text."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
@@ -230,7 +231,8 @@ class ReferenceEngine:
         config = AutoConfig.from_pretrained(path)
         model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         model = model.to(dev)
-        tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tok = ChatTokenizer.load(path, require_template=False) if has_tokenizer else None
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
         )

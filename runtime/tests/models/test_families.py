@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from lockstep.models.families import get_family, names
 from lockstep.models.registry import Message, ToolCall
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer, save_tokenizer
 
 CONVERSATION = [
     Message("system", "You are a calculator agent."),
@@ -178,6 +178,6 @@ def test_a_real_tokenizer_json_is_loaded_and_checked(tmp_path: Path) -> None:
         get_family("glm47", str(tmp_path / "missing"))
 
 
-def test_tiny_verifies_a_checkpoint_vocabulary(tmp_path: Path) -> None:
-    TinyTokenizer().save(tmp_path)
-    assert get_family("tiny", str(tmp_path)).codec.encode("<|user|>hi") == [2, *TinyTokenizer().encode("hi")]
+def test_tiny_reads_a_checkpoint_vocabulary(tmp_path: Path) -> None:
+    save_tokenizer(tmp_path)
+    assert get_family("tiny", str(tmp_path)).codec.encode("<|user|>hi") == [2, *chat_tokenizer().encode("hi")]
