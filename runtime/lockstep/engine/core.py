@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import torch
 
+from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tokenizer import ChatTokenizer
 from lockstep.serving.payloads import SamplingParams
@@ -181,14 +182,16 @@ class ReferenceEngine:
         self.tokenizer = tokenizer
         """The checkpoint's tokenizer (decodes output text); None when the dir has none (text is empty)."""
         self.model: Any = model.eval()
-        """The Qwen3ForCausalLM holding the live weights under HF names."""
+        """The transformers causal LM holding the live weights under HF names."""
         self.weight_version: int = 0
         """The version of the loaded weights; 0 at start."""
         self.stats = EngineStats()
         """Counters, including the prefix-cache hit rate."""
         self.max_prefill_tokens = max_prefill_tokens
         dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(
+        # Qwen3-style attention runs on the slotted KV cache; other architectures recompute (recompute.py).
+        runner_cls: Any = ModelRunner if slotted_runner_supports(model.config) else RecomputeRunner
+        self.runner = runner_cls(
             model,
             max_slots=max_running_requests,
             context_length=context_length,
@@ -240,11 +243,11 @@ class ReferenceEngine:
 
     @property
     def context_length(self) -> int:
-        return self.runner.context_length
+        return int(self.runner.context_length)
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return int(self.runner.vocab_size)
 
     @property
     def is_moe(self) -> bool:
