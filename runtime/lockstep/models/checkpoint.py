@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.models.tiny import BUILTIN_PREFIX, builtin_dir
-from lockstep.models.tokenizer import ChatTokenizer
+from lockstep.models.tokenizer import TOKENIZER_FILES, ChatTokenizer
 
 ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.py")
 """Files fetched from the hub: configs, weights, tokenizer, chat template (and remote-code modules,
@@ -178,3 +178,15 @@ def load_tokenizer(
     """The run's tokenizer: spec.model.tokenizer's (else the checkpoint's), with spec.model.chatTemplate
     replacing its template when set."""
     return ChatTokenizer.load(resolve_tokenizer(tokenizer, model_dir, cache_dir), chat_template)
+
+
+def copy_model_files(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> list[str]:
+    """Copy the checkpoint's non-weight files (tokenizer, chat template, generation config) from `src`
+    into the saved checkpoint `dst`, so `dst` loads alone in transformers; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = Path(src) / name
+        if path.is_file() and not (Path(dst) / name).exists():
+            shutil.copyfile(path, Path(dst) / name)
+            copied.append(name)
+    return copied

@@ -98,15 +98,16 @@ async def _engine_greedy(d: Path, prompt: list[int], n: int) -> list[int]:
 
 
 def transformers_greedy(d: Path, prompt: list[int], n: int) -> list[int]:
-    """What transformers alone generates from checkpoint dir `d` (greedy, no Lockstep code)."""
+    """What transformers alone computes from checkpoint dir `d`: n greedy tokens (argmax of the
+    model's own forward, no Lockstep code and no generation-time logit processors)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = list(prompt)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
