@@ -138,6 +138,7 @@ def snapshot(ref: HubRef, dest: str | os.PathLike[str] | None = None) -> Path:
             allow_patterns=list(ALLOW_PATTERNS),
             local_files_only=offline(),
             token=token,
+            endpoint=os.environ.get("HF_ENDPOINT") or None,  # read now, not at huggingface_hub's import
         )
     except Exception as e:  # the hub's errors (not found, gated, offline miss) and network errors
         raise CheckpointError(_hub_error(ref, cache, e, token)) from None
