@@ -200,7 +200,9 @@ class ReferenceEngine:
             seed=seed,
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
         )
-        self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        # Weights by HF name: parameters (incl. a tied lm_head) and the persistent buffers a checkpoint also
+        # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
+        self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -283,8 +285,9 @@ class ReferenceEngine:
         self.weight_version = int(version)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF name -> live parameter tensor (tied weights listed once, as HF's state dict files do)."""
-        return {n: p.data for n, p in self.model.named_parameters()}
+        """HF name -> live weight tensor: parameters (tied ones listed once, as HF state dict files do) and
+        persistent buffers."""
+        return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False) -> int:
@@ -680,6 +683,12 @@ def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
         row = pos - 1 - seq.kv_len
         out.append(float(logp[row, seq.tokens[pos]]))
     return out
+
+
+def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Buffers saved in the state dict (checkpoint tensors that are not parameters), by HF name."""
+    saved = set(model.state_dict().keys())
+    return {n: b for n, b in model.named_buffers() if n in saved}
 
 
 def _eos_ids(config: Any) -> set[int]:

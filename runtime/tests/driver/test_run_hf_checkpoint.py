@@ -88,6 +88,35 @@ def test_run_trains_a_qwen3_directory_and_saves_what_transformers_loads(
     assert asyncio.run(_engine_greedy(saved, ids, 8)) == greedy[len(ids) :]
 
 
+@pytest.mark.parametrize("fixture", ["qwen3-moe", "glm5"])
+def test_run_trains_moe_directories(
+    fixture: str, tmp_path: Path, hf_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-MoE and GLM-5 (MLA + DSA indexer + shared experts) checkpoints train end to end too."""
+    family = "qwen3" if fixture.startswith("qwen3") else "glm5"
+    run_dir = tmp_path / "run"
+    manifest = _manifest(tmp_path, str(hf_checkpoint(fixture)), family)
+    args = [
+        "run",
+        str(manifest),
+        "--run-dir",
+        str(run_dir),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--steps",
+        "2",
+    ]
+    assert main(args) == 0
+    assert "done: step 2, reward " in capsys.readouterr().out
+    train = read_jsonl(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in train] == [1, 2]
+    # GLM-5 trains further from the engine: transformers' GlmMoeDsa gives a right-padded row of a batch
+    # other logits than the same row alone (up to ~3e-2 on this fixture; the DSA indexer under padding),
+    # and the trainer scores padded batches. Measured here, not hidden: Qwen3-MoE stays at float noise.
+    bound = 1e-3 if family == "qwen3" else 2e-2
+    assert all(r["train_rollout_logprob_abs_diff"] < bound for r in train), train
+
+
 def test_a_missing_tokenizer_fails_at_start_naming_the_fix(
     tmp_path: Path, hf_checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
