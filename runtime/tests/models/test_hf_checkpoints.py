@@ -8,6 +8,7 @@ tokenizer.json with the family's control tokens, the family's chat template, gen
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,3 +118,30 @@ def test_the_engine_generates_the_greedy_tokens_of_transformers(
     d = hf_checkpoint(name)
     prompt = ChatTokenizer.load(d).render(CHAT, add_generation_prompt=True)
     assert asyncio.run(_engine_greedy(d, prompt, 8)) == transformers_greedy(d, prompt, 8)
+
+
+def test_chat_template_override_and_missing_template(
+    tmp_path: Path, hf_checkpoint: Callable[[str], Path]
+) -> None:
+    d = hf_checkpoint("qwen3")
+    custom = tmp_path / "plain.jinja"
+    custom.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tok = ChatTokenizer.load(d, chat_template=custom)  # spec.model.chatTemplate
+    assert (
+        tok.render_text(CHAT, add_generation_prompt=True)
+        == "system: You are a calculator.\nuser: What is 12 * 7?\n"
+    )
+    with pytest.raises(FileNotFoundError, match=r"spec\.model\.chatTemplate"):
+        ChatTokenizer.load(d, chat_template=tmp_path / "nope.jinja")
+    bare = tmp_path / "no-template"
+    bare.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((d / name).read_bytes())
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"no chat template.*spec\.model\.chatTemplate"):
+        ChatTokenizer.load(bare)
+    assert ChatTokenizer.load(bare, require_template=False).encode("hi") == tok.encode(
+        "hi"
+    )  # an engine decodes
