@@ -23,7 +23,7 @@ from aiohttp import web
 from lockstep.cli.commands import HELP
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.engine.server import MAX_BODY_BYTES
-from lockstep.models.tiny import resolve_checkpoint
+from lockstep.models import resolve_checkpoint
 from lockstep.serving.client import API_KEY_ENV, api_key_from_env
 
 

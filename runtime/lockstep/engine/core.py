@@ -46,8 +46,9 @@ from typing import Any, Literal
 
 import torch
 
+from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tokenizer import ChatTokenizer
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class ReferenceEngine:
         model: torch.nn.Module,
         *,
         model_path: str = "",
-        tokenizer: TinyTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         device: str | torch.device = "cpu",
         max_running_requests: int = 32,
         context_length: int = 1024,
@@ -196,9 +197,9 @@ class ReferenceEngine:
         self.model_path = model_path
         """The checkpoint dir loaded at start."""
         self.tokenizer = tokenizer
-        """Decodes output text when the checkpoint has a tiny tokenizer; else text is empty."""
+        """The checkpoint's tokenizer (decodes output text); None when the dir has none (text is empty)."""
         self.model: Any = model.eval()
-        """The Qwen3ForCausalLM holding the live weights under HF names."""
+        """The transformers causal LM holding the live weights under HF names."""
         self.weight_version: int = 0
         """The version of the loaded weights; 0 at start."""
         self.stats = EngineStats()
@@ -209,7 +210,9 @@ class ReferenceEngine:
         self.draining = False
         """Set on shutdown: new requests are refused with EngineBusy, /health answers 503."""
         dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(
+        # Qwen3-style attention runs on the slotted KV cache; other architectures recompute (recompute.py).
+        runner_cls: Any = ModelRunner if slotted_runner_supports(model.config) else RecomputeRunner
+        self.runner = runner_cls(
             model,
             max_slots=max_running_requests,
             context_length=context_length,
@@ -218,7 +221,9 @@ class ReferenceEngine:
             seed=seed,
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
         )
-        self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        # Weights by HF name: parameters (incl. a tied lm_head) and the persistent buffers a checkpoint also
+        # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
+        self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -242,7 +247,8 @@ class ReferenceEngine:
     def load(
         cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
     ) -> ReferenceEngine:
-        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        """Load an HF-layout checkpoint dir through transformers' auto classes (fp32 on CPU, bf16 on CUDA
+        unless dtype is given); its tokenizer.json, when present, decodes output text."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
@@ -251,7 +257,8 @@ class ReferenceEngine:
         config = AutoConfig.from_pretrained(path)
         model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         model = model.to(dev)
-        tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tok = ChatTokenizer.load(path, require_template=False) if has_tokenizer else None
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
         )
@@ -259,11 +266,11 @@ class ReferenceEngine:
 
     @property
     def context_length(self) -> int:
-        return self.runner.context_length
+        return int(self.runner.context_length)
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return int(self.runner.vocab_size)
 
     @property
     def is_moe(self) -> bool:
@@ -327,8 +334,9 @@ class ReferenceEngine:
         self.weight_version = v
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF name -> live parameter tensor (tied weights listed once, as HF's state dict files do)."""
-        return {n: p.data for n, p in self.model.named_parameters()}
+        """HF name -> live weight tensor: parameters (tied ones listed once, as HF state dict files do) and
+        persistent buffers."""
+        return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
     @torch.no_grad()
     def stage_weights(
@@ -776,6 +784,12 @@ def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
         row = pos - 1 - seq.kv_len
         out.append(float(logp[row, seq.tokens[pos]]))
     return out
+
+
+def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Buffers saved in the state dict (checkpoint tensors that are not parameters), by HF name."""
+    saved = set(model.state_dict().keys())
+    return {n: b for n, b in model.named_buffers() if n in saved}
 
 
 def _eos_ids(config: Any) -> set[int]:

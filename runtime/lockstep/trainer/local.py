@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Engine, Offload
-from lockstep.models import TinyTokenizer
+from lockstep.models import load_tokenizer
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
 from lockstep.train.common.losses import policy_loss, sft_loss
@@ -66,6 +66,8 @@ class TrainerParts:
     """The engines each update reaches (asked again before every update)."""
     pad_id: int
     """Padding token ID for packing."""
+    eos_id: int
+    """The token that ends an assistant turn (closes each SFT answer)."""
     engine_urls: list[str]
     """The engines known at start (the pre-flight reads them back)."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
@@ -90,7 +92,7 @@ class LocalTrainer:
         only), with the RL optimizer; items come from a train-split offset (SFT_ITEM_BASE) so RL prompts
         are not the ones just imitated."""
         c, s = self.parts, self.parts.settings
-        eos = c.encode("<|eos|>")
+        eos = [c.eos_id]
         if s.sft_learning_rate is not None:
             c.backend.set_learning_rate(s.sft_learning_rate)
         for k in range(s.sft_steps):
@@ -272,7 +274,7 @@ def build_trainer_parts(
     `members` is where each update finds the engines of the moment (default: exactly `engine_urls`; a
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
-    tokenizer = TinyTokenizer.load(model_dir)
+    tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
     urls = sorted(u.rstrip("/") for u in engine_urls)
@@ -286,6 +288,7 @@ def build_trainer_parts(
         transport=transport,
         engines=EngineSet(members or StaticMembers(tuple(urls)), urls),
         pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
         engine_urls=[u.rstrip("/") for u in engine_urls],
         render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
         encode=tokenizer.encode,

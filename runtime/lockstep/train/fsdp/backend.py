@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lockstep.models.checkpoint import copy_model_files
 from lockstep.train.backend import StepResult
 from lockstep.train.common.dist import init_distributed
 from lockstep.train.common.logprobs import token_logprobs
@@ -260,6 +261,8 @@ class FSDPBackend:
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         ckpt.save(self, Path(directory), extra or {})
+        if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
+            copy_model_files(self.config.model_path, directory)
 
     def load(self, directory: Path) -> dict[str, Any]:
         return ckpt.load(self, Path(directory))
