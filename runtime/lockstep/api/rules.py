@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from lockstep.api.cel import Expr, field, has, old
 from lockstep.api.common import NAME_PATTERN, KubeObject
+from lockstep.api.profiles import TRUE_ON_POLICY_FAMILIES, TRUE_ON_POLICY_PROFILES, registered_names
 from lockstep.api.rljob import (
     Autoscaling,
     EngineSpec,
@@ -33,9 +34,6 @@ from lockstep.api.rljob import (
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
-
-TRUE_ON_POLICY_PROFILES: Final[tuple[str, ...]] = ("qwen3-0.6b", "qwen3-4b")
-"""`family-variant` pairs with a registered true-on-policy profile (Qwen3 dense 0.6B and 4B; seed §4.3)."""
 
 WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
 
@@ -149,13 +147,16 @@ RULES: Final[tuple[Rule, ...]] = (
         field("algorithm.trueOnPolicy")
         .eq(True)
         .implies(
-            has("model.variant")
-            & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
+            field("model.family").in_(list(TRUE_ON_POLICY_FAMILIES))
+            | (
+                has("model.variant")
+                & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
+            )
         ),
         "algorithm.trueOnPolicy",
-        "true-on-policy has profiles only for model family-variant "
-        + ", ".join(TRUE_ON_POLICY_PROFILES)
-        + ": set algorithm.trueOnPolicy to false or use a registered model",
+        "true-on-policy has profiles only for the models "
+        + registered_names()
+        + " (lockstep.api.profiles): set algorithm.trueOnPolicy to false or use a registered model",
     ),
     Rule(
         "true-on-policy-fsdp",

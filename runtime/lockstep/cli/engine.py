@@ -1,7 +1,8 @@
 """`lockstep engine`: serve the reference rollout engine (SGLang's HTTP API subset) on one port.
 
 Why it exists: engine pods and local runs start the engine the same way:
-`lockstep engine --model DIR|builtin:tiny --host 127.0.0.1 --port 30000 [--device cpu|cuda]`.
+`lockstep engine --model DIR|builtin:tiny --host 127.0.0.1 --port 30000 [--device cpu|cuda]`, and for
+true on-policy SGLang's own `--enable-deterministic-inference --rl-on-policy-target fsdp`.
 Binds to 127.0.0.1 unless --host says otherwise.
 
 Who calls it: the rollout pods the operator creates, `lockstep run`, users.
@@ -44,11 +45,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="enable /update_weights_from_tensor (unpickles request data: trusted networks only)",
     )
     p.add_argument("--weight-version", type=int, default=0, help="version reported for the loaded weights")
+    # True on-policy, with SGLang's own switches (lockstep.api.profiles.SGLANG_TRUE_ON_POLICY_ARGS).
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant kernels and deterministic sampling logprobs (SGLang's switch)",
+    )
+    p.add_argument(
+        "--rl-on-policy-target",
+        default=None,
+        choices=["fsdp"],
+        help="run the FSDP trainer's numerics, bit for bit (true on-policy; needs the switch above)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="accepted for SGLang compatibility; the reference engine's attention follows the mode",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.rl_on_policy_target and not args.enable_deterministic_inference:
+        raise SystemExit("--rl-on-policy-target needs --enable-deterministic-inference (as in SGLang)")
     path = resolve_checkpoint(args.model, seed=args.seed)
     engine = ReferenceEngine.load(
         path,
@@ -58,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         seed=args.seed,
         cuda_graphs=args.cuda_graphs,
+        true_on_policy=args.rl_on_policy_target is not None,
     )
     engine.set_weight_version(args.weight_version)
     web.run_app(

@@ -202,7 +202,12 @@ def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]
     allow = needs_tensor_updates(job)  # cuda-ipc sends /update_weights_from_tensor
     engines = []
     for _ in range(max(job.spec.rollout.replicas, 1)):
-        server = start_reference_engine(model_dir, device=device, allow_tensor_updates=allow)
+        server = start_reference_engine(
+            model_dir,
+            device=device,
+            allow_tensor_updates=allow,
+            true_on_policy=job.spec.algorithm.true_on_policy,
+        )
         closers.append(server.stop)
         engines.append(server)
     return engines

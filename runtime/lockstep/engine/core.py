@@ -47,6 +47,7 @@ import torch
 
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tiny import TinyTokenizer
+from lockstep.numerics import exact
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -219,9 +220,19 @@ class ReferenceEngine:
 
     @classmethod
     def load(
-        cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        true_on_policy: bool = False,
+        **kwargs: Any,
     ) -> ReferenceEngine:
-        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given).
+
+        true_on_policy: run the trainer's batch-invariant kernels (lockstep.numerics.exact), SGLang's
+        --enable-deterministic-inference --rl-on-policy-target fsdp.
+        """
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
@@ -230,6 +241,8 @@ class ReferenceEngine:
         config = AutoConfig.from_pretrained(path)
         model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         model = model.to(dev)
+        if true_on_policy:
+            exact.apply(model, dev)
         tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
@@ -606,7 +619,7 @@ class ReferenceEngine:
             top_k=torch.tensor([s.params.top_k for s in seqs], device=self.device),
             generators=[s.generator for s in seqs],
         )
-        ids, lps = sample(torch.cat(logits), params, runner.generator)
+        ids, lps = sample(torch.cat(logits), params, runner.generator, runner.tiles)
         return ids, lps, prompt_lp
 
     def _apply(

@@ -44,6 +44,7 @@ def build_backend(
             device=str(trainer.device),
             dtype="bfloat16" if bf16 else "float32",
             offload=str(trainer.offload),
+            true_on_policy=job.spec.algorithm.true_on_policy,
         )
     )
 

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Offload
+from lockstep.api import Device, Offload
 from lockstep.models import TinyTokenizer
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
@@ -242,8 +242,16 @@ def check_supported(job: RLJob) -> None:
     problems = []
     if spec.model.lora is not None:
         problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
+    if spec.algorithm.opd is not None:
+        problems.append("spec.algorithm.opd: OPD is not built yet; remove it")
+    if spec.algorithm.true_on_policy and (spec.rollout.gpus_per_engine > 0) != (
+        spec.trainer.device is Device.CUDA
+    ):
+        problems.append(
+            "spec.algorithm.trueOnPolicy: the engines and the trainer must run on the same device type "
+            "(the kernels are exact per device): set rollout.gpusPerEngine to 0 with trainer.device cpu, "
+            "or above 0 with trainer.device cuda"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
