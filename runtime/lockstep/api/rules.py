@@ -142,6 +142,14 @@ RULES: Final[tuple[Rule, ...]] = (
         "alike): set trainer.precision to nvfp4 or serve bf16, fp8 or mxfp8",
     ),
     Rule(
+        "trainer-precision-matches-serving",
+        RLJobSpec,
+        field("trainer.precision").eq("bf16") | field("trainer.precision").eq(field("rollout.precision")),
+        "trainer.precision",
+        "a low-precision trainer must serve the same format (a quantized forward against other serving "
+        "weights is a different policy): set trainer.precision to bf16 or to rollout.precision",
+    ),
+    Rule(
         "true-on-policy-profile",
         RLJobSpec,
         field("algorithm.trueOnPolicy")

@@ -31,6 +31,7 @@ from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_fr
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
 from lockstep.models import TinyTokenizer, resolve_checkpoint
 from lockstep.models.moe import routing_shape
+from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
@@ -146,7 +147,9 @@ def build_components(
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
         runner = LoopThread()
         closers.append(runner.close)
-        engines = [] if engine_urls else _start_engines(job, model_dir, closers)
+        engines = (
+            [] if engine_urls else _start_engines(job, serving_checkpoint(job, model_dir, run_dir), closers)
+        )
         clients = [
             EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
         ]
@@ -191,6 +194,15 @@ def build_components(
         # None: the environment decides (ConfigMapReporter in a driver pod, else NullReporter).
         progress=DriverProgress(reporter if reporter is not None else reporter_from_env()),
     )
+
+
+def serving_checkpoint(job: RLJob, model_dir: Path, run_dir: Path) -> Path:
+    """The checkpoint the engines load: `model_dir`, or with spec.rollout.precision other than bf16 its
+    conversion by the job's recipe (seed §6 stage 1) under run_dir/serving-<precision>."""
+    serving = recipe_of(job)
+    if serving is None:
+        return model_dir
+    return convert_checkpoint(model_dir, run_dir / f"serving-{serving.scheme.format}", serving)
 
 
 def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]]) -> list[EngineServer]:

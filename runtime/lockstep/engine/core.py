@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -47,7 +48,8 @@ import torch
 
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tiny import TinyTokenizer
-from lockstep.numerics import exact
+from lockstep.numerics import exact, recipe
+from lockstep.numerics.quant import Scheme
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -199,6 +201,9 @@ class ReferenceEngine:
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
         )
         self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        self.scheme: Scheme | None = None
+        """The serving weight format when the checkpoint was quantized (weights arrive quantized and
+        are dequantized on load, lockstep.numerics.recipe.receive); None for bf16/fp32 serving."""
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -239,7 +244,14 @@ class ReferenceEngine:
         dev = torch.device(device)
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         config = AutoConfig.from_pretrained(path)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        scheme = recipe.checkpoint_scheme(json.loads((path / "config.json").read_text()))
+        model: Any
+        if scheme is None:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
+            del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            _load_quantized(model, path, scheme, dtype)
         model = model.to(dev)
         if true_on_policy:
             exact.apply(model, dev)
@@ -247,7 +259,9 @@ class ReferenceEngine:
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
         )
-        return cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine = cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine.scheme = scheme
+        return engine
 
     @property
     def context_length(self) -> int:
@@ -299,8 +313,11 @@ class ReferenceEngine:
         """Copy tensors into the live parameters by HF name; return how many were copied.
 
         Raises KeyError on an unknown name and ValueError on a shape mismatch, or a dtype mismatch
-        unless cast=True. Call between steps (inside `paused()` or holding no requests).
+        unless cast=True. Call between steps (inside `paused()` or holding no requests). A quantized
+        engine (`scheme`) first dequantizes what arrived with scales.
         """
+        if self.scheme is not None:
+            named = recipe.receive(named, self.scheme, self.runner.dtype)
         n = 0
         for name, t in named:
             p = self._params.get(name)
@@ -695,3 +712,23 @@ def _eos_ids(config: Any) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _load_quantized(model: Any, path: Path, scheme: Scheme, dtype: torch.dtype) -> None:
+    """Fill `model` from the quantized checkpoint at `path` (every parameter must be there)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
+    loaded = set()
+    with torch.no_grad():
+        for name, t in recipe.receive(tensors.items(), scheme, dtype):
+            if name not in params:
+                raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
+            params[name].copy_(t)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join(missing[:5])}")

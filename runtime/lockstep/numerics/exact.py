@@ -39,6 +39,15 @@ CUDA_TILES = Tiles(rows=64, inner=256, cols=256, group=256)
 """Tiles on CUDA: big enough to keep the tensor-core-free fp32 matmuls busy."""
 
 _TILES_ATTR = "_lockstep_tiles"
+WEIGHT_VIEW_ATTR = "_lockstep_weight_view"
+"""A Linear may carry a function of its weight to compute with instead (the recipe's fake quant)."""
+
+
+def weight_of(linear: Any) -> torch.Tensor:
+    """The weight a Linear computes with: its own, or its weight view's image of it."""
+    view = getattr(linear, WEIGHT_VIEW_ATTR, None)
+    w: torch.Tensor = linear.weight if view is None else view(linear.weight)
+    return w
 
 
 def tiles_for(device: torch.device | str) -> Tiles:
@@ -86,7 +95,7 @@ def _install(module: Any, tiles: Tiles) -> None:
     name = type(module).__name__
     m: Any = module
     if isinstance(module, torch.nn.Linear):
-        m.forward = lambda x: kernels.linear(x, m.weight, m.bias, tiles)
+        m.forward = lambda x: kernels.linear(x, weight_of(m), m.bias, tiles)
     elif name.endswith("RMSNorm"):
         m.forward = lambda x: kernels.rms_norm(x, m.weight, _eps(m), tiles)
     elif name.endswith("RotaryEmbedding"):
