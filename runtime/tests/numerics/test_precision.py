@@ -141,3 +141,29 @@ def test_quantized_serving_refuses_other_transports(
     manifest.write_text(yaml.safe_dump(doc))
     assert main(["run", str(manifest), "--run-dir", str(tmp_path / "run")]) == 2
     assert "spec.weightSync.transport: with spec.rollout.precision fp8" in capsys.readouterr().err
+
+
+def test_precision_check_runs_the_five_steps_in_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["rollout"]["precision"] = "nvfp4"
+    doc["spec"]["trainer"]["precision"] = "nvfp4"
+    doc["spec"]["model"]["bf16Modules"] = [EXCEPTION]
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    args = ["precision-check", str(manifest), "--cache-dir", str(tmp_path / "c"), "--samples", "4", "--json"]
+    assert main(args) == 0
+    steps = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and all(s["passed"] for s in steps), steps
+    assert steps[1]["metrics"]["exceptions"] == 1.0
+    assert steps[3]["metrics"]["served_view_max_abs_diff"] < 1e-3
+    assert (
+        steps[3]["metrics"]["train_rollout_logprob_abs_diff"]
+        < steps[3]["metrics"]["served_view_max_abs_diff"] + 1e-3
+    )
+
+
+def test_precision_check_needs_a_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["precision-check", str(FIXTURE)]) == 2
+    assert "set spec.rollout.precision to fp8, mxfp8 or nvfp4" in capsys.readouterr().err

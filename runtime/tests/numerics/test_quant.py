@@ -136,9 +136,11 @@ def test_misaligned_contraction_axis_is_refused_for_block_formats(fmt: Format) -
 # ---------------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_is_idempotent_on_its_own_output(fmt: Format) -> None:
-    s = Scheme.of(fmt)
+def test_mxfp8_is_idempotent_on_its_own_output() -> None:
+    """Power-of-two scales: re-quantizing served values changes nothing (NVFP4's two-level scales
+    and FP8's amax / 448 may move by rounding, which is why stages share quantized values, never
+    re-quantize dequantized ones)."""
+    s = Scheme.of(Format.MXFP8)
     once = fake_quantize(_w(), s)
     assert torch.equal(fake_quantize(once, s), once)
 
