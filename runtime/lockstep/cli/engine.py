@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="enable /update_weights_from_tensor (unpickles request data: trusted networks only)",
     )
     p.add_argument("--weight-version", type=int, default=0, help="version reported for the loaded weights")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp8_e4m3", "fp8_e5m2"],
+        help="KV-cache dtype, SGLang's values (fp8: K/V stored in FP8 with scale 1.0)",
+    )
     # True on-policy, with SGLang's own switches (lockstep.api.profiles.SGLANG_TRUE_ON_POLICY_ARGS).
     p.add_argument(
         "--enable-deterministic-inference",
@@ -79,6 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         cuda_graphs=args.cuda_graphs,
         true_on_policy=args.rl_on_policy_target is not None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine.set_weight_version(args.weight_version)
     web.run_app(

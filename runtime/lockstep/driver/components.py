@@ -219,6 +219,7 @@ def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]
             device=device,
             allow_tensor_updates=allow,
             true_on_policy=job.spec.algorithm.true_on_policy,
+            kv_cache_dtype=str(job.spec.rollout.kv_cache_dtype),
         )
         closers.append(server.stop)
         engines.append(server)

@@ -56,6 +56,14 @@ log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""SGLang's --kv-cache-dtype values -> the cache dtype (None: the model's)."""
+
 
 class EngineInputError(ValueError):
     """A request the engine cannot serve; the message names the field and the fix (HTTP 400)."""
@@ -170,12 +178,14 @@ class ReferenceEngine:
         max_prefill_tokens: int = 16384,
         seed: int = 0,
         cuda_graphs: bool | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """model: an HF Qwen3ForCausalLM on `device`; max_running_requests: KV slots (sequences run
         together); context_length: longest prompt + output; max_prefill_tokens: prompt tokens admitted per
         step; seed: the engine generator's seed (requests without sampling_seed); cuda_graphs: decode on
         static buffers, captured into CUDA graphs on CUDA (default: on for CUDA). With graphs, parameters
-        must never be rebound (`p.data = t`), only copied into, as load_weights does.
+        must never be rebound (`p.data = t`), only copied into, as load_weights does. kv_cache_dtype:
+        SGLang's --kv-cache-dtype (`fp8_e4m3`/`fp8_e5m2` store K/V in FP8, scale 1.0).
         """
         self.device = torch.device(device)
         """Where the weights and the KV cache live."""
@@ -199,6 +209,7 @@ class ReferenceEngine:
             dtype=dtype,
             seed=seed,
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
+            kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
         )
         self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
         self.scheme: Scheme | None = None

@@ -96,6 +96,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         cuda_graphs: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -122,8 +123,11 @@ class ModelRunner:
                 (max_slots, context_length + 1, self.num_layers, self.top_k), dtype=torch.int32, device=device
             )
         shape = (self.num_layers, max_slots, self.num_kv_heads, context_length + 1, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
+        cache_dtype = kv_cache_dtype or dtype
+        # An FP8 cache (SGLang's --kv-cache-dtype fp8_e4m3|fp8_e5m2, scale 1.0): K/V are rounded to
+        # FP8 when written and read back in the model dtype.
+        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)  # [L, S, Hkv, M+1, D]
+        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)  # [L, S, Hkv, M+1, D]
         self.generator = torch.Generator(device=device)
         """The engine's generator for rows without a sampling_seed."""
         self.generator.manual_seed(seed)
@@ -169,12 +173,13 @@ class ModelRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin  # [B, Hkv, T, D]
             kc, vc = self.k_cache[li], self.v_cache[li]  # [S, Hkv, M+1, D]
-            kc[slot_bt, :, positions] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
-            vc[slot_bt, :, positions] = v
+            kc[slot_bt, :, positions] = k.transpose(1, 2).to(kc.dtype)  # indexed view is [B, T, Hkv, D]
+            vc[slot_bt, :, positions] = v.to(vc.dtype)
             if contiguous:
                 keys, values = kc[:b, :, :kv_len], vc[:b, :, :kv_len]  # [B, Hkv, kv_len, D]
             else:
                 keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+            keys, values = keys.to(h.dtype), values.to(h.dtype)
             if self.tiles is not None:  # true on-policy: the trainer's attention, bit for bit
                 o = kernels.attention(q, keys, values, mask, attn.scaling, self.tiles)
             else:

@@ -256,6 +256,11 @@ def check_supported(job: RLJob) -> None:
             "(the kernels are exact per device): set rollout.gpusPerEngine to 0 with trainer.device cpu, "
             "or above 0 with trainer.device cuda"
         )
+    if spec.algorithm.true_on_policy and spec.rollout.kv_cache_dtype.value.startswith("fp8"):
+        problems.append(
+            "spec.rollout.kvCacheDtype: an FP8 KV cache rounds the engine's keys and values, which the "
+            "trainer does not: set kvCacheDtype to auto with trueOnPolicy, or trueOnPolicy to false"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -167,3 +167,23 @@ def test_precision_check_runs_the_five_steps_in_order(
 def test_precision_check_needs_a_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["precision-check", str(FIXTURE)]) == 2
     assert "set spec.rollout.precision to fp8, mxfp8 or nvfp4" in capsys.readouterr().err
+
+
+def test_fp8_kv_cache_is_an_engine_option(tmp_path: Path) -> None:
+    """GLM-5.2's serving recipe: FP8 weights and an FP8 KV cache, BF16 (here fp32) training, end to end."""
+    rows = _run(
+        tmp_path,
+        {
+            "spec.rollout.precision": "fp8",
+            "spec.rollout.kvCacheDtype": "fp8_e4m3",
+            "spec.weightSync": {"checkWeightUpdateEqual": True},
+        },
+    )
+    assert all(0.0 < r["train_rollout_logprob_abs_diff"] < 0.2 for r in rows), rows
+    engine = ReferenceEngine.load(
+        materialize_builtin("builtin:tiny", tmp_path / "m"), kv_cache_dtype="fp8_e4m3"
+    )
+    assert (
+        engine.runner.k_cache.dtype == torch.float8_e4m3fn
+        and engine.runner.v_cache.dtype == torch.float8_e4m3fn
+    )
