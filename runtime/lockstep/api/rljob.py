@@ -33,6 +33,7 @@ from lockstep.api.common import (
 # Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
 Label = Annotated[str, Field(max_length=63)]
 Arg = Annotated[str, Field(max_length=1024)]
+ModulePattern = Annotated[str, Field(min_length=1, max_length=256)]
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -94,6 +95,11 @@ class ModelSpec(ApiModel):
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of the full weights; unset trains all weights. Not built yet:
     refused at apply (rule lora-not-built)."""
+    bf16_modules: list[ModulePattern] = Field(default_factory=list, max_length=256)
+    """BF16 exceptions of a low-precision recipe (rollout or trainer precision other than bf16):
+    module-name patterns (fnmatch over HF names without `.weight`, e.g. `model.layers.27.*`,
+    `*.shared_expert.*`) kept in BF16 at all four stages (conversion, training forward, export,
+    rollout). Linear weights whose contraction axis does not fill whole blocks stay BF16 anyway."""
 
 
 # ------------------------------------------------------------------------------------------ algorithm

@@ -126,6 +126,7 @@ class LocalTrainer:
             return response_view(batch, c.backend.compute_logprobs(batch), 0)
 
         probe_prompt = c.render(c.task.item(0, "train").messages)
+        served = getattr(c.transport, "served", None)  # a QuantizingTransport: engines hold fake-quantized
         t0 = c.clock()
         urls = c.engines.targets(version)
         c.transport.follow(urls)
@@ -134,7 +135,9 @@ class LocalTrainer:
             c.transport,
             c.backend.export_weights,
             version=version,
-            probe=LogprobProbe(
+            probe=None
+            if served is not None  # the trainer's forward is not quantized: precision-check compares
+            else LogprobProbe(
                 probe_prompt,
                 trainer_logprobs,
                 tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
@@ -143,7 +146,8 @@ class LocalTrainer:
             # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
             trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
             # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
-            compare_loaded=version == 0 and c.settings.sft_steps == 0,
+            compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
+            served=served,
         )
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
