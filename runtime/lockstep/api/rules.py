@@ -31,6 +31,7 @@ from lockstep.api.rljob import (
     OPDSpec,
     RLJobSpec,
     RolloutSpec,
+    SFTWarmStartSpec,
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
@@ -320,6 +321,14 @@ RULES: Final[tuple[Rule, ...]] = (
         "dynamicSampling.maxGroupsPerStep",
         "dynamic sampling generates at least one batch per step: raise "
         "dynamicSampling.maxGroupsPerStep to at least algorithm.batchSize",
+    ),
+    Rule(
+        "sft-stop-needs-steps",
+        SFTWarmStartSpec,
+        has("stopAtLoss").implies(field("steps").gt(0)),
+        "stopAtLoss",
+        "stopAtLoss ends a warm start that must run: set sftWarmStart.steps (the most SFT steps) above 0 "
+        "or remove stopAtLoss",
     ),
     Rule(
         "mismatch-bounds-ordered",

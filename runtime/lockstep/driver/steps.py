@@ -67,7 +67,9 @@ def collect_batch(c: Components, state: DriverState) -> tuple[list[Group], dict[
 
     With dynamic sampling (settings.max_groups_per_step) groups without a reward spread are dropped
     and more are generated, within the cap (lockstep.rollout.group_signal). Returns the groups to
-    train on and the rollout's metrics (groups generated and dropped).
+    train on and the rollout's metrics: groups generated and dropped, and reward_mean over every
+    generated sample (it replaces the trainer's mean of the trained groups, logged as
+    trained_reward_mean), so the logged reward stays the policy's sampled reward.
     """
     s = c.settings.schedule
     cap = c.settings.max_groups_per_step
@@ -78,7 +80,13 @@ def collect_batch(c: Components, state: DriverState) -> tuple[list[Group], dict[
         generated += c.runner.run(_generate_groups(c, state, n))
     groups = select_groups(generated, s.batch_groups)
     dropped = len(generated) - len(keep_groups(generated))
+    rewards = [r for g in generated for r in g.rewards]
+    trained = [r for g in groups for r in g.rewards]
     return groups, {
+        # The policy's sampled reward is over every generated sample, dropped groups included; the
+        # trained groups' mean is biased by the filter (no all-wrong groups early, no all-right late).
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "trained_reward_mean": sum(trained) / max(len(trained), 1),
         "groups_generated": float(len(generated)),
         "groups_dropped": float(dropped),
         **{f"generated_{k}": v for k, v in group_signal_metrics([g.rewards for g in generated]).items()},

@@ -41,6 +41,8 @@ class TrainerSettings:
     """SFT learning rate (None = learning_rate)."""
     sft_rows: int
     """Rows per SFT step: the RL batch's samples (batch size x samples per prompt)."""
+    sft_stop_at_loss: float | None
+    """End the warm start early at this mean loss of its last steps (None = all sft_steps)."""
     loss: PolicyLossConfig
     """The RL loss (spec.algorithm)."""
     lr_schedule: LRSchedule
@@ -67,6 +69,7 @@ class TrainerSettings:
             sft_steps=alg.sft_warm_start.steps,
             sft_learning_rate=alg.sft_warm_start.learning_rate,
             sft_rows=alg.batch_size * alg.samples_per_prompt,
+            sft_stop_at_loss=alg.sft_warm_start.stop_at_loss,
             loss=loss_config(job),
             lr_schedule=lr_schedule(job),
         )

@@ -40,6 +40,7 @@ def test_golden_settings_of_the_fixture() -> None:
             sft_steps=2,
             sft_learning_rate=0.003,
             sft_rows=8,
+            sft_stop_at_loss=None,
             loss=PolicyLossConfig(
                 estimator="grpo",
                 eps_clip_low=0.2,
@@ -91,6 +92,12 @@ def test_lr_schedule_and_dynamic_sampling_come_from_the_manifest() -> None:
             "algorithm",
             {"lrSchedule": {"minLearningRate": 0.001}},
             "spec.algorithm.lrSchedule.minLearningRate",
+        ),
+        ("algorithm", {"sftWarmStart": {"stopAtLoss": 0}}, "spec.algorithm.sftWarmStart.stopAtLoss"),
+        (
+            "algorithm",
+            {"sftWarmStart": {"steps": 0, "stopAtLoss": 0.5}},
+            "spec.algorithm.sftWarmStart.stopAtLoss",
         ),
         ("algorithm", {"dynamicSampling": {}}, "spec.algorithm.dynamicSampling.maxGroupsPerStep"),
         (

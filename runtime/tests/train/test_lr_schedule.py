@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at
+from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at, sft_done
 
 LR = 1e-3
 
@@ -66,3 +66,19 @@ def test_bad_schedule_is_refused(kwargs: dict[str, object], error: str) -> None:
 def test_steps_count_from_one() -> None:
     with pytest.raises(ValueError, match="RL steps count from 1"):
         learning_rate_at(LRSchedule(LR, 10), 0)
+
+
+@pytest.mark.parametrize(
+    ("losses", "target", "want"),
+    [
+        ([0.5] * 5, None, False),  # no target: run every step
+        ([0.5] * 4, 0.6, False),  # fewer steps than the window
+        ([0.5] * 5, 0.6, True),
+        ([0.6] * 5, 0.6, True),  # at the target
+        ([2.0, 0.4, 0.4, 0.4, 0.4, 0.4], 0.45, True),  # only the last 5 count
+        ([0.3, 0.3, 0.3, 0.3, 1.0], 0.4, False),  # low steps and one high: the mean 0.44 decides
+        ([0.3, 0.3, 0.3, 0.3, 1.0], 0.45, True),
+    ],
+)
+def test_sft_done(losses: list[float], target: float | None, want: bool) -> None:
+    assert sft_done(losses, target) is want
