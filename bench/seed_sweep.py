@@ -183,7 +183,9 @@ def run_once(
 
 
 def _fmt(v: Any) -> str:
-    return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return "-" if v is None else str(v)
 
 
 def markdown(res: dict[str, Any]) -> str:
