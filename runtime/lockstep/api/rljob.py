@@ -189,9 +189,52 @@ class SFTWarmStartSpec(ApiModel):
     """Supervised steps on the task's reference answers before RL starts (off with steps 0)."""
 
     steps: int = Field(default=0, ge=0, le=100000000)
-    """SFT optimizer steps before the first RL step; 0 skips the warm start."""
+    """SFT optimizer steps before the first RL step (with stopAtLoss: the most it may take); 0 skips
+    the warm start."""
     learning_rate: float | None = Field(default=None, gt=0.0, le=1.0)
     """Learning rate of the SFT steps; unset uses algorithm.learningRate."""
+    stop_at_loss: float | None = Field(default=None, gt=0.0, le=100.0)
+    """End the warm start once the mean SFT loss (per answer token) of its last 5 steps is at or
+    below this. A fixed step count stops each seed at a different point of a steep loss curve (issue
+    18 measured 0.50 to 1.02 after 85 steps); a loss target stops every seed at the same point, so RL
+    starts from comparable policies. Unset runs all `steps`."""
+
+
+class LRDecay(enum.StrEnum):
+    """How the RL learning rate moves from learningRate (after warmup) to minLearningRate."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+class LRScheduleSpec(ApiModel):
+    """The RL learning rate over the run's steps (spec.schedule.steps): a linear warmup from 0 to
+    learningRate, then a decay to minLearningRate at the last step. The SFT warm start keeps its own
+    constant rate. The default (no warmup, constant) is a constant learningRate."""
+
+    warmup_steps: int = Field(default=0, ge=0, le=100000000)
+    """RL steps of linear warmup (step k of n trains at learningRate x k / n); must be fewer than
+    schedule.steps."""
+    decay: LRDecay = LRDecay.CONSTANT
+    """`constant`, `linear` or `cosine` from learningRate right after warmup towards minLearningRate,
+    reached one step after the last (every step trains at a rate above it). A decay lets the policy
+    settle late in the run, where a constant rate keeps perturbing a nearly solved policy."""
+    min_learning_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Where a decay ends; at most learningRate."""
+
+
+class DynamicSamplingSpec(ApiModel):
+    """DAPO's dynamic sampling (sync schedule): a group whose samples all got the same reward has
+    advantage 0 on every token and trains nothing, so it is dropped and more prompts are generated
+    until the step holds batchSize groups with a reward spread. Costs rollouts, not optimizer steps;
+    each step's groups_generated and groups_dropped are logged."""
+
+    max_groups_per_step: int = Field(ge=1, le=1048576)
+    """Most groups generated for one step, dropped ones included: at least algorithm.batchSize. When
+    it is reached the step trains on the groups with a spread it has (on the first batchSize
+    generated when none has one), so a step never waits forever on prompts the policy always or
+    never solves."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -225,6 +268,11 @@ class AlgorithmSpec(ApiModel):
         default_factory=SFTWarmStartSpec, json_schema_extra=EMPTY_DEFAULT
     )
     """SFT warm start on the task's reference answers before RL (off by default)."""
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec, json_schema_extra=EMPTY_DEFAULT)
+    """The RL learning rate over the steps: warmup and decay (default constant)."""
+    dynamic_sampling: DynamicSamplingSpec | None = None
+    """Drop groups without a reward spread and generate more (sync schedule); unset trains every
+    group generated."""
 
 
 # -------------------------------------------------------------------------------------------- rollout

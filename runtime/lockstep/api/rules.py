@@ -34,6 +34,7 @@ from lockstep.api.rljob import (
     RLJobSpec,
     RolloutSpec,
     SamplingSpec,
+    SFTWarmStartSpec,
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
@@ -215,6 +216,22 @@ RULES: Final[tuple[Rule, ...]] = (
         "evaluation needs held-out prompts: set data.evalPrompts or remove schedule.evalInterval",
     ),
     Rule(
+        "lr-warmup-within-steps",
+        RLJobSpec,
+        field("algorithm.lrSchedule.warmupSteps").lt(field("schedule.steps")),
+        "algorithm.lrSchedule.warmupSteps",
+        "the learning-rate warmup must end before the last step: lower "
+        "algorithm.lrSchedule.warmupSteps below schedule.steps",
+    ),
+    Rule(
+        "dynamic-sampling-needs-sync",
+        RLJobSpec,
+        has("algorithm.dynamicSampling").implies(_mode.eq("sync")),
+        "algorithm.dynamicSampling",
+        "dynamic sampling is built for the sync schedule: remove algorithm.dynamicSampling or set "
+        "schedule.mode to sync (fully-async jobs drop groups with agent.groupFilterFunction)",
+    ),
+    Rule(
         "trainer-parallelism-divides-gpus",
         TrainerSpec,
         (_world % (field(_par + "tensor") * field(_par + "pipeline") * field(_par + "context"))).eq(0),
@@ -321,6 +338,30 @@ RULES: Final[tuple[Rule, ...]] = (
         field("minReplicas").le(field("maxReplicas")),
         "minReplicas",
         "minReplicas must not exceed maxReplicas: swap or fix them",
+    ),
+    Rule(
+        "lr-min-below-lr",
+        AlgorithmSpec,
+        field("lrSchedule.minLearningRate").le(field("learningRate")),
+        "lrSchedule.minLearningRate",
+        "the learning-rate decay ends at minLearningRate, which must not exceed learningRate: lower "
+        "lrSchedule.minLearningRate",
+    ),
+    Rule(
+        "dynamic-sampling-covers-batch",
+        AlgorithmSpec,
+        has("dynamicSampling").implies(field("dynamicSampling.maxGroupsPerStep").ge(field("batchSize"))),
+        "dynamicSampling.maxGroupsPerStep",
+        "dynamic sampling generates at least one batch per step: raise "
+        "dynamicSampling.maxGroupsPerStep to at least algorithm.batchSize",
+    ),
+    Rule(
+        "sft-stop-needs-steps",
+        SFTWarmStartSpec,
+        has("stopAtLoss").implies(field("steps").gt(0)),
+        "stopAtLoss",
+        "stopAtLoss ends a warm start that must run: set sftWarmStart.steps (the most SFT steps) above 0 "
+        "or remove stopAtLoss",
     ),
     Rule(
         "mismatch-bounds-ordered",
