@@ -175,8 +175,10 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    model_mount: Manifest | None = None
     if c.model is not None:
         volumes += _add_model_volume(c, mounts)
+        model_mount = mounts[-1]
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -197,8 +199,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
-    if c.model is not None:
-        spec["initContainers"] = [_pull_container(c.model, mounts[-1], c.image_pull_policy)]
+    if c.model is not None and model_mount is not None:
+        spec["initContainers"] = [_pull_container(c.model, model_mount, c.image_pull_policy)]
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:

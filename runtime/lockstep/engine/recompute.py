@@ -44,8 +44,14 @@ class RecomputeRunner:
         dtype: torch.dtype,
         seed: int = 0,
         cuda_graphs: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         del dtype, cuda_graphs  # the model's own dtype; nothing to capture
+        if kv_cache_dtype is not None and kv_cache_dtype.itemsize < 2:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype}: {type(model).__name__} runs on the recompute runner, "
+                "which keeps no KV cache to store in FP8; use --kv-cache-dtype auto"
+            )
         self.model = model
         """The transformers causal LM holding the live weights (eval mode, on `device`)."""
         self.device = device
@@ -57,6 +63,8 @@ class RecomputeRunner:
         self.routes: torch.Tensor | None = None
         """No routing capture on this runner (R3 needs the slotted runner's MoE path)."""
         self.cuda_graphs = False
+        self.tiles = None
+        """No batch-invariant kernels here: true on-policy profiles run on the slotted runner."""
         self.tokens = torch.zeros((max_slots, context_length + 1), dtype=torch.long)
         """[S, M+1] token IDs per (slot, position); position M is the trash column of padded rows."""
         self.generator = torch.Generator(device=device)

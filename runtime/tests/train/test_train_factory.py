@@ -14,9 +14,10 @@ from lockstep.train.factory import build_backend
 EXAMPLES = Path(__file__).parents[3] / "examples"
 
 
-def _job(name: str, **trainer: object) -> object:
+def _job(name: str, rollout: dict[str, object] | None = None, **trainer: object) -> object:
     doc = yaml.safe_load((EXAMPLES / name).read_text())
     doc["spec"]["trainer"].update(trainer)
+    doc["spec"]["rollout"].update(rollout or {})
     return load_manifest(yaml.safe_dump(doc))
 
 
@@ -45,6 +46,6 @@ def test_megatron_without_cuda_is_refused_naming_the_fields(tmp_path: Path) -> N
 
 
 def test_megatron_trains_bf16_only(tmp_path: Path) -> None:
-    job = _job("tiny-megatron.yaml", precision="fp8")
+    job = _job("tiny-megatron.yaml", rollout={"precision": "fp8"}, precision="fp8")  # serving matches
     with pytest.raises(ValueError, match=r"^spec\.trainer\.precision: the megatron backend trains bf16"):
         build_backend(job, tmp_path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
