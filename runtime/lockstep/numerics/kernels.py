@@ -80,28 +80,42 @@ def matmul(a: torch.Tensor, b: torch.Tensor, tiles: Tiles) -> torch.Tensor:
     bt = _tile(b3, tiles.inner, tiles.cols)  # [Pb, Kt, Nt, KB, NB]
     p, mt, kt = at.shape[:3]
     nt = bt.shape[2]
-    dev = a.device
-    # Every (p, m, n) output tile, in order; b's batch index is p (or 0 when b is shared).
-    pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
-    mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
-    ni = torch.arange(nt, device=dev).repeat(p * mt)
-    bi = torch.zeros_like(pi) if shared else pi
-    total = pi.numel()
-    g = tiles.group
     acc: torch.Tensor | None = None
     for ki in range(kt):  # the inner tiles, always added in this order
-        outs = []
-        for s in range(0, total, g):
-            idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)  # pad with a repeated tile
-            lhs = at[pi[idx], mi[idx], ki]  # [G, R, KB]
-            rhs = bt[bi[idx], ki, ni[idx]]  # [G, KB, NB]
-            outs.append(torch.bmm(lhs, rhs)[: min(g, total - s)])  # [<=G, R, NB]
+        outs = [
+            torch.bmm(at[pi, mi, ki], bt[bi, ki, ni])[:count]  # [G, R, KB] @ [G, KB, NB]
+            for pi, mi, bi, ni, count in _plan(p, mt, nt, shared, tiles.group, a.device)
+        ]
         part = torch.cat(outs)  # [P*Mt*Nt, R, NB]
         acc = part if acc is None else acc + part
     assert acc is not None
     out = acc.view(p, mt, nt, tiles.rows, tiles.cols).permute(0, 1, 3, 2, 4)  # [P, Mt, R, Nt, NB]
     out = out.reshape(p, mt * tiles.rows, nt * tiles.cols)[:, :m, :n]
     return out.reshape(*lead, m, n)
+
+
+_Plan = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
+_PLANS: dict[tuple[int, int, int, bool, int, torch.device], _Plan] = {}
+
+
+def _plan(p: int, mt: int, nt: int, shared: bool, g: int, dev: torch.device) -> _Plan:
+    """The (p, m, b, n) tile indices of every output tile, in order, cut into groups of exactly `g`
+    (the last padded by repeating its final tile), with each group's real count. Cached per shape
+    (a few small tensors per distinct shape; shapes are bounded by the context length)."""
+    key = (p, mt, nt, shared, g, dev)
+    plan = _PLANS.get(key)
+    if plan is None:
+        pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
+        mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
+        ni = torch.arange(nt, device=dev).repeat(p * mt)
+        bi = torch.zeros_like(pi) if shared else pi
+        total = pi.numel()
+        plan = []
+        for s in range(0, total, g):
+            idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)
+            plan.append((pi[idx], mi[idx], bi[idx], ni[idx], min(g, total - s)))
+        _PLANS[key] = plan  # never evicted: a captured CUDA graph may point at these tensors
+    return plan
 
 
 def rowsum(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
