@@ -3,9 +3,9 @@
 Why it exists: the same binary runs a whole job on one machine (`lockstep run`), checks manifests
 offline (`lockstep validate`), serves the reference engine, runs trainer ranks, the driver, the
 session server, and the disk-delta tools. Each subcommand lives in its own module here and exposes
-`register(subparsers)`, which adds its parser and sets `func(args) -> int`. Only the chosen
-subcommand's module is imported (commands.py lists them; `a-b` lives in module `a_b`), so
-`lockstep validate` never loads torch.
+`register(subparsers)`, which adds its parser and sets `func(args) -> int` (a dash in a subcommand is
+an underscore in its module name: `pull-model` is pull_model.py). Only the chosen
+subcommand's module is imported (commands.py lists them), so `lockstep validate` never loads torch.
 
 Who calls it: users, the pods the operator creates, and tests.
 """

@@ -29,7 +29,7 @@ from lockstep.driver.engines import EngineServer, PoolClient, start_reference_en
 from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
-from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
 from lockstep.models.moe import routing_shape
 from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
@@ -39,7 +39,7 @@ from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, load_task
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.weights.factory import check_transport, needs_tensor_updates
 
 if TYPE_CHECKING:
@@ -133,7 +133,6 @@ def build_components(
     With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
-    check_supported(job)
     if trainer_url is None:
         check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
     settings = settings_from_job(job, steps)
@@ -143,7 +142,8 @@ def build_components(
     try:
         model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
         check_r3_model(job, model_dir)
-        tokenizer = TinyTokenizer.load(model_dir)
+        model = job.spec.model
+        tokenizer = load_tokenizer(model_dir, model.tokenizer, model.chat_template, cache_dir)
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
         runner = LoopThread()
         closers.append(runner.close)
@@ -249,14 +249,14 @@ def _build_trainer(
 
 
 def _build_rollout(
-    job: RLJob, settings: RunSettings, tokenizer: TinyTokenizer, task: Task, clients: list[EngineClient]
+    job: RLJob, settings: RunSettings, tokenizer: ChatTokenizer, task: Task, clients: list[EngineClient]
 ) -> Rollout:
     """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
     sampling = SamplingParams(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        stop_token_ids=[tokenizer.eos_token_id],
+        stop_token_ids=list(tokenizer.stop_token_ids),
     )
     ctx = RolloutContext(
         # R3: every /generate asks for the routed experts; an engine that returns none is refused.
@@ -289,8 +289,13 @@ def _build_rollout(
             settings.seed,
             max_turns=agent.max_turns,
             timeout_s=timeout,
-            # The session server renders turns with the family's chat-template rules (TITO).
-            extra={"family": job.spec.model.family},
+            # The session server renders turns with the family's chat-template rules (TITO) and the
+            # checkpoint's own tokenizer; its new sessions default to spec.rollout.session.
+            extra={
+                "family": job.spec.model.family,
+                "tokenizer_dir": tokenizer.source,
+                "session": job.spec.rollout.session.wire(),
+            },
         )
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731

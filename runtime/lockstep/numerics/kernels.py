@@ -105,15 +105,18 @@ def _plan(p: int, mt: int, nt: int, shared: bool, g: int, dev: torch.device) -> 
     key = (p, mt, nt, shared, g, dev)
     plan = _PLANS.get(key)
     if plan is None:
-        pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
-        mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
-        ni = torch.arange(nt, device=dev).repeat(p * mt)
-        bi = torch.zeros_like(pi) if shared else pi
-        total = pi.numel()
-        plan = []
-        for s in range(0, total, g):
-            idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)
-            plan.append((pi[idx], mi[idx], bi[idx], ni[idx], min(g, total - s)))
+        # Normal tensors even when first built under inference_mode (the engine): the trainer in the
+        # same process indexes with them under autograd.
+        with torch.inference_mode(False):
+            pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
+            mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
+            ni = torch.arange(nt, device=dev).repeat(p * mt)
+            bi = torch.zeros_like(pi) if shared else pi
+            total = pi.numel()
+            plan = []
+            for s in range(0, total, g):
+                idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)
+                plan.append((pi[idx], mi[idx], bi[idx], ni[idx], min(g, total - s)))
         _PLANS[key] = plan  # never evicted: a captured CUDA graph may point at these tensors
     return plan
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from lockstep.api import Precision
 from lockstep.models import resolve_checkpoint
 from lockstep.serving.membership import probe_health
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.settings import TrainerSettings
 from lockstep.trainer.spmd import LeaderBackend, control_group, follow
@@ -241,7 +241,6 @@ def serve(
     (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
     shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
-    check_supported(job)
     if job.spec.rollout.precision is not Precision.BF16:
         raise ValueError(
             f"spec.rollout.precision {job.spec.rollout.precision}: low-precision serving runs with `lockstep run` "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import Device, Precision, RLJob, Transport
+from lockstep.api import Device, Engine, Precision, RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
 from lockstep.numerics.recipe import recipe_of
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
@@ -123,7 +123,21 @@ def needs_tensor_updates(job: RLJob) -> bool:
 
 
 def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool) -> None:
-    """Refuse, before anything starts, a transport this process cannot run; the error names the field."""
+    """Refuse, before anything starts, a transport this process cannot run; the error names the field.
+
+    Only what depends on this machine and process (CUDA, where the engine runs) is checked here; what
+    the manifest alone decides (one engine for cuda-ipc) is refused at apply (lockstep.api.rules)."""
+    rollout = job.spec.rollout
+    if (
+        job.spec.weight_sync.transport is Transport.P2P
+        and rollout.engine is Engine.SGLANG
+        and not rollout.p2p_receiver
+    ):
+        raise ValueError(
+            f"{FIELD}: p2p writes into the engines through Lockstep's P2P receive extension, which stock "
+            "SGLang does not serve (docs/sglang.md); use broadcast, or set spec.rollout.p2pReceiver to true "
+            "for an engine image that serves it"
+        )
     if (
         job.spec.rollout.precision is not Precision.BF16
         and job.spec.weight_sync.transport is not Transport.AUTO
@@ -134,11 +148,6 @@ def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool)
         )
     if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
-    if max(job.spec.rollout.replicas, 1) != 1:
-        raise ValueError(
-            f"{FIELD}: cuda-ipc hands weights to the one colocated engine; set spec.rollout.replicas to 1 "
-            "or choose broadcast"
-        )
     if job.spec.trainer.device is not Device.CUDA:
         if external_engines:
             raise ValueError(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lockstep.models.checkpoint import copy_model_files
 from lockstep.numerics import exact
 from lockstep.numerics.recipe import Recipe
 from lockstep.train.backend import StepResult
@@ -272,6 +273,8 @@ class FSDPBackend:
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         ckpt.save(self, Path(directory), extra or {})
+        if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
+            copy_model_files(self.config.model_path, directory)
 
     def load(self, directory: Path) -> dict[str, Any]:
         return ckpt.load(self, Path(directory))
