@@ -47,4 +47,7 @@ def test_true_on_policy_refuses_mixed_devices(tmp_path: Path, capsys: pytest.Cap
     manifest.write_text(yaml.safe_dump(doc))
     assert main(["run", str(manifest), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "spec.algorithm.trueOnPolicy" in err and "the engines and the trainer must run on the same device" in err
+    assert (
+        "spec.algorithm.trueOnPolicy" in err
+        and "the engines and the trainer must run on the same device" in err
+    )
