@@ -10,14 +10,19 @@ A profile names the model (`family`, and the `variant`s it covers; `None` covers
 the kernel settings both sides need, and the SGLang server arguments that turn them on in an engine
 pod (`sglang_args`; the operator renders them, the reference engine takes the same switches).
 
+`sglang_args_for(spec)` is the one place that turns a job's numerics (true on-policy, serving
+precision, KV-cache dtype) into SGLang server arguments.
+
 Who calls it: lockstep.api.rules (apply-time refusal), the runtime (`profile_for`), the operator's
-engine rendering (`sglang_args`), docs/true-on-policy.md.
+engine rendering (`sglang_args_for`), docs/true-on-policy.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Final
+
+from lockstep.api.rljob import KVCacheDtype, Precision, RLJobSpec
 
 SGLANG_TRUE_ON_POLICY_ARGS: Final[tuple[str, ...]] = (
     "--enable-deterministic-inference",
@@ -79,3 +84,31 @@ def profile_for(family: str, variant: str | None) -> Profile | None:
 def registered_names() -> str:
     """The registered models, for messages: `tiny (any variant), qwen3-0.6b, ...`."""
     return ", ".join([f"{f} (any variant)" for f in TRUE_ON_POLICY_FAMILIES] + list(TRUE_ON_POLICY_PROFILES))
+
+
+SGLANG_QUANTIZATION: Final[dict[Precision, str]] = {
+    Precision.FP8: "fp8",
+    Precision.MXFP8: "mxfp8",
+    Precision.NVFP4: "modelopt_fp4",
+}
+"""spec.rollout.precision -> SGLang's --quantization (the checkpoint's quantization_config says the
+block size and the ignored layers; docs/precision.md)."""
+
+
+def sglang_args_for(spec: RLJobSpec) -> list[str]:
+    """The SGLang server arguments a job's numerics need: the profile's true-on-policy switches,
+    --quantization for low-precision serving, --kv-cache-dtype unless auto."""
+    args: list[str] = []
+    if spec.algorithm.true_on_policy:
+        profile = profile_for(spec.model.family, spec.model.variant)
+        if profile is None:
+            raise ValueError(
+                f"spec.algorithm.trueOnPolicy: no profile for {spec.model.family} {spec.model.variant or ''}; "
+                f"registered: {registered_names()}"
+            )
+        args += profile.sglang_args
+    if spec.rollout.precision is not Precision.BF16:
+        args += ["--quantization", SGLANG_QUANTIZATION[spec.rollout.precision]]
+    if spec.rollout.kv_cache_dtype is not KVCacheDtype.AUTO:
+        args += ["--kv-cache-dtype", spec.rollout.kv_cache_dtype.value]
+    return args

@@ -21,10 +21,13 @@ import time
 import torch
 from aiohttp import web
 
+from lockstep.api import Precision
+from lockstep.api.profiles import SGLANG_QUANTIZATION
 from lockstep.cli.commands import HELP
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.engine.server import MAX_BODY_BYTES
 from lockstep.models import resolve_checkpoint
+from lockstep.numerics.quant import Scheme
 from lockstep.serving.client import API_KEY_ENV, api_key_from_env
 
 
@@ -87,6 +90,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["auto", "bf16", "fp8_e4m3", "fp8_e5m2"],
         help="KV-cache dtype, SGLang's values (fp8: K/V stored in FP8 with scale 1.0)",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=sorted(SGLANG_QUANTIZATION.values()),
+        help="serving format, SGLang's values; must match the checkpoint's quantization_config (the "
+        "reference engine dequantizes what the converted checkpoint holds)",
+    )
     # True on-policy, with SGLang's own switches (lockstep.api.profiles.SGLANG_TRUE_ON_POLICY_ARGS).
     p.add_argument(
         "--enable-deterministic-inference",
@@ -124,6 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         true_on_policy=args.rl_on_policy_target is not None,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    _check_quantization(args.quantization, engine.scheme)
     engine.set_weight_version(args.weight_version)
     app = create_app(
         engine,
@@ -154,3 +165,14 @@ def _exit_if_stuck(grace_s: float = 2.0) -> None:
         logging.getLogger(__name__).warning("exiting with threads still blocked: %s", ", ".join(stuck))
         logging.shutdown()
         os._exit(0)
+
+
+def _check_quantization(flag: str | None, scheme: Scheme | None) -> None:
+    """--quantization must say what the checkpoint holds (the reference engine does not quantize
+    online: the exceptions of the job's recipe live in the converted checkpoint)."""
+    held = None if scheme is None else SGLANG_QUANTIZATION[Precision(scheme.format.value)]
+    if flag is not None and flag != held:
+        raise SystemExit(
+            f"--quantization {flag}: the checkpoint holds {held or 'unquantized weights'}; serve a checkpoint "
+            "converted by the job's recipe (lockstep.numerics.recipe.convert_checkpoint) or drop the flag"
+        )

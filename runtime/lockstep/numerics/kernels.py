@@ -80,28 +80,51 @@ def matmul(a: torch.Tensor, b: torch.Tensor, tiles: Tiles) -> torch.Tensor:
     bt = _tile(b3, tiles.inner, tiles.cols)  # [Pb, Kt, Nt, KB, NB]
     p, mt, kt = at.shape[:3]
     nt = bt.shape[2]
-    dev = a.device
-    # Every (p, m, n) output tile, in order; b's batch index is p (or 0 when b is shared).
-    pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
-    mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
-    ni = torch.arange(nt, device=dev).repeat(p * mt)
-    bi = torch.zeros_like(pi) if shared else pi
-    total = pi.numel()
-    g = tiles.group
+    lhs_tiles = at.view(-1, tiles.rows, tiles.inner)  # [P*Mt*Kt, R, KB]
+    rhs_tiles = bt.view(-1, tiles.inner, tiles.cols)  # [Pb*Kt*Nt, KB, NB]
     acc: torch.Tensor | None = None
-    for ki in range(kt):  # the inner tiles, always added in this order
-        outs = []
-        for s in range(0, total, g):
-            idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)  # pad with a repeated tile
-            lhs = at[pi[idx], mi[idx], ki]  # [G, R, KB]
-            rhs = bt[bi[idx], ki, ni[idx]]  # [G, KB, NB]
-            outs.append(torch.bmm(lhs, rhs)[: min(g, total - s)])  # [<=G, R, NB]
+    for groups in _plan(p, mt, kt, nt, shared, tiles.group, a.device):  # inner tiles, in this order
+        outs = [
+            torch.bmm(lhs_tiles.index_select(0, li), rhs_tiles.index_select(0, ri))[:count]  # [<=G, R, NB]
+            for li, ri, count in groups
+        ]
         part = torch.cat(outs)  # [P*Mt*Nt, R, NB]
         acc = part if acc is None else acc + part
     assert acc is not None
     out = acc.view(p, mt, nt, tiles.rows, tiles.cols).permute(0, 1, 3, 2, 4)  # [P, Mt, R, Nt, NB]
     out = out.reshape(p, mt * tiles.rows, nt * tiles.cols)[:, :m, :n]
     return out.reshape(*lead, m, n)
+
+
+_Plan = list[list[tuple[torch.Tensor, torch.Tensor, int]]]
+_PLANS: dict[tuple[int, int, int, int, bool, int, torch.device], _Plan] = {}
+
+
+def _plan(p: int, mt: int, kt: int, nt: int, shared: bool, g: int, dev: torch.device) -> _Plan:
+    """Per inner tile k, the groups of exactly `g` output tiles (p, m, n) in order, as flat indices
+    into the lhs tiles [P*Mt*Kt] and the rhs tiles [Pb*Kt*Nt] (the last group padded by repeating its
+    final tile), with each group's real count. Cached per shape (small; bounded by the context length)."""
+    key = (p, mt, kt, nt, shared, g, dev)
+    plan = _PLANS.get(key)
+    if plan is None:
+        # Normal tensors even when first built under inference_mode (the engine): the trainer in the
+        # same process indexes with them under autograd.
+        with torch.inference_mode(False):
+            pi = torch.arange(p, device=dev).repeat_interleave(mt * nt)
+            mi = torch.arange(mt, device=dev).repeat_interleave(nt).repeat(p)
+            ni = torch.arange(nt, device=dev).repeat(p * mt)
+            bi = torch.zeros_like(pi) if shared else pi
+            lhs, rhs = (pi * mt + mi) * kt, bi * kt * nt + ni  # tile k = 0
+            total = pi.numel()
+            plan = []
+            for ki in range(kt):
+                groups = []
+                for s in range(0, total, g):
+                    idx = torch.arange(s, s + g, device=dev).clamp_(max=total - 1)
+                    groups.append((lhs[idx] + ki, rhs[idx] + ki * nt, min(g, total - s)))
+                plan.append(groups)
+        _PLANS[key] = plan  # never evicted: a captured CUDA graph may point at these tensors
+    return plan
 
 
 def rowsum(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:

@@ -187,3 +187,10 @@ def test_fp8_kv_cache_is_an_engine_option(tmp_path: Path) -> None:
         engine.runner.k_cache.dtype == torch.float8_e4m3fn
         and engine.runner.v_cache.dtype == torch.float8_e4m3fn
     )
+
+
+def test_engine_quantization_flag_must_match_the_checkpoint(tiny_dir: Path) -> None:
+    """`lockstep engine --quantization` (SGLang's flag) names what the checkpoint holds; a bf16
+    checkpoint is not quantized online behind the recipe's back."""
+    with pytest.raises(SystemExit, match="the checkpoint holds unquantized weights"):
+        main(["engine", "--model", str(tiny_dir), "--quantization", "fp8", "--port", "0"])

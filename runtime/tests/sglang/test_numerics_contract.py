@@ -1,0 +1,79 @@
+"""SGLang as the oracle of the numerics contract: the switches and the checkpoint format Lockstep emits.
+
+- `sglang_args_for(spec)` (true-on-policy switches, --quantization, --kv-cache-dtype) parses with
+  SGLang's own ServerArgs parser and lands in the fields SGLang reads.
+- The `quantization_config` our conversion writes is the one SGLang's fp8 loader reads: its
+  `Fp8Config.from_config` (read from the installed source, not imported: fp8.py pulls CUDA kernels)
+  takes `quant_method`, `activation_scheme`, `weight_block_size` and `ignored_layers`.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from lockstep.api import RLJobSpec
+from lockstep.api.profiles import sglang_args_for
+from lockstep.numerics.quant import Format, Scheme
+from sglang_oracle import parse_server_args, require_pinned_sglang, source
+
+
+@pytest.fixture(autouse=True)
+def _sglang() -> None:
+    require_pinned_sglang()
+
+
+def _spec(**rollout: object) -> RLJobSpec:
+    return RLJobSpec.model_validate(
+        {
+            "model": {"checkpoint": "Qwen/Qwen3-4B", "family": "qwen3", "variant": "4b"},
+            "algorithm": {"trueOnPolicy": rollout.pop("true_on_policy", False)},
+            "rollout": rollout,
+            "trainer": {"backend": "fsdp"},
+            "data": {"prompts": "builtin:reverse"},
+        }
+    )
+
+
+def test_true_on_policy_switches_parse() -> None:
+    args = parse_server_args(
+        ["--model-path", "/models/qwen3-4b", *sglang_args_for(_spec(true_on_policy=True))]
+    )
+    flat = repr(vars(args)) if hasattr(args, "__dict__") else repr(args)
+    assert "fsdp" in flat and "fa3" in flat
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_quantization_and_kv_cache_parse(precision: str) -> None:
+    spec = _spec(precision=precision, kvCacheDtype="fp8_e4m3")
+    args = parse_server_args(["--model-path", "/models/qwen3-4b", *sglang_args_for(spec)])
+    assert args.quantization == {"fp8": "fp8", "mxfp8": "mxfp8", "nvfp4": "modelopt_fp4"}[precision]
+    assert args.kv_cache_dtype == "fp8_e4m3"
+
+
+def _keys_read_by(cls: str, method: str) -> set[str]:
+    """The config keys `cls.method` reads with get_from_keys / get_from_keys_or (string literals)."""
+    tree = ast.parse(source("srt/layers/quantization/fp8.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == method:
+                    for call in ast.walk(fn):
+                        if isinstance(call, ast.List):
+                            found |= {
+                                e.value
+                                for e in call.elts
+                                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                            }
+    return found
+
+
+@pytest.mark.parametrize("fmt", [Format.FP8, Format.MXFP8])
+def test_our_quantization_config_is_what_sglangs_fp8_loader_reads(fmt: Format) -> None:
+    keys = _keys_read_by("Fp8Config", "from_config")
+    qc = Scheme.of(fmt).quantization_config(["model.layers.27.mlp.down_proj"])
+    assert {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers"} <= keys
+    assert {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers"} <= set(qc)
+    assert qc["activation_scheme"] == "dynamic"  # SGLang asserts dynamic activations for block FP8
+    assert ("mxfp8" in qc["quant_method"]) == (fmt is Format.MXFP8)  # how SGLang tells the two apart
