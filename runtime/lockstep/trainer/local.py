@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Engine, Offload
+from lockstep.api import Engine, Offload, Precision
 from lockstep.models import TinyTokenizer
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
@@ -142,6 +142,7 @@ class LocalTrainer:
             trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
             # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
             compare_loaded=version == 0 and c.settings.sft_steps == 0,
+            allow_quant_error=c.job.spec.rollout.precision is not Precision.BF16,
         )
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
