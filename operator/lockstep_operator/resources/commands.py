@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from lockstep.api.rljob import EngineSpec, ModelSpec
 
-from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT
+from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT, POD_IP_ENV
 from lockstep_operator.resources.sglang import Disaggregation, sglang_command
 
 CONFIG_PATH = f"{CONFIG_MOUNT}/{CONFIG_FILE}"
+POD_IP = f"$({POD_IP_ENV})"
+"""Engines bind the pod IP (Kubernetes expands the downward-API env var), never all interfaces."""
 
 PRODUCTS = {"GB300": "NVIDIA-GB300", "H100": "NVIDIA-H100-80GB-HBM3"}
 """lockstep.api GPUProduct -> the nvidia.com/gpu.product label value GPU feature discovery writes."""
@@ -43,7 +45,7 @@ def engine_command(
             "lockstep", "engine",
             "--model", model.checkpoint,
             "--device", "cuda" if engine.gpus_per_engine > 0 else "cpu",
-            "--host", "0.0.0.0",
+            "--host", POD_IP,
             "--port", str(ENGINE_PORT),
         ]  # fmt: skip
     return sglang_command(engine, model, r3=r3, true_on_policy=true_on_policy, disaggregation=disaggregation)

@@ -41,11 +41,6 @@ WEIGHTS_CURRENT = f"{GROUP}/weights-current"
 the engine at the current weight version (the kubelet counts a pod Ready only with it True)."""
 CONTROL_PORT = 29600
 """Trainer rank 0's control endpoint (`lockstep trainer --serve`): the driver sends the RL steps there."""
-API_KEY_ENV = "LOCKSTEP_API_KEY"
-"""The env var holding the job's API key in its pods (from Secret `api_key_secret_name(job)`, key
-API_KEY_SECRET_KEY); SGLang engines get `--api-key $(LOCKSTEP_API_KEY)`, expanded by the kubelet."""
-API_KEY_SECRET_KEY = "api-key"
-"""The data key of the job's API key Secret."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,12 +178,30 @@ def network_policy_name(trainer: str) -> str:
     return trainer
 
 
-def api_key_secret_name(job: str) -> str:
-    """The per-job Secret holding the API key the engines require and the runtime sends."""
-    return f"{job}-api-key"
-
-
 def engines_service_name(pool: str) -> str:
     """The headless Service listing every engine of a pool, ready or not (the driver asks each one
     for its weight version; the ranks can address each engine)."""
     return f"{pool}-engines"
+
+
+def api_key_secret_name(job: str) -> str:
+    """The Secret holding the job's shared API key (created once by the RLJob reconcile)."""
+    return f"{job}-api-key"
+
+
+API_KEY_ITEM = "api-key"
+"""The key's item in that Secret."""
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+"""The env var every pod of the job reads the key from (engines render SGLang's --api-key from it)."""
+POD_IP_ENV = "POD_IP"
+"""The pod's IP (downward API): what servers in the pod bind instead of all interfaces."""
+
+
+def engine_network_policy_name(pool: str) -> str:
+    """The NetworkPolicy guarding a pool's engine pods (named like the pool)."""
+    return pool
+
+
+def driver_network_policy_name(job: str) -> str:
+    """The NetworkPolicy of the driver pod, where the session server runs (named like the driver)."""
+    return driver_name(job)

@@ -19,12 +19,13 @@ from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import engine_command, product_label
 from lockstep_operator.resources.common import (
     API_KEY_ENV,
-    API_KEY_SECRET_KEY,
+    API_KEY_ITEM,
     WEIGHTS_CURRENT,
     Manifest,
     Owner,
     api_key_secret_name,
 )
+from lockstep_operator.resources.model import local_model, model_pull
 from lockstep_operator.resources.pods import Container, Placement, engine_pod, with_template_hash
 from lockstep_operator.resources.sglang import TRUE_ON_POLICY_ENV
 
@@ -35,16 +36,19 @@ CPU_SHM = "1Gi"
 
 
 def engine_container(spec: RolloutPoolSpec, image: str, shared_volume: str | None) -> Container:
-    """What an engine replica runs: the command, a sized /dev/shm and, for SGLang, the job's API key
-    (from its Secret) and the true-on-policy environment."""
+    """What an engine replica runs: the command, a sized /dev/shm, the job's API key (from its
+    Secret; both engines require it) and, for SGLang, the true-on-policy environment."""
     sglang = spec.engine.engine is Engine.SGLANG
     return Container(
         image=spec.engine.image or image,
-        command=engine_command(spec.engine, spec.model, r3=spec.r3, true_on_policy=spec.true_on_policy),
+        command=engine_command(  # the model volume's path, not the hub id
+            spec.engine, local_model(spec.model), r3=spec.r3, true_on_policy=spec.true_on_policy
+        ),
         env=dict(TRUE_ON_POLICY_ENV) if sglang and spec.true_on_policy else {},
-        secret_env={API_KEY_ENV: (api_key_secret_name(spec.job), API_KEY_SECRET_KEY)} if sglang else {},
+        secret_env={API_KEY_ENV: (api_key_secret_name(spec.job), API_KEY_ITEM)},
         shared_volume_claim=shared_volume or None,
         shm_size=GPU_SHM if spec.engine.gpus_per_engine > 0 else CPU_SHM,
+        model=model_pull(spec.model, image),
     )
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
+    API_KEY_ENV,
+    API_KEY_ITEM,
     CONFIG_FILE,
     CONFIG_MOUNT,
     CONTROL_PORT,
@@ -28,16 +30,27 @@ from lockstep_operator.resources.common import (
     LABEL_POOL,
     LABEL_ROLE,
     LABEL_TRAINER,
+    POD_IP_ENV,
     RENDEZVOUS_PORT,
     RUN_MOUNT,
     SHARED_MOUNT,
     WEIGHTS_CURRENT,
     Manifest,
     Owner,
+    api_key_secret_name,
     config_name,
     driver_name,
     job_labels,
     metadata,
+    progress_name,
+    trainer_name,
+)
+from lockstep_operator.resources.model import (
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    SHARED_SUBPATH,
+    ModelPull,
+    pull_command,
 )
 
 GPU = "nvidia.com/gpu"
@@ -106,6 +119,9 @@ class Container:
     the runtime's 64 MiB default."""
     capabilities: Sequence[str] = ()
     """Linux capabilities added to the dropped-ALL set (IPC_LOCK to pin RDMA buffers)."""
+    model: ModelPull | None = None
+    """The hub model the pod's init step downloads into the model volume (resources.model); None
+    when the checkpoint is local."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -157,7 +173,12 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
     all_env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    model_mount: Manifest | None = None
+    if c.model is not None:
+        volumes += _add_model_volume(c, mounts)
+        model_mount = mounts[-1]  # the init container fills the same mount
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -178,6 +199,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
+    if c.model is not None and model_mount is not None:
+        spec["initContainers"] = [_pull_container(c.model, model_mount, c.image_pull_policy)]
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -194,6 +217,48 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
             }
         }
     return spec
+
+
+def api_key_env(job: str) -> Manifest:
+    """LOCKSTEP_API_KEY from the job's Secret `<job>-api-key` (never a literal in a pod spec)."""
+    ref = {"name": api_key_secret_name(job), "key": API_KEY_ITEM}
+    return {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _with_api_key(spec: Manifest, job: str) -> Manifest:
+    spec["containers"][0]["env"].append(api_key_env(job))
+    return spec
+
+
+def _add_model_volume(c: Container, mounts: list[Manifest]) -> list[Manifest]:
+    """Mount the model volume (last in `mounts`): the shared claim's model directory when the pod has
+    the claim, else an emptyDir of its own; the volumes to add."""
+    if c.shared_volume_claim:
+        mounts.append({"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH})
+        return []
+    mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT})
+    return [{"name": MODEL_VOLUME, "emptyDir": {}}]
+
+
+def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:
+    """The init step filling the model volume; the hub token reaches this container only."""
+    env: list[Manifest] = []
+    if pull.token is not None:
+        ref = {"name": pull.token.name, "key": pull.token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    out: Manifest = {
+        "name": "pull-model",
+        "image": pull.image,
+        "imagePullPolicy": pull_policy,
+        "command": pull_command(pull),
+        "volumeMounts": [dict(mount)],
+        # pull-model's last words (the repo, the cache, the fix) become the pod's status message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if env:
+        out["env"] = env
+    return out
 
 
 def _base_env(job: str) -> dict[str, str]:
@@ -311,7 +376,9 @@ def rank_pod(
     engines read disk-delta copies from the same path), else an emptyDir that lives as long as the pod
     (a gang restart then starts from the base checkpoint).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
-    restarts as a gang (all ranks deleted and recreated with `generation` + 1).
+    restarts as a gang (all ranks deleted and recreated with `generation` + 1). A rank that cannot
+    start reports why into the progress ConfigMap (ServiceAccount `<job>-trainer`, patch only), so the
+    job fails with the reason instead of restarting the gang.
     """
     nproc = max(placement.gpus, 1)
     env = {
@@ -320,12 +387,14 @@ def rank_pod(
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
         "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
+        "LOCKSTEP_PROGRESS_CONFIGMAP": progress_name(job),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
-    spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), job)
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
+    spec["serviceAccountName"] = trainer_name(job)
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [
@@ -369,7 +438,7 @@ def driver_pod(
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
     }
-    spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
+    spec = _with_api_key(_pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure"), job)
     spec["serviceAccountName"] = driver_name(job)
     return {
         "apiVersion": "v1",

@@ -12,6 +12,7 @@ from lockstep.api.trainergroup import TrainerGroupSpec
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import product_label, trainer_command
 from lockstep_operator.resources.common import Manifest, Owner, engines_service_name, pool_name, router_url
+from lockstep_operator.resources.model import model_pull
 from lockstep_operator.resources.pods import Container, Placement, rank_pod, with_template_hash
 
 GPU_SHM = "32Gi"
@@ -65,6 +66,7 @@ def rank_manifest(
         shared_volume_claim=shared_volume or None,
         shm_size=GPU_SHM if gpus_per_pod(spec) else None,
         capabilities=("IPC_LOCK",) if p2p_rdma else (),
+        model=model_pull(spec.model, image),
     )
     pod = rank_pod(
         owner,

@@ -21,7 +21,7 @@ from typing import Literal
 
 from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
 
-from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT
+from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release these flags and the runtime's HTTP contract are checked against (the engine
@@ -57,7 +57,7 @@ def sglang_command(
     cmd = [
         "python3", "-m", "sglang.launch_server",
         "--model-path", model.checkpoint,
-        "--host", "0.0.0.0",
+        "--host", f"$({POD_IP_ENV})",  # the pod IP, never all interfaces
         "--port", str(ENGINE_PORT),
         "--tp-size", str(engine.tensor_parallel),
         "--weight-version", "0",

@@ -71,14 +71,17 @@ async def p2p_commit(request: web.Request) -> web.Response:
         return web.json_response(
             {"success": False, "message": f"call GET {P2P_INFO_ROUTE} first"}, status=400
         )
-    try:
+    try:  # a transaction, as every weight update: check, stage, then swap; the version last
+        engine.check_version(body.version)
         async with engine.exclusive():
             named = await engine.run_in_worker(receiver.verified, body)
-            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
-            engine.set_weight_version(body.version)
+            staged = await engine.run_in_worker(lambda: engine.stage_weights(named, cast=True))
+            n = await engine.run_in_worker(engine.commit_weights, staged)
             engine.flush_cache()
+            engine.set_weight_version(body.version)
     except (P2PWriteError, KeyError, ValueError) as e:
-        return web.json_response({"success": False, "message": f"p2p commit refused: {e}"}, status=400)
+        message = f"p2p commit refused: {e}; the served weights and weight_version {engine.weight_version} are unchanged"
+        return web.json_response({"success": False, "message": message}, status=400)
     return web.json_response({"success": True, "message": f"loaded {n} tensors at version {body.version}"})
 
 

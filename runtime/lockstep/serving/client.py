@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,22 @@ class GenerateBackend(Protocol):
     ) -> GenerateResult: ...
 
 
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+"""The job's shared key (Secret `<job>-api-key`, mounted into every pod of the job)."""
+
+
+def api_key_from_env() -> str | None:
+    """The job's key from LOCKSTEP_API_KEY, or None when unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """`Authorization: Bearer <key>` for the job's servers (engines, sessions, trainer); the key
+    defaults to LOCKSTEP_API_KEY; no header when there is none. Never log the result."""
+    key = api_key if api_key is not None else api_key_from_env()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _parse_version(v: str | int | None) -> int | None:
     if v is None:
         return None
@@ -196,7 +213,8 @@ class EngineClient:
     """Async client of one engine (SGLang or ours). Use as `async with EngineClient(url) as c:`.
 
     retries: connection attempts per call (>= 1); backoff_s: first wait, doubled each retry up to
-    max_backoff_s. `sleep` is injectable so tests need not wait. Only connection failures are retried
+    max_backoff_s. `sleep` is injectable so tests need not wait. api_key: sent as a bearer token on
+    every call (default: LOCKSTEP_API_KEY, see auth_headers). Only connection failures are retried
     (never a request the server may have executed twice, except idempotent reads).
     """
 
@@ -210,6 +228,7 @@ class EngineClient:
         max_backoff_s: float = 8.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         if retries < 1:
             raise ValueError(f"retries={retries}: must be >= 1 (1 means no retry)")
@@ -227,7 +246,9 @@ class EngineClient:
         # 0.12 s per 64 six-token requests to the reference engine on loopback). A fresh connection per
         # request costs one TCP handshake, small next to a generation.
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=0)
-        self._http = httpx.AsyncClient(timeout=timeout_s, limits=limits, transport=transport)
+        self._http = httpx.AsyncClient(
+            timeout=timeout_s, limits=limits, transport=transport, headers=auth_headers(api_key)
+        )
 
     async def __aenter__(self) -> EngineClient:
         return self

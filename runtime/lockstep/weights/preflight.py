@@ -185,6 +185,7 @@ def check_weight_update_equal(
     compare_loaded: bool = True,
     allow_quant_error: bool = False,
     skip_tensor_list: Sequence[str] | None = None,
+    served: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None,
 ) -> PreflightResult:
     """Snapshot and reset every engine, run the first update through `transport`, compare, probe.
 
@@ -192,9 +193,11 @@ def check_weight_update_equal(
     trainer's hashes, so it must yield the same export both times (the trainer's export_weights,
     before any step). `compare_loaded`: the trainer exports the checkpoint the engines loaded (a fresh
     job: no SFT warm start, no resume), so each engine's `compare` against its snapshot decides; when
-    False only the checksums and the probe do. `allow_quant_error`: engines serving quantized weights
-    (FP8, MXFP8, NVFP4) may differ from the snapshot within one quantization step. An engine that cannot
-    run an action fails the result.
+    False only the checksums and the probe do. `allow_quant_error`: SGLang engines serving quantized
+    weights (FP8, MXFP8, NVFP4) may differ from the snapshot within one quantization step. An engine that
+    cannot run an action fails the result. `served` maps the export to what the engines must hold when a
+    stage dequantizes (low-precision serving: allow the quantization error, but only the shared
+    quantizer's own, bit for bit).
     """
     io = LoopThread("preflight-io")
     clients = [EngineClient(u) for u in engine_urls]
@@ -222,7 +225,7 @@ def check_weight_update_equal(
             mismatches += compare(url, first, got, against=first_url)
         checked = len(first)
         if trainer_checksums:
-            expected = {n: tensor_hash(t) for n, t in named_tensors()}
+            expected = {n: tensor_hash(t) for n, t in (served or iter)(named_tensors())}
             checked = len(expected)
             for url, got in sums.items():
                 mismatches += compare(url, expected, got)

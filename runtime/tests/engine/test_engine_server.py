@@ -22,7 +22,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.rollout.staleness import measure_staleness
 from lockstep.serving import (
     EngineClient,
@@ -36,7 +36,7 @@ from lockstep.serving.weight_group import open_weight_update_group
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 
 
 @dataclass

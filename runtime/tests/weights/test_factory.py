@@ -33,7 +33,6 @@ def test_other_transports_always_start(transport: str, external: bool) -> None:
     [
         ("cpu", 1, False, False, None),  # host shared memory with the in-process engine
         ("cpu", 1, True, False, "host memory with an engine of this process only"),
-        ("cpu", 2, False, False, "set spec.rollout.replicas to 1"),
         ("cuda", 1, False, False, "needs a CUDA device"),
         ("cuda", 1, False, True, "needs the engine in another process"),
         ("cuda", 1, True, True, None),
