@@ -264,6 +264,35 @@ def test_p2p_rank_pods_get_rdma_ipc_lock_and_shm() -> None:
     )
 
 
+@pytest.mark.parametrize(("example", "sglang"), [("h100", True), ("tiny-local", False)])
+def test_engine_pods_run_as_sglangs_docs_run_them(example: str, sglang: bool) -> None:
+    """A sized /dev/shm, startup on /health, readiness on /health_generate (SGLang lets probes in without
+    the API key), graceful drain; both engines read the job's API key from its Secret, SGLang through
+    --api-key."""
+    job = load(example)
+    pool, _, _ = child_manifests(owner("RLJob", job.metadata.name), job.spec, suspended=False, stopped="")
+    spec = RolloutPoolSpec.model_validate(pool["spec"])
+    pod = engine_manifest(owner("RolloutPool", "p"), spec, 0, gang_min=1, image=IMAGE)
+    main = pod["spec"]["containers"][0]
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {
+        "medium": "Memory",
+        "sizeLimit": "32Gi" if spec.engine.gpus_per_engine else "1Gi",
+    }
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in main["volumeMounts"]
+    assert main["startupProbe"]["httpGet"]["path"] == "/health"
+    assert main["readinessProbe"]["httpGet"]["path"] == "/health_generate"
+    assert main["lifecycle"]["preStop"] == {"sleep": {"seconds": 10}}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 600
+    secret = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in main["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert secret == {"LOCKSTEP_API_KEY": {"name": f"{job.metadata.name}-api-key", "key": "api-key"}}
+    assert ("--api-key" in main["command"]) is sglang and "$(LOCKSTEP_API_KEY)" not in str(main["env"])
+
+
 def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
     keys = {new_api_key() for _ in range(64)}
     assert len(keys) == 64 and all(len(k) >= 43 for k in keys)

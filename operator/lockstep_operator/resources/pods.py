@@ -178,7 +178,7 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
     model_mount: Manifest | None = None
     if c.model is not None:
         volumes += _add_model_volume(c, mounts)
-        model_mount = mounts[-1]
+        model_mount = mounts[-1]  # the init container fills the same mount
     container: Manifest = {
         "name": "main",
         "image": c.image,

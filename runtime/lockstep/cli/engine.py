@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--stock",
         action="store_true",
-        help="serve only what stock SGLang serves: no per-token versions, /engine_stats or P2P receive side",
+        help="serve only what stock SGLang serves: no /engine_stats, no P2P receive side",
     )
     p.add_argument(
         "--api-key",

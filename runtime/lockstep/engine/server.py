@@ -4,8 +4,9 @@ Why it exists: the runtime's EngineClient speaks SGLang's HTTP API; this module 
 routes and bodies (lockstep.serving.payloads) so `lockstep engine` can stand in for an SGLang server.
 Per-token weight versions go out as SGLang's own meta_info.weight_versions spans. Extensions beyond
 stock SGLang are explicit: GET /engine_stats (prefix-cache hit rate and counters) and the P2P receive
-side (lockstep.engine.ext_weights). With stock=True neither is served, so a test can run the runtime against exactly what stock SGLang
-offers (runtime/tests/sglang/ walks the routes against the pinned SGLang's source).
+side (lockstep.engine.ext_weights). With stock=True neither is served, so a test can run the runtime
+against exactly what stock SGLang offers (runtime/tests/sglang/ walks the routes against the pinned
+SGLang's source). POST /weights_checker (the pre-flight) is SGLang's: lockstep.engine.weights_checker.
 
 Errors: a request body that does not validate, or asks for something this engine does not do, gets
 HTTP 400 with {"error": ...} naming the field; weight endpoints answer SGLang's {success, message}

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Engine, Offload
+from lockstep.api import Engine, Offload, Precision
 from lockstep.models import load_tokenizer
 from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
@@ -161,6 +161,7 @@ class LocalTrainer:
             trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
             # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
             compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
+            allow_quant_error=c.job.spec.rollout.precision is not Precision.BF16,
             served=served,
         )
         c.engines.reached = urls

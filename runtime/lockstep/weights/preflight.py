@@ -166,9 +166,9 @@ class PreflightError(RuntimeError):
 
 
 def _run(
-    io: LoopThread, client: EngineClient, action: CheckAction, skip: Sequence[str] | None
+    io: LoopThread, client: EngineClient, action: CheckAction, skip: Sequence[str] | None, quant: bool = False
 ) -> CheckWeightsReply:
-    reply = io.run(client.check_weights(action, skip_tensor_list=skip))
+    reply = io.run(client.check_weights(action, skip_tensor_list=skip, allow_quant_error=quant))
     if not reply.success and action != "compare":
         raise PreflightError(f"{client.base_url}/weights_checker action {action!r} failed: {reply.message}")
     return reply
@@ -183,6 +183,7 @@ def check_weight_update_equal(
     probe: LogprobProbe | None = None,
     trainer_checksums: bool = False,
     compare_loaded: bool = True,
+    allow_quant_error: bool = False,
     skip_tensor_list: Sequence[str] | None = None,
     served: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None,
 ) -> PreflightResult:
@@ -192,9 +193,11 @@ def check_weight_update_equal(
     trainer's hashes, so it must yield the same export both times (the trainer's export_weights,
     before any step). `compare_loaded`: the trainer exports the checkpoint the engines loaded (a fresh
     job: no SFT warm start, no resume), so each engine's `compare` against its snapshot decides; when
-    False only the checksums and the probe do. An engine that cannot run an action fails the result.
-    `served` maps the export to what the engines must hold when a stage dequantizes (low-precision
-    serving: allow the quantization error, but only the shared quantizer's own, bit for bit).
+    False only the checksums and the probe do. `allow_quant_error`: SGLang engines serving quantized
+    weights (FP8, MXFP8, NVFP4) may differ from the snapshot within one quantization step. An engine that
+    cannot run an action fails the result. `served` maps the export to what the engines must hold when a
+    stage dequantizes (low-precision serving: allow the quantization error, but only the shared
+    quantizer's own, bit for bit).
     """
     io = LoopThread("preflight-io")
     clients = [EngineClient(u) for u in engine_urls]
@@ -207,7 +210,7 @@ def check_weight_update_equal(
             transport.update_weights(named_tensors(), version)
             mismatches: list[TensorMismatch] = []
             for c in clients if compare_loaded else ():
-                reply = _run(io, c, "compare", skip_tensor_list)
+                reply = _run(io, c, "compare", skip_tensor_list, allow_quant_error)
                 if not reply.success:
                     mismatches += compare_failures(c.base_url, reply.message) or [
                         TensorMismatch(

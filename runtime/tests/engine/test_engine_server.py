@@ -165,6 +165,31 @@ async def test_retract_keeps_tokens_and_records_new_version(served: Served, tiny
     assert res.output_logprobs[switch:] == pytest.approx(ref[switch:], abs=1e-5)
 
 
+async def test_weights_checker_has_sglangs_semantics(served_stock: Served) -> None:
+    """snapshot / reset_tensors / compare / checksum as SGLang's WeightChecker: compare names each reset
+    tensor, skip_tensor_list leaves tensors alone in every action, compare needs a snapshot."""
+    c = served_stock.client
+    no_snapshot = await c.check_weights("compare")
+    assert not no_snapshot.success and "call action 'snapshot' first" in no_snapshot.message
+    before = await c.check_weights("checksum")
+    assert before.success and before.ranks and before.per_engine_checksum
+    assert (await c.check_weights("snapshot")).success
+    assert (await c.check_weights("reset_tensors", skip_tensor_list=["norm"])).success
+    failed = await c.check_weights("compare")
+    named = {line.split()[0].removeprefix("name=") for line in failed.message.splitlines()[1:]}
+    weights = set(served_stock.engine.named_weights())
+    assert not failed.success and named == {n for n in weights if "norm" not in n}
+    after = await c.check_weights("checksum", skip_tensor_list=["norm"])
+    assert after.ranks and set(after.ranks[0].checksums) == {n for n in weights if "norm" not in n}
+    kept = {n: v for n, v in before.ranks[0].checksums.items() if "norm" in n}
+    assert kept == {
+        n: v for n, v in (await c.check_weights("checksum")).ranks[0].checksums.items() if "norm" in n
+    }
+    async with httpx.AsyncClient(base_url=served_stock.url) as http:
+        draft = await http.post("/weights_checker", json={"action": "checksum", "selector": "draft"})
+        assert draft.status_code == 400 and "no speculative draft model" in draft.json()["message"]
+
+
 async def test_stock_mode_reports_per_token_versions_as_sglang_does(
     served_stock: Served, tiny_dir_b: Path
 ) -> None:

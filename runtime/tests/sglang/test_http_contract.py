@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -29,6 +28,7 @@ from sglang_oracle import (
     check_body,
     generate_contract_error,
     handler_struct,
+    msgspec,
     require_pinned_sglang,
     served_routes,
     source,
