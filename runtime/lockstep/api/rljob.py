@@ -336,8 +336,7 @@ class EngineSpec(ApiModel):
     """Prefill-decode disaggregation (separate prefill and decode servers). Not built yet: true is
     refused at apply (rule prefill-decode-not-built)."""
     multi_token_prediction: bool = False
-    """Speculative decoding with the model's MTP draft head. Not built yet: true is refused at apply
-    (rule mtp-not-built)."""
+    """Speculative decoding with the model's MTP draft head (SGLang engines only)."""
     extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 
