@@ -49,16 +49,17 @@ class LoraSpec(ApiModel):
 
 
 HUB_ID_PATTERN: Final = (
-    r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}(@[A-Za-z0-9._/-]{1,255})?$"
 )
-"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit).
-A local directory in a cluster is an absolute path, so it never reads as a repo id."""
+"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit),
+the shape the runtime's checkpoint resolver accepts. A local directory in a cluster is an absolute
+path, so it never reads as a repo id."""
 
 
 def is_hub_id(ref: str) -> bool:
     """Whether a checkpoint or tokenizer reference names a hub repo (`org/name[@rev]`), not a local
     directory or `builtin:<name>` (pure)."""
-    return re.fullmatch(HUB_ID_PATTERN, ref) is not None
+    return re.fullmatch(HUB_ID_PATTERN, ref) is not None and ".." not in ref.split("@", 1)[0]
 
 
 class SecretKeySelector(ApiModel):
