@@ -33,6 +33,7 @@ from lockstep.api.common import (
 # Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
 Label = Annotated[str, Field(max_length=63)]
 Arg = Annotated[str, Field(max_length=1024)]
+ModulePattern = Annotated[str, Field(min_length=1, max_length=256)]
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -95,6 +96,11 @@ class ModelSpec(ApiModel):
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of the full weights; unset trains all weights. Not built yet:
     refused at apply (rule lora-not-built)."""
+    bf16_modules: list[ModulePattern] = Field(default_factory=list, max_length=256)
+    """BF16 exceptions of a low-precision recipe (rollout or trainer precision other than bf16):
+    module-name patterns (fnmatch over HF names without `.weight`, e.g. `model.layers.27.*`,
+    `*.shared_expert.*`) kept in BF16 at all four stages (conversion, training forward, export,
+    rollout). Linear weights whose contraction axis does not fill whole blocks stay BF16 anyway."""
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -184,9 +190,52 @@ class SFTWarmStartSpec(ApiModel):
     """Supervised steps on the task's reference answers before RL starts (off with steps 0)."""
 
     steps: int = Field(default=0, ge=0, le=100000000)
-    """SFT optimizer steps before the first RL step; 0 skips the warm start."""
+    """SFT optimizer steps before the first RL step (with stopAtLoss: the most it may take); 0 skips
+    the warm start."""
     learning_rate: float | None = Field(default=None, gt=0.0, le=1.0)
     """Learning rate of the SFT steps; unset uses algorithm.learningRate."""
+    stop_at_loss: float | None = Field(default=None, gt=0.0, le=100.0)
+    """End the warm start once the mean SFT loss (per answer token) of its last 5 steps is at or
+    below this. A fixed step count stops each seed at a different point of a steep loss curve (issue
+    18 measured 0.50 to 1.02 after 85 steps); a loss target stops every seed at the same point, so RL
+    starts from comparable policies. Unset runs all `steps`."""
+
+
+class LRDecay(enum.StrEnum):
+    """How the RL learning rate moves from learningRate (after warmup) to minLearningRate."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+class LRScheduleSpec(ApiModel):
+    """The RL learning rate over the run's steps (spec.schedule.steps): a linear warmup from 0 to
+    learningRate, then a decay to minLearningRate at the last step. The SFT warm start keeps its own
+    constant rate. The default (no warmup, constant) is a constant learningRate."""
+
+    warmup_steps: int = Field(default=0, ge=0, le=100000000)
+    """RL steps of linear warmup (step k of n trains at learningRate x k / n); must be fewer than
+    schedule.steps."""
+    decay: LRDecay = LRDecay.CONSTANT
+    """`constant`, `linear` or `cosine` from learningRate right after warmup towards minLearningRate,
+    reached one step after the last (every step trains at a rate above it). A decay lets the policy
+    settle late in the run, where a constant rate keeps perturbing a nearly solved policy."""
+    min_learning_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Where a decay ends; at most learningRate."""
+
+
+class DynamicSamplingSpec(ApiModel):
+    """DAPO's dynamic sampling (sync schedule): a group whose samples all got the same reward has
+    advantage 0 on every token and trains nothing, so it is dropped and more prompts are generated
+    until the step holds batchSize groups with a reward spread. Costs rollouts, not optimizer steps;
+    each step's groups_generated and groups_dropped are logged."""
+
+    max_groups_per_step: int = Field(ge=1, le=1048576)
+    """Most groups generated for one step, dropped ones included: at least algorithm.batchSize. When
+    it is reached the step trains on the groups with a spread it has (on the first batchSize
+    generated when none has one), so a step never waits forever on prompts the policy always or
+    never solves."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -220,6 +269,11 @@ class AlgorithmSpec(ApiModel):
         default_factory=SFTWarmStartSpec, json_schema_extra=EMPTY_DEFAULT
     )
     """SFT warm start on the task's reference answers before RL (off by default)."""
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec, json_schema_extra=EMPTY_DEFAULT)
+    """The RL learning rate over the steps: warmup and decay (default constant)."""
+    dynamic_sampling: DynamicSamplingSpec | None = None
+    """Drop groups without a reward spread and generate more (sync schedule); unset trains every
+    group generated."""
 
 
 # -------------------------------------------------------------------------------------------- rollout
@@ -338,6 +392,10 @@ class EngineSpec(ApiModel):
     refused at apply (rule prefill-decode-not-built)."""
     multi_token_prediction: bool = False
     """Speculative decoding with the model's MTP draft head (SGLang engines only)."""
+    p2p_receiver: bool = Field(default=False, alias="p2pReceiver")
+    """The engine image serves Lockstep's P2P receive extension (GET /p2p_receiver_info, POST
+    /p2p_receiver_commit; docs/sglang.md). Stock SGLang has none, so for engine `sglang` the operator
+    chooses the p2p transport only when this is true; the reference engine always serves it."""
     extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 

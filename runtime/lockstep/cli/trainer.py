@@ -30,7 +30,7 @@ from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
 from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
 from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
-from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.observability.logs import configure_logging
 from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.membership import members_from
@@ -157,7 +157,7 @@ def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
-    tok = TinyTokenizer.load(model_dir)
+    tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
     lr = s.sft_learning_rate or s.learning_rate
     backend = build_backend(

@@ -105,8 +105,8 @@ def run_sync(c: Components) -> DriverState:
     saved_at = state.step
     with _progress_bar(state.step, s.steps) as bar:
         while state.step < s.steps and not c.stop.is_set():
-            groups = collect_batch(c, state)
-            metrics = c.trainer.train(groups)
+            groups, rollout_metrics = collect_batch(c, state)
+            metrics = c.trainer.train(groups) | rollout_metrics
             state.step += 1
             if state.step % s.update_interval == 0:
                 state.version += 1

@@ -219,7 +219,7 @@ class EngineVersionProbe:
     The driver reaches the pool through its router and knows no pod names; the operator needs each
     engine's version to gate its readiness. So each report resolves the headless Service `host` (every
     engine pod's IP, ready or not) and asks each address the SGLang contract's question (GET
-    /model_info, else /get_weight_version on servers without it; `weight_version`, as
+    /model_info; `weight_version`, as
     lockstep.serving.client.EngineClient.get_weight_version reads it). An engine that does not answer
     or reports no integer version is left out: the operator counts it as not holding the current one.
     """
@@ -249,8 +249,6 @@ class EngineVersionProbe:
                 base = engine_url(ip, self.port)
                 try:
                     r = http.get(f"{base}/model_info")
-                    if r.status_code == 404:
-                        r = http.get(f"{base}/get_weight_version")
                     r.raise_for_status()
                     out[f"{ip}:{self.port}"] = int(r.json()["weight_version"])
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:

@@ -15,12 +15,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.rollout.session.engine import ReplicaPool
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import EngineClient, SamplingParams
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 USER = {"role": "user", "content": "add 2 and 3"}
 
 
