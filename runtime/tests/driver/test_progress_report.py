@@ -274,13 +274,11 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "error"),
-    [("/nonexistent/qwen3", "FileNotFoundError"), ("builtin:no-such-model", None)],
+    "checkpoint",
+    ["/nonexistent/qwen3", "builtin:no-such-model"],
     ids=["missing-directory", "unknown-builtin"],
 )
-def test_a_driver_that_cannot_start_reports_why_once(
-    tmp_path: Path, checkpoint: str, error: str | None
-) -> None:
+def test_a_driver_that_cannot_start_reports_why_once(tmp_path: Path, checkpoint: str) -> None:
     """A bad checkpoint stops the driver before any step: one document, error and DriverStartFailed."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
@@ -294,8 +292,6 @@ def test_a_driver_that_cannot_start_reports_why_once(
     assert doc.reason == "DriverStartFailed" and doc.step is None and not doc.done
     assert doc.error == f"driver could not start: {type(raised.value).__name__}: {raised.value}"
     assert checkpoint in doc.error
-    if error is not None:
-        assert type(raised.value).__name__ == error
 
 
 def test_an_unreachable_engine_is_not_a_start_failure(tmp_path: Path) -> None:
