@@ -274,11 +274,13 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize(
-    "checkpoint",
-    ["/nonexistent/qwen3", "builtin:no-such-model"],
+    ("checkpoint", "error"),
+    [("/nonexistent/qwen3", "CheckpointError"), ("builtin:no-such-model", None)],
     ids=["missing-directory", "unknown-builtin"],
 )
-def test_a_driver_that_cannot_start_reports_why_once(tmp_path: Path, checkpoint: str) -> None:
+def test_a_driver_that_cannot_start_reports_why_once(
+    tmp_path: Path, checkpoint: str, error: str | None
+) -> None:
     """A bad checkpoint stops the driver before any step: one document, error and DriverStartFailed."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
@@ -292,6 +294,8 @@ def test_a_driver_that_cannot_start_reports_why_once(tmp_path: Path, checkpoint:
     assert doc.reason == "DriverStartFailed" and doc.step is None and not doc.done
     assert doc.error == f"driver could not start: {type(raised.value).__name__}: {raised.value}"
     assert checkpoint in doc.error
+    if error is not None:
+        assert type(raised.value).__name__ == error
 
 
 def test_an_unreachable_engine_is_not_a_start_failure(tmp_path: Path) -> None:
