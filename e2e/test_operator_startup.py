@@ -7,11 +7,13 @@ kwok pods run no process, so each test runs the process a pod would run, `lockst
 rendered into `<job>-config`, the env the operator sets, and the ServiceAccount files of the pod's own
 account at /var/run/secrets/kubernetes.io/serviceaccount (a private mount namespace, `unshare -m`,
 puts a token minted for that account there: the reporter reads the real path). The operator runs
-in-process and folds the report into the status.
+in-process and folds the report into the status. A failed model download (the pull-model init step
+of a hub checkpoint) reaches the status through the pod's init container status.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -189,3 +191,53 @@ def test_a_trainer_rank_with_a_bad_checkpoint_fails_the_job_with_the_reason(
     )
     data = cluster.get("configmap", progress_config_map_name(job), "-n", namespace)["data"]
     assert list(data) == ["rank-0.json"]  # the rank's own key; the driver's document is untouched
+
+
+def test_a_failed_model_download_fails_the_job_with_the_step_message(
+    cluster: ControlPlane, operator: None, namespace: str
+) -> None:
+    """A hub checkpoint: the driver pod carries the pull-model init step; when the kubelet reports it
+    exited 2 (kwok runs no process: the test writes that pod status, as a kubelet would), the job
+    fails with ModelPullFailed and pull-model's message instead of the driver restarting its init."""
+    job = "bad-hub-ref"
+    manifest = bad_job(job)
+    manifest["spec"]["model"]["checkpoint"] = "no-such-org/no-such-model"
+    cluster.apply(manifest, namespace=namespace)
+    driver = f"{job}-driver"
+
+    def running_driver() -> dict[str, Any] | None:
+        got = cluster.kubectl("get", "pod", driver, "-n", namespace, "-o", "json", check=False)
+        pod: dict[str, Any] = json.loads(got.stdout) if got.returncode == 0 else {}
+        return pod if (pod.get("status") or {}).get("phase") == "Running" else None
+
+    pod = cluster.wait_for(running_driver, timeout=WAIT, what=f"pod {driver} Running")
+    assert pod is not None
+    [init] = pod["spec"]["initContainers"]
+    assert init["command"][:3] == ["lockstep", "pull-model", "no-such-org/no-such-model"]
+    message = "error: model no-such-org/no-such-model: repository not found on https://huggingface.co"
+    # As the kubelet reports a failed init step (kwok already marked this one Completed, and a
+    # terminated container may only be reported terminated again: the exit code and message change).
+    ended = {"exitCode": 2, "reason": "Error", "message": message, "startedAt": "2026-12-03T00:00:00Z",
+             "finishedAt": "2026-12-03T00:00:01Z"}  # fmt: skip
+    status = {
+        "status": {
+            "initContainerStatuses": [
+                {"name": "pull-model", "image": init["image"], "imageID": "", "ready": False,
+                 "restartCount": 0, "state": {"terminated": ended}}
+            ]
+        }
+    }  # fmt: skip
+    cluster.kubectl(
+        "patch",
+        "pod",
+        driver,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )
+    failed = failed_condition(cluster, namespace, job)
+    assert failed["reason"] == "ModelPullFailed", failed
+    assert failed["message"] == f"driver pod: pull-model exited 2: {message}"

@@ -40,6 +40,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
         ("org/name/extra", False),
         ("qwen3", False),
         ("org/name@", False),
+        ("org/../name", False),
+        ("org/name@../x", True),  # the revision is the hub's to judge; its directory has no "/"
     ],
 )
 def test_what_reads_as_a_hub_id(ref: str, hub: bool) -> None:
@@ -158,6 +160,11 @@ def test_a_tokenizer_from_another_repo_is_pulled_too() -> None:
         local_dir("Qwen/Qwen3-0.6B"),
         local_dir("Qwen/Qwen3-4B@v1"),
     )
+
+
+def test_a_revision_never_leaves_the_model_volume() -> None:
+    assert local_dir("org/name@../../etc") == "/models/org--name@..--..--etc"
+    assert local_dir("org/name@refs/pr/1") == "/models/org--name@refs--pr--1"
 
 
 def test_the_same_repo_as_tokenizer_is_pulled_once() -> None:

@@ -6,6 +6,7 @@ importing the runtime; a renamed flag would only show up as crash-looping pods o
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from lockstep.api import load_manifest
 from lockstep.cli import build_parser
 from lockstep_operator.resources.commands import driver_command, engine_command, trainer_command
 from lockstep_operator.resources.common import CONTROL_PORT
+from lockstep_operator.resources.model import local_dir, model_pull, pull_command
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -38,3 +40,19 @@ def test_pod_commands_parse_with_the_runtime_cli(path: Path) -> None:
     # Trainer ranks take the RL steps for the driver pod (rank 0 serves them on the control port).
     trainer = parser.parse_args(_lockstep_args(trainer_command()))
     assert trainer.serve is True and trainer.port == CONTROL_PORT
+
+
+@pytest.mark.parametrize("tokenizer", [None, "Qwen/Qwen3-4B@v1"])
+def test_the_model_volume_init_step_parses_with_the_runtime_cli(tokenizer: str | None) -> None:
+    """The operator's `lockstep pull-model REF --dest DIR` (resources.model) is the CLI's own contract."""
+    job = load_manifest(EXAMPLES[0])
+    model = job.spec.model.model_copy(update={"checkpoint": "Qwen/Qwen3-0.6B@main", "tokenizer": tokenizer})
+    pull = model_pull(model, "runtime:test")
+    assert pull is not None
+    cmd = pull_command(pull)
+    steps = [shlex.split(s) for s in cmd[2].split(" && ")] if cmd[0] == "sh" else [cmd]
+    assert len(steps) == (1 if tokenizer is None else 2)
+    parser = build_parser()
+    for step, ref in zip(steps, pull.refs, strict=True):
+        args = parser.parse_args(_lockstep_args(step))
+        assert callable(args.func) and args.ref == ref and str(args.dest) == local_dir(ref)

@@ -175,10 +175,11 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    model_mount: Manifest | None = None
-    if c.model is not None:
-        volumes += _add_model_volume(c, mounts)
-        model_mount = mounts[-1]  # the init container fills the same mount
+    model_mount = _model_mount(c) if c.model is not None else None
+    if model_mount is not None:
+        mounts.append(model_mount)
+        if model_mount["name"] == MODEL_VOLUME:
+            volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -230,14 +231,12 @@ def _with_api_key(spec: Manifest, job: str) -> Manifest:
     return spec
 
 
-def _add_model_volume(c: Container, mounts: list[Manifest]) -> list[Manifest]:
-    """Mount the model volume (last in `mounts`): the shared claim's model directory when the pod has
-    the claim, else an emptyDir of its own; the volumes to add."""
+def _model_mount(c: Container) -> Manifest:
+    """Where the model volume is mounted: the shared claim's model directory when the pod has the
+    claim (filled once for the job), else the pod's own emptyDir `model`."""
     if c.shared_volume_claim:
-        mounts.append({"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH})
-        return []
-    mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT})
-    return [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        return {"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH}
+    return {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
 
 
 def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:

@@ -50,16 +50,17 @@ class LoraSpec(ApiModel):
 
 
 HUB_ID_PATTERN: Final = (
-    r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}(@[A-Za-z0-9._/-]{1,255})?$"
 )
-"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit).
-A local directory in a cluster is an absolute path, so it never reads as a repo id."""
+"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit),
+the shape the runtime's checkpoint resolver accepts. A local directory in a cluster is an absolute
+path, so it never reads as a repo id."""
 
 
 def is_hub_id(ref: str) -> bool:
     """Whether a checkpoint or tokenizer reference names a hub repo (`org/name[@rev]`), not a local
     directory or `builtin:<name>` (pure)."""
-    return re.fullmatch(HUB_ID_PATTERN, ref) is not None
+    return re.fullmatch(HUB_ID_PATTERN, ref) is not None and ".." not in ref.split("@", 1)[0]
 
 
 class SecretKeySelector(ApiModel):
@@ -390,8 +391,7 @@ class EngineSpec(ApiModel):
     """Prefill-decode disaggregation (separate prefill and decode servers). Not built yet: true is
     refused at apply (rule prefill-decode-not-built)."""
     multi_token_prediction: bool = False
-    """Speculative decoding with the model's MTP draft head. Not built yet: true is refused at apply
-    (rule mtp-not-built)."""
+    """Speculative decoding with the model's MTP draft head (SGLang engines only)."""
     p2p_receiver: bool = Field(default=False, alias="p2pReceiver")
     """The engine image serves Lockstep's P2P receive extension (GET /p2p_receiver_info, POST
     /p2p_receiver_commit; docs/sglang.md). Stock SGLang has none, so for engine `sglang` the operator

@@ -418,12 +418,12 @@ RULES: Final[tuple[Rule, ...]] = (
         "set prefillDecode to false",
     ),
     Rule(
-        "mtp-not-built",
+        "mtp-needs-sglang",
         EngineSpec,
-        field("multiTokenPrediction").eq(False),
+        field("multiTokenPrediction").eq(True).implies(field("engine").eq("sglang")),
         "multiTokenPrediction",
-        "multi-token prediction (speculative decoding) is not built yet (no engine command sets it): "
-        "set multiTokenPrediction to false",
+        "multi-token prediction is SGLang's speculative decoding; the reference engine has none: set "
+        "engine to sglang or multiTokenPrediction to false",
     ),
     Rule(
         "session-token-cap-not-built",
