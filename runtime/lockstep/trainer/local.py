@@ -20,8 +20,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Offload
-from lockstep.models import TinyTokenizer
+from lockstep.api import Engine, Offload
+from lockstep.models import load_tokenizer
 from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
@@ -69,6 +69,8 @@ class TrainerParts:
     """The engines each update reaches (asked again before every update)."""
     pad_id: int
     """Padding token ID for packing."""
+    eos_id: int
+    """The token that ends an assistant turn (closes each SFT answer)."""
     engine_urls: list[str]
     """The engines known at start (the pre-flight reads them back)."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
@@ -95,7 +97,7 @@ class LocalTrainer:
         only), with the RL optimizer, ending early at `sft_stop_at_loss`; items come from a train-split
         offset (SFT_ITEM_BASE) so RL prompts are not the ones just imitated."""
         c, s = self.parts, self.parts.settings
-        eos = c.encode("<|eos|>")
+        eos = [c.eos_id]
         if s.sft_learning_rate is not None:
             c.backend.set_learning_rate(s.sft_learning_rate)
         losses: list[float] = []
@@ -126,7 +128,8 @@ class LocalTrainer:
         return self.update_weights(version)
 
     def _preflight_update(self, version: int) -> dict[str, float]:
-        """The first update through the pre-flight check (seed §7.2.5): randomize engines, update, compare.
+        """The first update through the pre-flight check (seed §7.2.5): SGLang's /weights_checker
+        snapshot and reset_tensors on every engine, the update, then compare and checksum.
 
         Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
         """
@@ -137,6 +140,7 @@ class LocalTrainer:
             return response_view(batch, c.backend.compute_logprobs(batch), 0)
 
         probe_prompt = c.render(c.task.item(0, "train").messages)
+        served = getattr(c.transport, "served", None)  # a QuantizingTransport: engines hold fake-quantized
         t0 = c.clock()
         urls = c.engines.targets(version)
         c.transport.follow(urls)
@@ -145,12 +149,19 @@ class LocalTrainer:
             c.transport,
             c.backend.export_weights,
             version=version,
-            probe=LogprobProbe(
+            probe=None
+            if served is not None  # the trainer's forward is not quantized: precision-check compares
+            else LogprobProbe(
                 probe_prompt,
                 trainer_logprobs,
                 tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
             ),
-            seed=c.settings.seed,
+            # The reference engine names tensors as HF does and hashes them on the CPU, as the trainer can;
+            # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
+            trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
+            # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
+            compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
+            served=served,
         )
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
@@ -271,18 +282,6 @@ def signal_metrics(batch: TrainBatch) -> dict[str, float]:
     return out
 
 
-def check_supported(job: RLJob) -> None:
-    """Refuse manifest features this runtime does not build yet; the error names the fields."""
-    spec = job.spec
-    problems = []
-    if spec.model.lora is not None:
-        problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> TrainBackend:
     """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
     return make_backend(
@@ -314,7 +313,7 @@ def build_trainer_parts(
     `members` is where each update finds the engines of the moment (default: exactly `engine_urls`; a
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
-    tokenizer = TinyTokenizer.load(model_dir)
+    tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
     urls = sorted(u.rstrip("/") for u in engine_urls)
@@ -328,6 +327,7 @@ def build_trainer_parts(
         transport=transport,
         engines=EngineSet(members or StaticMembers(tuple(urls)), urls),
         pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
         engine_urls=[u.rstrip("/") for u in engine_urls],
         render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
         encode=tokenizer.encode,

@@ -51,21 +51,15 @@ class TrainerSettings:
 
     @classmethod
     def from_job(cls, job: RLJob) -> TrainerSettings:
-        """Read the trainer's knobs from `job`; refuses a sampling temperature RL cannot train on."""
+        """Read the trainer's knobs from `job` (the API keeps the sampling temperature above 0)."""
         spec = job.spec
         alg = spec.algorithm
-        temperature = spec.rollout.sampling.temperature
-        if temperature <= 0:
-            raise ValueError(
-                "spec.rollout.sampling.temperature: RL needs temperature > 0 (logprobs of greedy decoding "
-                "are not a sampling distribution); use 1.0"
-            )
         return cls(
             seed=spec.data.seed,
             learning_rate=alg.learning_rate,
             grad_clip=spec.trainer.grad_clip,
             micro_batch_size=spec.trainer.micro_batch_size,
-            temperature=temperature,
+            temperature=spec.rollout.sampling.temperature,
             sft_steps=alg.sft_warm_start.steps,
             sft_learning_rate=alg.sft_warm_start.learning_rate,
             sft_rows=alg.batch_size * alg.samples_per_prompt,

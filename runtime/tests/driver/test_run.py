@@ -205,7 +205,8 @@ def test_unsupported_settings_are_refused_before_start(
 ) -> None:
     bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}})
     assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
-    assert "spec.model.lora: LoRA is not built yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "spec.model.lora: " in err and "LoRA is not built yet" in err and "remove model.lora" in err
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])
