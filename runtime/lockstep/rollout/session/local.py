@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.api.auth import api_key_from_env
 from lockstep.rollout.session.engine import BackendEngine, ReplicaPool, TurnEngine
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import EngineClient
@@ -67,7 +68,9 @@ async def session_url_for(ctx: Any) -> str:
         entry = servers.by_client.get(id(ctx.client))
         if entry is None:
             family = str(ctx.extra.get("family", "tiny"))
-            config = SessionServerConfig(family=family, max_new_tokens=ctx.sampling.max_new_tokens)
+            config = SessionServerConfig(
+                family=family, max_new_tokens=ctx.sampling.max_new_tokens, api_key=api_key_from_env()
+            )
             srv = SessionServer(config, turn_engine(ctx.client))
             await srv.start("127.0.0.1", 0)
             entry = servers.by_client[id(ctx.client)] = (ctx.client, srv)
