@@ -10,6 +10,7 @@ payload names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import pickle
@@ -531,3 +532,62 @@ async def test_the_tensor_path_never_dials_a_sender_chosen_address(served: Serve
             assert reply.status_code == 400 and needle in reply.json()["message"], reply.text
         assert _digest(served.engine) == before
     await _assert_serves(served)
+
+
+# -- SIGTERM -------------------------------------------------------------------------------------
+
+
+def test_sigterm_during_a_join_drains_and_exits(tmp_path: Path) -> None:
+    """`lockstep engine` with a weight-group join in flight (its rendezvous would wait 300 s) and a
+    running request exits on SIGTERM within its drain timeout; it used to wait for the join."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = _dead_port()
+    log = (tmp_path / "engine.log").open("w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lockstep", "engine", "--model", "builtin:tiny", "--port", str(port)]
+    cmd += ["--weight-group-timeout", "300", "--drain-timeout", "2", "--api-key", KEY]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        body = {**_JOIN, "master_port": _dead_port()}
+        joining = threading.Thread(
+            target=lambda: httpx.post(
+                f"{url}/init_weights_update_group", json=body, headers=auth, timeout=600
+            ),
+            daemon=True,
+        )
+        joining.start()
+        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            time.sleep(0.05)
+        gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+        running = threading.Thread(target=_post_quietly, args=(f"{url}/generate", gen, auth), daemon=True)
+        running.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "engine.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """A request the engine's shutdown cuts off (its connection drops): that is expected here."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, headers=headers, timeout=600)
