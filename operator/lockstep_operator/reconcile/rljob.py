@@ -27,9 +27,10 @@ from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import ApiError, KubeClient, Manifest
 from lockstep_operator.policy.condition import set_condition
+from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
-from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.progress import read_progress, read_rank_reports
 from lockstep_operator.reconcile.status import JobObserved, job_status
 from lockstep_operator.resources import config, podgroups, secrets
 from lockstep_operator.resources.annotations import Annotation
@@ -45,6 +46,7 @@ from lockstep_operator.resources.common import (
     trainer_name,
 )
 from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.model import local_model
 from lockstep_operator.resources.network import driver_network_policy
 from lockstep_operator.resources.pods import template_hash_of
 from lockstep_operator.settings import FIELD_MANAGER, OperatorSettings
@@ -73,13 +75,15 @@ async def reconcile_job(
         "apiVersion": API_VERSION,
         "kind": "RLJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": spec.wire(),
+        # hub references read as the model volume's directories (resources.model)
+        "spec": spec.model_copy(update={"model": local_model(spec.model)}).wire(),
     }
     manifests = [
         config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
         config.progress_config_map(owner, job=name),
         *config.driver_rbac(owner, job=name),
         driver_network_policy(owner, job=name),
+        *config.trainer_rbac(owner, job=name),
     ]
     await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests), _ensure_api_key(kube, owner))
     gang_problem = await _ensure_gang(kube, owner, spec)
@@ -240,4 +244,6 @@ async def _observe(
         progress_problem=problem,
         driver_phase=(driver.get("status") or {}).get("phase") if driver else None,
         gang_problem=gang_problem,
+        rank_reports=read_rank_reports(progress_cm),
+        driver_init_failure=init_failure(driver),
     )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -46,8 +47,11 @@ from typing import Any, Literal
 
 import torch
 
+from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tokenizer import ChatTokenizer
+from lockstep.numerics import exact, recipe
+from lockstep.numerics.quant import Scheme
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,14 @@ log = logging.getLogger(__name__)
 PauseMode = Literal["abort", "retract", "in_place"]
 MAX_VERSION = 2**63
 """Weight versions are integers in [0, MAX_VERSION) (an int64 anywhere they are stored)."""
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""SGLang's --kv-cache-dtype values -> the cache dtype (None: the model's)."""
 
 
 class EngineInputError(ValueError):
@@ -175,7 +187,7 @@ class ReferenceEngine:
         model: torch.nn.Module,
         *,
         model_path: str = "",
-        tokenizer: TinyTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         device: str | torch.device = "cpu",
         max_running_requests: int = 32,
         context_length: int = 1024,
@@ -183,6 +195,7 @@ class ReferenceEngine:
         seed: int = 0,
         cuda_graphs: bool | None = None,
         max_queued_requests: int = 1024,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """model: an HF Qwen3ForCausalLM on `device`; max_running_requests: KV slots (sequences run
         together); context_length: longest prompt + output; max_prefill_tokens: prompt tokens admitted per
@@ -190,15 +203,16 @@ class ReferenceEngine:
         static buffers, captured into CUDA graphs on CUDA (default: on for CUDA). With graphs, parameters
         must never be rebound (`p.data = t`), only copied into, as load_weights does.
         max_queued_requests: sequences waiting or running at once; beyond it submit raises EngineBusy.
+        kv_cache_dtype: SGLang's --kv-cache-dtype (`fp8_e4m3`/`fp8_e5m2` store K/V in FP8, scale 1.0).
         """
         self.device = torch.device(device)
         """Where the weights and the KV cache live."""
         self.model_path = model_path
         """The checkpoint dir loaded at start."""
         self.tokenizer = tokenizer
-        """Decodes output text when the checkpoint has a tiny tokenizer; else text is empty."""
+        """The checkpoint's tokenizer (decodes output text); None when the dir has none (text is empty)."""
         self.model: Any = model.eval()
-        """The Qwen3ForCausalLM holding the live weights under HF names."""
+        """The transformers causal LM holding the live weights under HF names."""
         self.weight_version: int = 0
         """The version of the loaded weights; 0 at start."""
         self.stats = EngineStats()
@@ -209,7 +223,9 @@ class ReferenceEngine:
         self.draining = False
         """Set on shutdown: new requests are refused with EngineBusy, /health answers 503."""
         dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(
+        # Qwen3-style attention runs on the slotted KV cache; other architectures recompute (recompute.py).
+        runner_cls: Any = ModelRunner if slotted_runner_supports(model.config) else RecomputeRunner
+        self.runner = runner_cls(
             model,
             max_slots=max_running_requests,
             context_length=context_length,
@@ -217,8 +233,14 @@ class ReferenceEngine:
             dtype=dtype,
             seed=seed,
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
+            kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
         )
-        self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        # Weights by HF name: parameters (incl. a tied lm_head) and the persistent buffers a checkpoint also
+        # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
+        self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
+        self.scheme: Scheme | None = None
+        """The serving weight format when the checkpoint was quantized (weights arrive quantized and
+        are dequantized on load, lockstep.numerics.recipe.receive); None for bf16/fp32 serving."""
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -240,30 +262,53 @@ class ReferenceEngine:
 
     @classmethod
     def load(
-        cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        true_on_policy: bool = False,
+        **kwargs: Any,
     ) -> ReferenceEngine:
-        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        """Load an HF-layout checkpoint dir through transformers' auto classes (fp32 on CPU, bf16 on CUDA
+        unless dtype is given); its tokenizer.json, when present, decodes output text.
+
+        true_on_policy: run the trainer's batch-invariant kernels (lockstep.numerics.exact), SGLang's
+        --enable-deterministic-inference --rl-on-policy-target fsdp.
+        """
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
         dev = torch.device(device)
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         config = AutoConfig.from_pretrained(path)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        scheme = recipe.checkpoint_scheme(json.loads((path / "config.json").read_text()))
+        model: Any
+        if scheme is None:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
+            del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            _load_quantized(model, path, scheme, dtype)
         model = model.to(dev)
-        tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
+        if true_on_policy:
+            exact.apply(model, dev)
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tok = ChatTokenizer.load(path, require_template=False) if has_tokenizer else None
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
         )
-        return cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine = cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine.scheme = scheme
+        return engine
 
     @property
     def context_length(self) -> int:
-        return self.runner.context_length
+        return int(self.runner.context_length)
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return int(self.runner.vocab_size)
 
     @property
     def is_moe(self) -> bool:
@@ -327,8 +372,9 @@ class ReferenceEngine:
         self.weight_version = v
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF name -> live parameter tensor (tied weights listed once, as HF's state dict files do)."""
-        return {n: p.data for n, p in self.model.named_parameters()}
+        """HF name -> live weight tensor: parameters (tied ones listed once, as HF state dict files do) and
+        persistent buffers."""
+        return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
     @torch.no_grad()
     def stage_weights(
@@ -341,8 +387,11 @@ class ReferenceEngine:
         hands the tensors over (received or read for this update), so one already in the right
         layout is used as it is; otherwise (shared memory the sender may still write) it is copied.
         Raises KeyError on an unknown name and ValueError on a shape mismatch, or a dtype mismatch
-        unless cast=True, naming the tensor; then nothing was changed.
+        unless cast=True, naming the tensor; then nothing was changed. A quantized engine (`scheme`)
+        first dequantizes what arrived with scales.
         """
+        if self.scheme is not None:
+            named = recipe.receive(named, self.scheme, self.runner.dtype)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, t in named:
             if not isinstance(t, torch.Tensor):
@@ -707,7 +756,7 @@ class ReferenceEngine:
             top_k=torch.tensor([s.params.top_k for s in seqs], device=self.device),
             generators=[s.generator for s in seqs],
         )
-        ids, lps = sample(torch.cat(logits), params, runner.generator)
+        ids, lps = sample(torch.cat(logits), params, runner.generator, runner.tiles)
         return ids, lps, prompt_lp
 
     def _apply(
@@ -778,6 +827,12 @@ def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
     return out
 
 
+def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Buffers saved in the state dict (checkpoint tensors that are not parameters), by HF name."""
+    saved = set(model.state_dict().keys())
+    return {n: b for n, b in model.named_buffers() if n in saved}
+
+
 def _eos_ids(config: Any) -> set[int]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
@@ -802,3 +857,23 @@ def _check_sampling(p: SamplingParams) -> None:
         )
     if p.sampling_seed is not None and not SEED_RANGE[0] <= p.sampling_seed < SEED_RANGE[1]:
         raise EngineInputError(f"sampling_params.sampling_seed {p.sampling_seed}: must fit 64 bits")
+
+
+def _load_quantized(model: Any, path: Path, scheme: Scheme, dtype: torch.dtype) -> None:
+    """Fill `model` from the quantized checkpoint at `path` (every parameter must be there)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
+    loaded = set()
+    with torch.no_grad():
+        for name, t in recipe.receive(tensors.items(), scheme, dtype):
+            if name not in params:
+                raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
+            params[name].copy_(t)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join(missing[:5])}")

@@ -2,9 +2,10 @@
 
 Why it exists: the runtime's EngineClient speaks SGLang's HTTP API; this module serves the same
 routes and bodies (lockstep.serving.payloads) so `lockstep engine` can stand in for an SGLang server.
-Extensions beyond stock SGLang are explicit: meta_info.output_token_weight_versions and
-GET /engine_stats (prefix-cache hit rate and counters). If the module lockstep.engine.ext_weights
-exists, its register(app, engine) adds the weights helper's endpoints.
+Per-token weight versions go out as SGLang's own meta_info.weight_versions spans. Extensions beyond
+stock SGLang are explicit: GET /engine_stats (prefix-cache hit rate and counters) and the P2P receive
+side (lockstep.engine.ext_weights). With stock=True neither is served, so a test can run the runtime against exactly what stock SGLang
+offers (runtime/tests/sglang/ walks the routes against the pinned SGLang's source).
 
 Errors: a request body that does not validate, or asks for something this engine does not do, gets
 HTTP 400 with {"error": ...} naming the field; weight endpoints answer SGLang's {success, message}
@@ -36,6 +37,7 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from lockstep.engine import weights_checker
 from lockstep.engine.core import EngineBusy, EngineInputError, ReferenceEngine, Sequence
 from lockstep.serving.guard import bearer_middleware, parse_json
 from lockstep.serving.payloads import (
@@ -101,6 +103,18 @@ def _unsupported(req: GenerateRequest, engine: ReferenceEngine) -> str | None:
     return None
 
 
+def _spans(versions: list[int], current: int) -> list[dict[str, Any]]:
+    """SGLang's meta_info.weight_versions: one {version, start, end} per run of equal token versions
+    (a reply without output tokens gets one empty span of the current version, as SGLang's)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
+
+
 def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict[str, Any]:
     out = seq.output_ids
     text = ""
@@ -115,7 +129,7 @@ def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict
         "cached_tokens": max(seq.cached_tokens, 0),
         "weight_version": str(engine.weight_version),
         "e2e_latency": time.monotonic() - seq.created,
-        "output_token_weight_versions": list(seq.versions),
+        "weight_versions": _spans(seq.versions, engine.weight_version),
     }
     if req.return_logprob:
         dec = engine.tokenizer.decode if (engine.tokenizer and req.return_text_in_logprobs) else None
@@ -559,10 +573,6 @@ async def update_weight_version(request: web.Request) -> web.Response:
     return _result(True, f"Weight version updated to {version}", new_version=str(version))
 
 
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": str(request.app[ENGINE_KEY].weight_version)})
-
-
 async def model_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     cfg = engine.model.config
@@ -606,7 +616,7 @@ async def _input_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
 
 
-OPEN_READS = frozenset({"/health", "/health_generate", "/get_weight_version", "/model_info", "/engine_stats"})
+OPEN_READS = frozenset({"/health", "/health_generate", "/model_info", "/engine_stats"})
 """GET routes served without the key (probes and monitoring); every other route needs it."""
 MAX_BODY_BYTES = 32 << 20
 """Default request body cap: a batch of 1024 prompts of 4K tokens fits; beyond it, HTTP 413."""
@@ -616,12 +626,14 @@ def create_app(
     engine: ReferenceEngine,
     *,
     allow_tensor_updates: bool = False,
+    stock: bool = False,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     weight_group_timeout_s: float = 120.0,
 ) -> web.Application:
     """The aiohttp app serving `engine`; it starts the engine on startup and closes it on cleanup.
 
+    stock=True serves only what stock SGLang serves (no extension route or reply field).
     api_key: required as `Authorization: Bearer <key>` on every route but OPEN_READS (SGLang's
     --api-key); max_body_bytes: larger bodies get 413; weight_group_timeout_s bounds a weight-group
     join. On shutdown (SIGTERM) the engine stops admitting (503) and /health answers 503.
@@ -649,9 +661,8 @@ def create_app(
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
-    r.add_get("/get_weight_version", get_weight_version)
     r.add_get("/model_info", model_info)
-    r.add_get("/engine_stats", engine_stats)
+    weights_checker.register(app, engine)
 
     async def _start(app: web.Application) -> None:
         await engine.start()
@@ -668,6 +679,9 @@ def create_app(
     app.on_startup.append(_start)
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_stop)
+    if stock:
+        return app
+    r.add_get("/engine_stats", engine_stats)
     try:
         ext = importlib.import_module(_EXT_MODULE)
     except ModuleNotFoundError as e:

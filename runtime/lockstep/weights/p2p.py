@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from lockstep.api.auth import auth_headers
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
 from lockstep.weights.transport import TransferReport, refuse_change
@@ -38,6 +39,13 @@ DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 
 _COLUMN_RE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
 _ROW_RE = re.compile(r"(o_proj|down_proj)\.weight$")
+
+
+P2P_INFO_ROUTE = "/p2p_receiver_info"
+"""GET: the engine's receive buffer and slots (P2PTargetInfo). Lockstep's one documented engine
+extension (docs/sglang.md): the pinned SGLang has no receive side for trainer-pushed P2P writes."""
+P2P_COMMIT_ROUTE = "/p2p_receiver_commit"
+"""POST P2PCommitRequest: verify what arrived, load it, set the weight version."""
 
 
 class P2PWriteError(RuntimeError):
@@ -105,7 +113,7 @@ class Slot(BaseModel):
 
 
 class P2PTargetInfo(BaseModel):
-    """GET /lockstep/p2p/info reply: what a source needs to write into one target."""
+    """GET /p2p_receiver_info reply: what a source needs to write into one target."""
 
     model_config = ConfigDict(extra="forbid")
     session_id: str
@@ -123,7 +131,7 @@ class P2PTargetInfo(BaseModel):
 
 
 class P2PCommitRequest(BaseModel):
-    """POST /lockstep/p2p/commit body: load what arrived and advance the weight version."""
+    """POST /p2p_receiver_commit body: load what arrived and advance the weight version."""
 
     model_config = ConfigDict(extra="forbid")
     version: int
@@ -212,7 +220,7 @@ class P2PReceiver:
 
 
 Commit = Callable[[P2PCommitRequest], None]
-"""Tells one target to verify and load what arrived (HTTP POST /lockstep/p2p/commit in production)."""
+"""Tells one target to verify and load what arrived (HTTP POST /p2p_receiver_commit in production)."""
 
 
 @dataclass(slots=True)
@@ -442,17 +450,20 @@ class P2PTransport:
 
 
 def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
-    """A P2PTarget for an engine serving our extension (GET /lockstep/p2p/info, POST /lockstep/p2p/commit)."""
+    """A P2PTarget for an engine serving our extension (GET /p2p_receiver_info, POST /p2p_receiver_commit)."""
     import httpx
 
     base = engine_url.rstrip("/")
-    resp = httpx.get(base + "/lockstep/p2p/info", timeout=timeout_s)
+    auth = auth_headers()  # the job's key (LOCKSTEP_API_KEY): both routes need it when the engine has one
+    resp = httpx.get(base + P2P_INFO_ROUTE, timeout=timeout_s, headers=auth)
     if resp.status_code != 200:
-        raise P2PWriteError(f"{base}/lockstep/p2p/info answered {resp.status_code}: {resp.text[:300]}")
+        raise P2PWriteError(f"{base}{P2P_INFO_ROUTE} answered {resp.status_code}: {resp.text[:300]}")
     info = P2PTargetInfo.model_validate(resp.json())
 
     def commit(req: P2PCommitRequest) -> None:
-        r = httpx.post(base + "/lockstep/p2p/commit", json=req.model_dump(mode="json"), timeout=timeout_s)
+        r = httpx.post(
+            base + P2P_COMMIT_ROUTE, json=req.model_dump(mode="json"), timeout=timeout_s, headers=auth
+        )
         if r.status_code != 200:
             raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
 
