@@ -42,6 +42,7 @@ KINDS: dict[str, tuple[str, bool]] = {
     "Pod": ("pods", True),
     "Service": ("services", True),
     "ConfigMap": ("configmaps", True),
+    "Secret": ("secrets", True),
     "ServiceAccount": ("serviceaccounts", True),
     "Role": ("roles", True),
     "RoleBinding": ("rolebindings", True),
