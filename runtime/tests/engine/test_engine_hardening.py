@@ -151,20 +151,24 @@ async def test_failed_disk_load_leaves_the_engine_byte_identical(
     assert r.json()["meta_info"]["cached_tokens"] > 0  # a refused update flushes nothing
 
 
-async def test_an_older_version_is_refused_before_any_weight_moves(
+async def test_older_versions_label_only_new_weights(
     served: Served, tiny_dir: Path, tiny_dir_b: Path
 ) -> None:
+    """Relabeling the served weights with an older version is refused; an older version that comes
+    with its weights (a driver resumed from an earlier checkpoint, or from the base policy) re-syncs."""
     ok = await served.http.post(
         "/update_weights_from_disk", json={"model_path": str(tiny_dir_b), "weight_version": "3"}
     )
     assert ok.status_code == 200 and ok.json()["success"], ok.text
     before = _digest(served.engine)
-    reply = await served.http.post(
-        "/update_weights_from_disk", json={"model_path": str(tiny_dir), "weight_version": "2"}
-    )
-    _refused(reply, 3)
-    assert "only move forward" in reply.json()["message"]
+    low = await served.http.post("/update_weight_version", json={"new_version": "2"})
+    assert low.status_code == 400 and "only move forward" in low.json()["message"]
     assert _digest(served.engine) == before and served.engine.weight_version == 3
+    again = await served.http.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_dir), "weight_version": "1"}
+    )
+    assert again.status_code == 200 and again.json()["success"], again.text
+    assert served.engine.weight_version == 1 and _digest(served.engine) != before
 
 
 async def test_failed_tensor_load_leaves_the_engine_byte_identical(served: Served, tiny_dir_b: Path) -> None:
