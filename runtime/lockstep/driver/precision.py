@@ -168,7 +168,8 @@ def _update_and_logprobs(ctx: _Ctx, samples: int) -> list[Check]:
 
 def _sample(ctx: _Ctx, io: LoopThread, client: EngineClient, samples: int) -> tuple[Any, torch.Tensor]:
     """`samples` completions of the job's prompts from the engine; the batch and the rollout logprobs."""
-    tok = load_tokenizer(ctx.model_dir)
+    model = ctx.job.spec.model
+    tok = load_tokenizer(ctx.model_dir, model.tokenizer, model.chat_template)
     task = load_task(ctx.job.spec.data.prompts, ctx.job.spec.data.eval_prompts, 0)
     sampling = ctx.job.spec.rollout.sampling
     pairs, lps = [], []
