@@ -2,8 +2,8 @@
 
 Each row of the table gets its status while an existing session stays exactly as it was and the
 server goes on serving it; without the job's key every route but /metrics is 401; session and body
-caps hold. (That a huge body's tokenization no longer stalls other sessions is measured by
-bench/serving_hostile_load.py, not asserted in seconds here.)
+caps hold. (Tokenizing, parsing and rendering run on the server's worker threads; that a huge body
+no longer stalls other sessions is not asserted here, a timing claim is not a test.)
 """
 
 from __future__ import annotations
