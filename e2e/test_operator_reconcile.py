@@ -16,6 +16,7 @@ get their pod group.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -238,6 +239,16 @@ def test_h100_example_children_nodes_gpus_and_columns(
     control = [r for r in policy["ingress"] if {"protocol": "TCP", "port": 29600} in r["ports"]]
     assert [r["from"][0]["podSelector"]["matchLabels"]["rl.lockstep.dev/role"] for r in control] == ["driver"]
     assert services[f"{job}-rollout-router"]["spec"]["ports"][0]["port"] == 30000
+    # The job's key: one random Secret owned by the job, referenced (never copied) by every pod.
+    secret = cluster.get("secret", f"{job}-api-key", "-n", namespace)
+    assert len(base64.b64decode(secret["data"]["api-key"])) >= 43
+    assert secret["metadata"]["ownerReferences"][0]["name"] == job
+    ref = {"name": f"{job}-api-key", "key": "api-key"}
+    for pod in [driver, ranks[0], engines[0]]:
+        keyed = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "LOCKSTEP_API_KEY"]
+        assert [e["valueFrom"]["secretKeyRef"] for e in keyed] == [ref], pod["metadata"]["name"]
+    assert cluster.get("networkpolicy", f"{job}-rollout", "-n", namespace)["spec"]["podSelector"]
+    assert cluster.get("networkpolicy", f"{job}-driver", "-n", namespace)["spec"].get("ingress") in ([], None)
     for kind in ("rolloutpool", "trainergroup", "weightchannel"):
         owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
         assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == job

@@ -15,6 +15,7 @@ import yaml
 from lockstep.api.rljob import Autoscaling, RLJob
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep.api.trainergroup import TrainerGroupSpec
+from lockstep_operator.k8s.client import manifest_path
 from lockstep_operator.resources import config, podgroups
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
@@ -300,6 +301,7 @@ def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
     own = owner("RLJob", job.metadata.name)
     secret = api_key_secret(own, job=job.metadata.name, key="s3cret")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == own.uid  # deleted with the job
+    assert manifest_path(secret, named=False) == f"/api/v1/namespaces/{own.namespace}/secrets"
     driver = driver_manifest(own, job.spec, image=IMAGE)
     env = {e["name"]: e for e in driver["spec"]["containers"][0]["env"]}
     assert env["LOCKSTEP_API_KEY"]["valueFrom"]["secretKeyRef"] == {

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lockstep.api.auth import API_KEY_ENV as API_KEY_ENV  # every pod reads the job's key from it
 from lockstep.api.progress import progress_config_map_name
 
 GROUP = "rl.lockstep.dev"
@@ -191,8 +192,6 @@ def api_key_secret_name(job: str) -> str:
 
 API_KEY_ITEM = "api-key"
 """The key's item in that Secret."""
-API_KEY_ENV = "LOCKSTEP_API_KEY"
-"""The env var every pod of the job reads the key from (engines render SGLang's --api-key from it)."""
 POD_IP_ENV = "POD_IP"
 """The pod's IP (downward API): what servers in the pod bind instead of all interfaces."""
 

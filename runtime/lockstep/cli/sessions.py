@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 
+from lockstep.api.auth import API_KEY_ENV, api_key_from_env
 from lockstep.cli.commands import HELP
 from lockstep.models.families import names
 from lockstep.rollout.session.engine import ReplicaPool
@@ -56,6 +57,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "to one rank with routed_dp_rank (default 1: the engine picks)",
     )
     parser.add_argument("--r3", action="store_true", help="capture routed experts (R3) on every turn")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /metrics (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument("--max-sessions", type=int, default=4096, help="open sessions (more get 503)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (413)")
     parser.set_defaults(func=run)
 
 
@@ -78,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         capture_routing=args.r3,
+        api_key=args.api_key or api_key_from_env(),
+        max_sessions=args.max_sessions,
+        max_body_bytes=args.max_body_bytes,
     )
 
     async def serve() -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
+from lockstep.api.auth import API_KEY_ENV, api_key_from_env
 from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
 from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
@@ -66,7 +67,22 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"command port of rank 0 (default {DEFAULT_PORT})"
     )
-    p.add_argument("--host", default="0.0.0.0", help="address rank 0 listens on (tests: 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("POD_IP") or "127.0.0.1",
+        help="address rank 0 listens on (default: $POD_IP in a pod, else 127.0.0.1; never all interfaces)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every command (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=256 << 20,
+        help="command body cap (a train batch is JSON; larger bodies get 413)",
+    )
     p.add_argument(
         "--engine-url",
         action="append",
@@ -127,6 +143,8 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             transport_file=args.transport_file or args.config.parent / TRANSPORT_KEY,
             transport_timeout_s=args.transport_timeout,
             in_pod=os.environ.get("LOCKSTEP_ROLE") == "trainer",
+            api_key=args.api_key or api_key_from_env(),
+            max_body_bytes=args.max_body_bytes,
             on_listening=lambda port: _listening(listening, args.host, port),
         )
     except (EngineUnreachable, TimeoutError) as e:

@@ -24,6 +24,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from lockstep.api.auth import auth_headers
 from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
 from lockstep.trainer.state import DriverState
 from lockstep.trainer.wire import (
@@ -95,6 +96,7 @@ class RemoteTrainer:
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
         run_dir: Path | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         """Base URL of rank 0's command server, e.g. http://trainer-0.trainer.ns.svc:29600."""
@@ -106,7 +108,9 @@ class RemoteTrainer:
         """Injected sleep (tests)."""
         # A train step or an update may take minutes: no read timeout; connecting must be quick.
         timeout = httpx.Timeout(None, connect=10.0)
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+        self.http = httpx.Client(
+            base_url=self.url, timeout=timeout, transport=transport, headers=auth_headers(api_key)
+        )
         """The HTTP connection pool."""
         self.run_dir = run_dir
         """The driver's run dir: the trainer's pre-flight result is mirrored there (PREFLIGHT_FILE), where

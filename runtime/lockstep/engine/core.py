@@ -220,6 +220,7 @@ class ReferenceEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_queued_requests = max_queued_requests
         """Sequences waiting or running at once; more are refused with EngineBusy (HTTP 503)."""
+        self._unlabeled = False  # weights committed since the version was last set
         self.draining = False
         """Set on shutdown: new requests are refused with EngineBusy, /health answers 503."""
         dtype = next(model.parameters()).dtype
@@ -341,11 +342,15 @@ class ReferenceEngine:
 
     # -- weights API (stable; the weights helper relies on it) ---------------------------------
 
-    def check_version(self, version: int | str | None) -> int | None:
+    def check_version(self, version: int | str | None, *, new_weights: bool = False) -> int | None:
         """The version an update may set, or None when it names none; raises EngineInputError.
 
-        Versions are integers in [current, 2**63) (they only move forward; the same version again is a
-        re-load, e.g. a resumed driver's first update). Checked before any weight moves.
+        A version is an integer in [0, 2**63) that labels the weights served. It only moves forward
+        for the same weights: relabeling them with an older version is refused. An older version is
+        accepted only as the label of weights loaded since the last label (`new_weights`: this update
+        brings them; or a bucketed update already committed them), which is how a driver resumed from
+        an earlier checkpoint, or restarted from the base policy, re-syncs a running engine.
+        Checked before any weight moves.
         """
         if version is None:
             return None
@@ -357,19 +362,20 @@ class ReferenceEngine:
             ) from e
         if not 0 <= v < MAX_VERSION:
             raise EngineInputError(f"weight_version {v}: must be in [0, 2**63)")
-        if v < self.weight_version:
+        if v < self.weight_version and not (new_weights or self._unlabeled):
             raise EngineInputError(
-                f"weight_version {v} is older than the served version {self.weight_version}; versions "
-                "only move forward (restart the engine to serve an older policy)"
+                f"weight_version {v} is older than the served version {self.weight_version} of the "
+                "same weights; versions only move forward (send the weights of that version with it)"
             )
         return v
 
-    def set_weight_version(self, version: int | str) -> None:
+    def set_weight_version(self, version: int | str, *, new_weights: bool = False) -> None:
         """Set the version reported from now on (and recorded on tokens sampled from now on);
         raises EngineInputError unless check_version accepts it."""
-        v = self.check_version(version)
+        v = self.check_version(version, new_weights=new_weights)
         assert v is not None
         self.weight_version = v
+        self._unlabeled = False
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """HF name -> live weight tensor: parameters (tied ones listed once, as HF state dict files do) and
@@ -417,6 +423,8 @@ class ReferenceEngine:
         fail but the device itself). Call between steps, holding `exclusive()`."""
         for live, new in staged:
             live.copy_(new)
+        if staged:
+            self._unlabeled = True  # weights changed: the next version set labels them
         return len(staged)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False) -> int:

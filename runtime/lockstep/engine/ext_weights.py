@@ -72,13 +72,13 @@ async def p2p_commit(request: web.Request) -> web.Response:
             {"success": False, "message": f"call GET {P2P_INFO_ROUTE} first"}, status=400
         )
     try:  # a transaction, as every weight update: check, stage, then swap; the version last
-        engine.check_version(body.version)
+        engine.check_version(body.version, new_weights=True)
         async with engine.exclusive():
             named = await engine.run_in_worker(receiver.verified, body)
             staged = await engine.run_in_worker(lambda: engine.stage_weights(named, cast=True))
             n = await engine.run_in_worker(engine.commit_weights, staged)
             engine.flush_cache()
-            engine.set_weight_version(body.version)
+            engine.set_weight_version(body.version, new_weights=True)
     except (P2PWriteError, KeyError, ValueError) as e:
         message = f"p2p commit refused: {e}; the served weights and weight_version {engine.weight_version} are unchanged"
         return web.json_response({"success": False, "message": message}, status=400)

@@ -260,7 +260,8 @@ class UpdateRefused(Exception):
 async def _install(engine: ReferenceEngine, body: _UpdateBody, stage: Callable[[], _Staged]) -> int:
     """The transaction every weight endpoint runs: validate, stage, then swap.
 
-    1. the version is checked (non-negative, not older than the served one) before anything moves;
+    1. the version is checked (an integer in [0, 2**63); see ReferenceEngine.check_version) before
+       anything moves;
     2. under the step lock, `stage` runs on the worker thread: it reads or receives every tensor and
        checks it against the model into staging buffers; the live weights are not touched;
     3. only when every tensor is staged are they copied into the parameters, the prefix cache is
@@ -269,7 +270,7 @@ async def _install(engine: ReferenceEngine, body: _UpdateBody, stage: Callable[[
     abort_all_requests aborts only once the version passed. Returns the tensor count.
     """
     try:
-        version = engine.check_version(body.weight_version)
+        version = engine.check_version(body.weight_version, new_weights=True)
     except EngineInputError as e:
         raise UpdateRefused(str(e)) from e
     if body.abort_all_requests:
@@ -282,7 +283,7 @@ async def _install(engine: ReferenceEngine, body: _UpdateBody, stage: Callable[[
         n: int = await engine.run_in_worker(engine.commit_weights, staged)
         engine.flush_cache()
         if version is not None:
-            engine.set_weight_version(version)
+            engine.set_weight_version(version, new_weights=True)
     return n
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,9 @@ from typing import Any, Protocol, TypeVar
 import httpx
 from pydantic import BaseModel
 
+from lockstep.api.auth import API_KEY_ENV as API_KEY_ENV  # re-exported for the servers' CLIs
+from lockstep.api.auth import api_key_from_env as api_key_from_env
+from lockstep.api.auth import auth_headers
 from lockstep.serving.payloads import (
     ROUTES,
     AbortRequest,
@@ -131,22 +133,6 @@ class GenerateBackend(Protocol):
         return_routed_experts: bool = False,
         rid: str | None = None,
     ) -> GenerateResult: ...
-
-
-API_KEY_ENV = "LOCKSTEP_API_KEY"
-"""The job's shared key (Secret `<job>-api-key`, mounted into every pod of the job)."""
-
-
-def api_key_from_env() -> str | None:
-    """The job's key from LOCKSTEP_API_KEY, or None when unset or empty."""
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def auth_headers(api_key: str | None = None) -> dict[str, str]:
-    """`Authorization: Bearer <key>` for the job's servers (engines, sessions, trainer); the key
-    defaults to LOCKSTEP_API_KEY; no header when there is none. Never log the result."""
-    key = api_key if api_key is not None else api_key_from_env()
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _parse_version(v: str | int | None) -> int | None:

@@ -4,7 +4,9 @@ Why it exists: in a cluster the TrainerGroup's ranks own the policy and the driv
 `lockstep trainer --serve` runs `serve()` on every rank under torchrun: each rank loads the policy
 FSDP2-sharded; rank 0 builds a LocalTrainer over a LeaderBackend (lockstep.trainer.spmd) and serves
 lockstep.trainer.wire on aiohttp; ranks > 0 follow rank 0's backend calls. Weights go from the ranks
-to the engines directly. HTTP: an invalid body is a 400 naming the field, an unknown command a 404,
+to the engines directly. Rank 0 binds $POD_IP (loopback outside a pod) and, with the job's key,
+requires `Authorization: Bearer <key>` on every command (401 otherwise; health is open); bodies
+are capped (413). HTTP: an invalid body is a 400 naming the field, an unknown command a 404,
 a command while another runs a 409, a failure a 500 with a typed ErrorReply the driver raises as its
 own exception; `shutdown` replies, then every rank exits 0 (docs/trainer.md).
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from lockstep.api import Precision
 from lockstep.models import resolve_checkpoint
+from lockstep.serving.guard import bearer_middleware
 from lockstep.serving.membership import probe_health
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
     from lockstep.weights.preflight import PreflightResult
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 256 << 20
+"""Default command body cap: a train batch of long samples is large JSON, but bounded."""
 
 
 @dataclass(slots=True)
@@ -144,9 +149,14 @@ class CommandServer:
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer")
     )
     """The one thread commands run on (the collectives must not run on the event loop)."""
+    api_key: str | None = None
+    """The job's key: required as `Authorization: Bearer <key>` on every command (health is open)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """Command body cap; larger bodies get 413."""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)  # a batch of long samples is large JSON
+        guard = bearer_middleware(self.api_key, open_reads={f"{API_PREFIX}/health"})
+        app = web.Application(middlewares=[guard], client_max_size=self.max_body_bytes)
         app.router.add_get(f"{API_PREFIX}/health", self.health)
         app.router.add_post(f"{API_PREFIX}/{{name}}", self.command)
         return app
@@ -224,7 +234,7 @@ def serve(
     *,
     out: Path,
     members: EngineMembers,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 29600,
     cache_dir: Path | None = None,
     engine_timeout_s: float = 300.0,
@@ -232,6 +242,8 @@ def serve(
     transport_file: Path | None = None,
     transport_timeout_s: float = 300.0,
     in_pod: bool = False,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> int:
     """Run this rank of a serving trainer group until `shutdown`; returns the exit code (0).
 
@@ -263,8 +275,9 @@ def serve(
             if transport_file is not None:
                 job = _resolve_transport(job, transport_file, timeout_s=transport_timeout_s, in_pod=in_pod)
             return _serve_rank0(
-                job, leader, model_dir, out, members, host, port, engine_timeout_s, on_listening
-            )
+                job, leader, model_dir, out, members, host, port, engine_timeout_s, on_listening,
+                guard=(api_key, max_body_bytes),
+            )  # fmt: skip
         finally:
             leader.release_followers()
     finally:
@@ -288,6 +301,8 @@ def _serve_rank0(
     port: int,
     engine_timeout_s: float,
     on_listening: Callable[[int], None] | None,
+    *,
+    guard: tuple[str | None, int] = (None, MAX_BODY_BYTES),
 ) -> int:
     settings = TrainerSettings.from_job(job)
     check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
@@ -301,7 +316,13 @@ def _serve_rank0(
         parts = build_trainer_parts(
             job, settings, out, model_dir, leader, engine_urls, closers, master, members
         )
-        server = CommandServer(LocalTrainer(parts), job.metadata.name, leader.world_size)
+        server = CommandServer(
+            LocalTrainer(parts),
+            job.metadata.name,
+            leader.world_size,
+            api_key=guard[0],
+            max_body_bytes=guard[1],
+        )
         log.info(
             "trainer group of %d ranks serves job %s on %s:%d (engines from %s, now %s; checkpoints under %s)",
             leader.world_size, job.metadata.name, host, port, members.describe(), ", ".join(engine_urls), out,

@@ -136,7 +136,7 @@ class TrainRequest(_Strict):
 class VersionRequest(_Strict):
     """first_update / update_weights: the version the engines must hold afterwards."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, lt=2**63)
     """Weight version to update the engines to."""
 
 

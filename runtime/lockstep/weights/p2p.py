@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from lockstep.api.auth import auth_headers
 from lockstep.weights import st_bytes as sb
 from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
 from lockstep.weights.transport import TransferReport, refuse_change
@@ -453,13 +454,16 @@ def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
     import httpx
 
     base = engine_url.rstrip("/")
-    resp = httpx.get(base + P2P_INFO_ROUTE, timeout=timeout_s)
+    auth = auth_headers()  # the job's key (LOCKSTEP_API_KEY): both routes need it when the engine has one
+    resp = httpx.get(base + P2P_INFO_ROUTE, timeout=timeout_s, headers=auth)
     if resp.status_code != 200:
         raise P2PWriteError(f"{base}{P2P_INFO_ROUTE} answered {resp.status_code}: {resp.text[:300]}")
     info = P2PTargetInfo.model_validate(resp.json())
 
     def commit(req: P2PCommitRequest) -> None:
-        r = httpx.post(base + P2P_COMMIT_ROUTE, json=req.model_dump(mode="json"), timeout=timeout_s)
+        r = httpx.post(
+            base + P2P_COMMIT_ROUTE, json=req.model_dump(mode="json"), timeout=timeout_s, headers=auth
+        )
         if r.status_code != 200:
             raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
 

@@ -10,6 +10,7 @@ payload names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import pickle
@@ -150,20 +151,24 @@ async def test_failed_disk_load_leaves_the_engine_byte_identical(
     assert r.json()["meta_info"]["cached_tokens"] > 0  # a refused update flushes nothing
 
 
-async def test_an_older_version_is_refused_before_any_weight_moves(
+async def test_older_versions_label_only_new_weights(
     served: Served, tiny_dir: Path, tiny_dir_b: Path
 ) -> None:
+    """Relabeling the served weights with an older version is refused; an older version that comes
+    with its weights (a driver resumed from an earlier checkpoint, or from the base policy) re-syncs."""
     ok = await served.http.post(
         "/update_weights_from_disk", json={"model_path": str(tiny_dir_b), "weight_version": "3"}
     )
     assert ok.status_code == 200 and ok.json()["success"], ok.text
     before = _digest(served.engine)
-    reply = await served.http.post(
-        "/update_weights_from_disk", json={"model_path": str(tiny_dir), "weight_version": "2"}
-    )
-    _refused(reply, 3)
-    assert "only move forward" in reply.json()["message"]
+    low = await served.http.post("/update_weight_version", json={"new_version": "2"})
+    assert low.status_code == 400 and "only move forward" in low.json()["message"]
     assert _digest(served.engine) == before and served.engine.weight_version == 3
+    again = await served.http.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_dir), "weight_version": "1"}
+    )
+    assert again.status_code == 200 and again.json()["success"], again.text
+    assert served.engine.weight_version == 1 and _digest(served.engine) != before
 
 
 async def test_failed_tensor_load_leaves_the_engine_byte_identical(served: Served, tiny_dir_b: Path) -> None:
@@ -531,3 +536,62 @@ async def test_the_tensor_path_never_dials_a_sender_chosen_address(served: Serve
             assert reply.status_code == 400 and needle in reply.json()["message"], reply.text
         assert _digest(served.engine) == before
     await _assert_serves(served)
+
+
+# -- SIGTERM -------------------------------------------------------------------------------------
+
+
+def test_sigterm_during_a_join_drains_and_exits(tmp_path: Path) -> None:
+    """`lockstep engine` with a weight-group join in flight (its rendezvous would wait 300 s) and a
+    running request exits on SIGTERM within its drain timeout; it used to wait for the join."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port = _dead_port()
+    log = (tmp_path / "engine.log").open("w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lockstep", "engine", "--model", "builtin:tiny", "--port", str(port)]
+    cmd += ["--weight-group-timeout", "300", "--drain-timeout", "2", "--api-key", KEY]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        body = {**_JOIN, "master_port": _dead_port()}
+        joining = threading.Thread(
+            target=lambda: httpx.post(
+                f"{url}/init_weights_update_group", json=body, headers=auth, timeout=600
+            ),
+            daemon=True,
+        )
+        joining.start()
+        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            time.sleep(0.05)
+        gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+        running = threading.Thread(target=_post_quietly, args=(f"{url}/generate", gen, auth), daemon=True)
+        running.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "engine.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _post_quietly(url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """A request the engine's shutdown cuts off (its connection drops): that is expected here."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, headers=headers, timeout=600)

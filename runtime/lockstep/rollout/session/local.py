@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.api.auth import api_key_from_env
 from lockstep.rollout.session.engine import BackendEngine, ReplicaPool, TurnEngine
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import EngineClient
@@ -77,6 +78,7 @@ async def session_url_for(ctx: Any) -> str:
                 mode=session.get("mode", "linear"),
                 matcher=session.get("matcher", "strict"),
                 max_nodes=session.get("maxNodes", 256),
+                api_key=api_key_from_env(),
             )
             srv = SessionServer(config, turn_engine(ctx.client))
             await srv.start("127.0.0.1", 0)

@@ -152,17 +152,17 @@ class ChatOptions(_Wire):
     """Accepted, not enforced (the model decides)."""
     parallel_tool_calls: bool | None = None
     """Accepted, not enforced."""
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31)
     """Token budget of the reply."""
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31)
     """Token budget of the reply (newer name; wins over max_tokens)."""
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     """Sampling temperature."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus sampling."""
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     """Sampling seed (passed to the engine as sampling_seed)."""
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=64)
     """Extra stop strings."""
     n: int = Field(default=1, ge=1, le=1)
     """Only 1: a session turn has one reply (use a branching session for several)."""

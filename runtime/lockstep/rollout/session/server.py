@@ -26,8 +26,9 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from aiohttp import web
@@ -51,6 +52,9 @@ from lockstep.rollout.session.protocol import (
 from lockstep.rollout.session.tree import Node, SessionError, SessionMode, TokenTree, TurnOutput
 from lockstep.serving import GenerateResult, SamplingParams
 from lockstep.serving.client import EngineError, EngineUnreachable
+from lockstep.serving.guard import bearer_middleware, parse_json
+
+_T = TypeVar("_T")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,8 +71,15 @@ class SessionServerConfig:
     """Sampling temperature when the request names none (RL samples at 1.0)."""
     capture_routing: bool = False
     """R3: ask the engine for routed experts on every turn and return them with samples."""
-    max_sessions: int = 100_000
+    max_sessions: int = 4096
     """Open sessions beyond this are refused (503) until some are deleted."""
+    api_key: str | None = None
+    """The job's key: required as `Authorization: Bearer <key>` on every route but GET /metrics."""
+    max_body_bytes: int = 4 << 20
+    """Request body cap (a 64K-token conversation is well under 1 MiB); larger bodies get 413."""
+    cpu_threads: int = 2
+    """Threads for tokenizing, parsing and rendering, so one session's CPU work never stalls the
+    event loop that serves every other session."""
     idle_ttl_s: float = 3600.0
     """A session untouched this long is dropped (agents that crash never DELETE); swept on create."""
     mode: str = "linear"
@@ -81,6 +92,8 @@ class SessionServerConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.max_sessions < 1 or self.max_body_bytes < 1 or self.cpu_threads < 1:
+            raise ValueError("max_sessions, max_body_bytes and cpu_threads must be >= 1")
 
 
 @dataclass(slots=True)
@@ -163,11 +176,15 @@ class SessionServer:
         self._clock = clock
         self._perf = perf
         self._runner: web.AppRunner | None = None
+        self._cpu_pool = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="lockstep-sessions")
         self.url = ""
         """Base URL once started, e.g. http://127.0.0.1:41234."""
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(
+            middlewares=[bearer_middleware(self.config.api_key, open_reads={"/metrics"})],
+            client_max_size=self.config.max_body_bytes,
+        )
         app.router.add_post("/sessions", self._create)
         app.router.add_get("/sessions/{sid}", self._get)
         app.router.add_delete("/sessions/{sid}", self._delete)
@@ -189,6 +206,11 @@ class SessionServer:
             await self._runner.cleanup()
             self._runner = None
         await self.engine.aclose()
+        self._cpu_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _cpu(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run CPU work (tokenizing, parsing, rendering) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu_pool, fn, *args)
 
     # -- session CRUD ----------------------------------------------------------------------------
 
@@ -267,7 +289,7 @@ class SessionServer:
             s = self._session(request)
             raw = await request.read()
             t0 = self._perf()
-            msgs, req = self._parse_chat(raw)
+            msgs, req = await self._cpu(self._parse_chat, raw)
             parse_s = self._perf() - t0
             async with s.lock:
                 body, work_s = await self._turn(s, msgs, req)
@@ -281,7 +303,7 @@ class SessionServer:
     def _parse_chat(self, raw: bytes) -> tuple[list[Message], ChatOptions]:
         """The replayed messages and the request options, or a 400 naming the bad field."""
         try:
-            body = json.loads(raw or b"{}")
+            body = parse_json(raw)
         except ValueError as exc:
             raise SessionError(f"request body is not JSON: {exc}") from exc
         try:
@@ -327,14 +349,14 @@ class SessionServer:
     async def _turn(self, s: Session, msgs: list[Message], req: ChatOptions) -> tuple[dict[str, Any], float]:
         """Run one turn; returns the completion body and the seconds of server work (engine excluded)."""
         t0 = self._perf()
-        plan = s.tree.plan(msgs, req.tools or ())
+        plan = await self._cpu(s.tree.plan, msgs, req.tools or ())
         prompt_len = len(plan.input_ids)
         try:
             sampling = self._sampling(req)
             t1 = self._perf()
             res = await self._generate(s.id, plan.input_ids, sampling)
             t2 = self._perf()
-            reply, out = self._reply(s, res)
+            reply, out = await self._cpu(self._reply, s, res)
             node = s.tree.commit(plan, reply, out)
         except BaseException:
             s.tree.abandon(plan)  # the parent checkpoint stays exactly as it was
@@ -412,7 +434,10 @@ class SessionServer:
                 samples = s.tree.samples()
                 leaves = s.tree.leaves()
                 # The diagnostic re-tokenizes the whole conversation (~0.1 s CPU at 64K tokens).
-                mismatch = [self._mismatch(s.tree, leaf) if opts.check_mismatch else None for leaf in leaves]
+                mismatch = [
+                    await self._cpu(self._mismatch, s.tree, leaf) if opts.check_mismatch else None
+                    for leaf in leaves
+                ]
         except SessionError as exc:
             return _error(exc.status, str(exc))
         out = []

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import httpx
 
+from lockstep.api.auth import api_key_from_env, auth_headers
 from lockstep.tasks.toolcalc.env import CALC_TOOL, calc
 from lockstep.types import Sample, SampleStatus
 
@@ -45,12 +46,13 @@ async def run_episode(
 
     item = sample.metadata["item"]
     messages: list[dict[str, Any]] = [dict(m) for m in item.messages]
-    async with httpx.AsyncClient(timeout=600) as http:
+    key = api_key_from_env()  # the session server requires the job's key when the job has one
+    async with httpx.AsyncClient(timeout=600, headers=auth_headers(key)) as http:
         created = await http.post(f"{session_url}/sessions", json={"mode": "linear"})
         created.raise_for_status()
         sid = created.json()["session_id"]
         client = openai.AsyncOpenAI(
-            base_url=f"{session_url}/sessions/{sid}/v1", api_key="unused", max_retries=0
+            base_url=f"{session_url}/sessions/{sid}/v1", api_key=key or "unused", max_retries=0
         )
         called = well_formed = False
         final = ""
