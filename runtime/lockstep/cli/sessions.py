@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.family.removeprefix("builtin:") not in names():
         print(f"--family {args.family!r} is unknown; choose one of {', '.join(names())}")
         return 2
-    if args.family in ("qwen3", "glm47") and not args.tokenizer:
+    if args.family in ("qwen3", "glm47", "glm5") and not args.tokenizer:
         print(
             f"warning: --family {args.family} without --tokenizer uses the offline stand-in vocabulary; "
             "its token IDs do not match a real model (pass the model's checkpoint dir)",
