@@ -68,11 +68,15 @@ async def session_url_for(ctx: Any) -> str:
         entry = servers.by_client.get(id(ctx.client))
         if entry is None:
             family = str(ctx.extra.get("family", "tiny"))
+            session = ctx.extra.get("session") or {}  # spec.rollout.session: defaults of new sessions
             tokenizer_dir = ctx.extra.get("tokenizer_dir")  # the served checkpoint's tokenizer.json
             config = SessionServerConfig(
                 family=family,
                 tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
                 max_new_tokens=ctx.sampling.max_new_tokens,
+                mode=session.get("mode", "linear"),
+                matcher=session.get("matcher", "strict"),
+                max_nodes=session.get("maxNodes", 256),
             )
             srv = SessionServer(config, turn_engine(ctx.client))
             await srv.start("127.0.0.1", 0)
