@@ -26,12 +26,12 @@ import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.engine.server import OPEN_READS
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.serving import EngineClient, SamplingParams, dumps_named_tensors
 from lockstep.serving.weight_group import open_weight_update_group
 from safetensors.torch import load_file, save_file
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 KEY = "k3y-for-tests"
 
 
