@@ -99,13 +99,6 @@ class ChatTokenizer:
         """Number of token IDs the tokenizer can produce (added tokens included)."""
         return len(self.hf)
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """IDs of every special (control) token."""
-        return frozenset(int(i) for i in self.hf.all_special_ids) | frozenset(
-            int(i) for i, t in self.hf.added_tokens_decoder.items() if t.special
-        )
-
     def encode(self, text: str) -> list[int]:
         """Text -> IDs; control-token strings in the text become their single IDs; no BOS/EOS added.
 
