@@ -110,7 +110,7 @@ class ChatTokenizer:
         if unk is not None and unk in ids and (self.hf.unk_token or "") not in text:
             bad = sorted({ch for ch in text if self.hf.encode(ch, add_special_tokens=False) == [unk]})
             raise ValueError(
-                f"tokenizer {self.source}: {''.join(bad)!r} in {text[:40]!r} is outside its vocabulary; "
+                f"{''.join(bad)!r} (in {text[:40]!r}) is not in the vocabulary of the tokenizer {self.source}; "
                 "remove those characters from the prompt data"
             )
         return ids
