@@ -247,7 +247,7 @@ async def test_bad_versions_are_refused(served: Served, version: str) -> None:
     reply = await served.http.post("/update_weight_version", json={"new_version": version})
     assert reply.status_code == 400 and reply.json()["success"] is False
     assert served.engine.weight_version == 0
-    assert (await served.http.get("/get_weight_version")).json()["weight_version"] == "0"
+    assert (await served.http.get("/model_info")).json()["weight_version"] == "0"
 
 
 async def test_versions_only_move_forward(served: Served) -> None:
