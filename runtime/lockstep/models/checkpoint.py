@@ -76,8 +76,7 @@ def offline() -> bool:
 def resolve_checkpoint(model: str, cache_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> Path:
     """A model reference (see the module doc) -> a local HF-layout dir holding config.json.
 
-    `cache_dir` and `seed` only matter for built-ins. Raises FileNotFoundError for a path that is not
-    there and CheckpointError for anything else unresolvable, each naming the reference.
+    `cache_dir` and `seed` only matter for built-ins. Raises CheckpointError naming the reference.
     """
     if model.startswith(BUILTIN_PREFIX):
         return builtin_dir(model, cache_dir, seed)
@@ -85,8 +84,8 @@ def resolve_checkpoint(model: str, cache_dir: str | os.PathLike[str] | None = No
     if path.is_dir():
         return _check_layout(path, model)
     ref = parse_hub_ref(model)
-    if ref is None:  # a path that is not there (FileNotFoundError, as for any missing file)
-        raise FileNotFoundError(
+    if ref is None:
+        raise CheckpointError(
             f"model {model!r}: no such directory, and not a Hugging Face repo id (org/name[@revision]); "
             "give an HF-layout directory, a repo id or builtin:tiny"
         )
@@ -106,7 +105,7 @@ def resolve_tokenizer(
         return path
     ref = parse_hub_ref(tokenizer)
     if ref is None:
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"spec.model.tokenizer {tokenizer!r}: no such directory, and not a Hugging Face repo id"
         )
     return snapshot(ref)

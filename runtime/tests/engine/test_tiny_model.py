@@ -79,5 +79,5 @@ def test_builtin_checkpoints_are_deterministic(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"no config\.json"):
         resolve_checkpoint(str(tmp_path / "empty"))
-    with pytest.raises(FileNotFoundError, match="no such directory, and not a Hugging Face repo id"):
+    with pytest.raises(CheckpointError, match="no such directory, and not a Hugging Face repo id"):
         resolve_checkpoint(str(tmp_path / "nowhere"))
