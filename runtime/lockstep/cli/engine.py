@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -26,7 +27,7 @@ from lockstep.api.profiles import SGLANG_QUANTIZATION
 from lockstep.cli.commands import HELP
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.engine.server import MAX_BODY_BYTES
-from lockstep.models import resolve_checkpoint
+from lockstep.models import CheckpointError, resolve_checkpoint
 from lockstep.numerics.quant import Scheme
 from lockstep.serving.client import API_KEY_ENV, api_key_from_env
 
@@ -34,7 +35,9 @@ from lockstep.serving.client import API_KEY_ENV, api_key_from_env
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("engine", help=HELP["engine"])
     p.add_argument(
-        "--model", required=True, help="HF-layout checkpoint dir, or builtin:tiny / builtin:bigger"
+        "--model",
+        required=True,
+        help="HF-layout checkpoint dir, hub repo id (org/name[@rev]) or builtin:<name>",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port (default 30000)")
@@ -121,7 +124,11 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.rl_on_policy_target and not args.enable_deterministic_inference:
         raise SystemExit("--rl-on-policy-target needs --enable-deterministic-inference (as in SGLang)")
-    path = resolve_checkpoint(args.model, seed=args.seed)
+    try:
+        path = resolve_checkpoint(args.model, seed=args.seed)
+    except CheckpointError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
+        return 2
     engine = ReferenceEngine.load(
         path,
         device=args.device,

@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from pathlib import Path
 
 from lockstep.api.auth import API_KEY_ENV, api_key_from_env
 from lockstep.cli.commands import HELP
+from lockstep.models import CheckpointError, resolve_tokenizer
 from lockstep.models.families import names
 from lockstep.rollout.session.engine import ReplicaPool
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
@@ -35,11 +37,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="URL",
         help="engine replica or router base URL (repeat for several replicas), e.g. http://127.0.0.1:30000",
     )
-    parser.add_argument("--family", required=True, help="model family: tiny, qwen3 or glm47")
+    parser.add_argument("--family", required=True, help="model family: tiny, qwen3, glm47 or glm5")
     parser.add_argument(
         "--tokenizer",
-        metavar="DIR",
-        help="the served model's checkpoint dir (tokenizer.json); required for real qwen3/glm47 models",
+        metavar="MODEL",
+        help="the served model: its checkpoint dir (tokenizer.json), hub repo id or builtin:<name>; "
+        "required for real qwen3/glm47/glm5 models",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8300, help="port (default 8300; 0 picks a free one)")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.family.removeprefix("builtin:") not in names():
         print(f"--family {args.family!r} is unknown; choose one of {', '.join(names())}")
         return 2
-    if args.family in ("qwen3", "glm47") and not args.tokenizer:
+    if args.family in ("qwen3", "glm47", "glm5") and not args.tokenizer:
         print(
             f"warning: --family {args.family} without --tokenizer uses the offline stand-in vocabulary; "
             "its token IDs do not match a real model (pass the model's checkpoint dir)",
@@ -80,9 +83,14 @@ def run(args: argparse.Namespace) -> int:
     if args.dp_size < 1:
         print(f"--dp-size {args.dp_size} is invalid; give the engines' --dp-size (1 or more)")
         return 2
+    try:
+        tokenizer_dir = resolve_tokenizer(args.tokenizer, Path(".")) if args.tokenizer else None
+    except CheckpointError as e:
+        print(f"error: --tokenizer: {e}")
+        return 2
     config = SessionServerConfig(
         family=args.family,
-        tokenizer_dir=args.tokenizer,
+        tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         capture_routing=args.r3,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lockstep.numerics import exact
+
 SLOTTED_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 """config.model_type values lockstep.engine.runner's own forward is written for."""
 
@@ -47,10 +49,10 @@ class RecomputeRunner:
         kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         del dtype, cuda_graphs  # the model's own dtype; nothing to capture
-        if kv_cache_dtype is not None and kv_cache_dtype.itemsize < 2:
+        if kv_cache_dtype is not None:  # there is no KV cache to quantize: refuse rather than ignore
             raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype}: {type(model).__name__} runs on the recompute runner, "
-                "which keeps no KV cache to store in FP8; use --kv-cache-dtype auto"
+                f"kv_cache_dtype {kv_cache_dtype}: the reference engine keeps no KV cache for "
+                f"{getattr(model.config, 'model_type', '?')} models (recompute runner); leave it unset"
             )
         self.model = model
         """The transformers causal LM holding the live weights (eval mode, on `device`)."""
@@ -63,8 +65,13 @@ class RecomputeRunner:
         self.routes: torch.Tensor | None = None
         """No routing capture on this runner (R3 needs the slotted runner's MoE path)."""
         self.cuda_graphs = False
-        self.tiles = None
-        """No batch-invariant kernels here: true on-policy profiles run on the slotted runner."""
+        if exact.tiles_of(model) is not None:
+            raise ValueError(
+                f"true on-policy: the batch-invariant kernels are built for the slotted runner's attention, "
+                f"not for {getattr(model.config, 'model_type', '?')} models; turn trueOnPolicy off"
+            )
+        self.tiles: Any = None
+        """True on-policy tiles: never on this runner (sampling uses the default logprob path)."""
         self.tokens = torch.zeros((max_slots, context_length + 1), dtype=torch.long)
         """[S, M+1] token IDs per (slot, position); position M is the trash column of padded rows."""
         self.generator = torch.Generator(device=device)

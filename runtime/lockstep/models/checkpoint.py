@@ -20,21 +20,16 @@ Who calls it: lockstep.driver, lockstep.trainer, the CLI (run, engine, trainer, 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep.api.rljob import is_hub_id
 from lockstep.models.tiny import BUILTIN_PREFIX, builtin_dir
 from lockstep.models.tokenizer import TOKENIZER_FILES, ChatTokenizer
 
-ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.py")
-"""Files fetched from the hub: configs, weights, tokenizer, chat template (and remote-code modules,
-which are fetched but never run: nothing passes trust_remote_code)."""
-
-_REPO = re.compile(
-    r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95})(@(?P<rev>[A-Za-z0-9._/-]{1,255}))?$"
-)
+ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
+"""Files fetched from the hub: configs, weights, tokenizer, chat template (never pickles or code)."""
 
 
 class CheckpointError(ValueError):
@@ -55,11 +50,12 @@ class HubRef:
 
 
 def parse_hub_ref(ref: str) -> HubRef | None:
-    """`org/name[@rev]` -> HubRef; None when `ref` is not shaped like a repo id."""
-    m = _REPO.match(ref)
-    if m is None or ".." in m.group("repo") or ref.startswith((".", "/", "~")):
+    """`org/name[@rev]` -> HubRef; None when `ref` is not a repo id (the API's rule, lockstep.api.rljob
+    .is_hub_id, so the operator's model volume and the runtime agree on what comes from the hub)."""
+    if not is_hub_id(ref) or ".." in ref:
         return None
-    return HubRef(m.group("repo"), m.group("rev"))
+    repo, _, revision = ref.partition("@")
+    return HubRef(repo, revision or None)
 
 
 def hub_cache_dir() -> Path:

@@ -99,13 +99,6 @@ class ChatTokenizer:
         """Number of token IDs the tokenizer can produce (added tokens included)."""
         return len(self.hf)
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """IDs of every special (control) token."""
-        return frozenset(int(i) for i in self.hf.all_special_ids) | frozenset(
-            int(i) for i, t in self.hf.added_tokens_decoder.items() if t.special
-        )
-
     def encode(self, text: str) -> list[int]:
         """Text -> IDs; control-token strings in the text become their single IDs; no BOS/EOS added.
 
@@ -117,7 +110,7 @@ class ChatTokenizer:
         if unk is not None and unk in ids and (self.hf.unk_token or "") not in text:
             bad = sorted({ch for ch in text if self.hf.encode(ch, add_special_tokens=False) == [unk]})
             raise ValueError(
-                f"tokenizer {self.source}: {''.join(bad)!r} in {text[:40]!r} is outside its vocabulary; "
+                f"{''.join(bad)!r} (in {text[:40]!r}) is not in the vocabulary of the tokenizer {self.source}; "
                 "remove those characters from the prompt data"
             )
         return ids

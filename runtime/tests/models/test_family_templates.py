@@ -113,3 +113,32 @@ def test_the_session_server_uses_the_checkpoints_tokenizer(
     assert server.family.codec.encode(text) == ChatTokenizer.load(d).encode(text)
     # The family stops where the checkpoint's generation_config.json says a turn ends.
     assert server.family.stop_ids == set(ChatTokenizer.load(d).stop_token_ids)
+
+
+def test_lockstep_runs_in_process_session_server_uses_the_runs_tokenizer(
+    hf_checkpoint: Callable[[str], Path],
+) -> None:
+    """The driver hands agents extra={"family", "tokenizer_dir"}; the session server it starts for them
+    encodes with that checkpoint's tokenizer.json, not a stand-in."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lockstep.rollout.session import local
+    from lockstep.serving import SamplingParams
+
+    d = hf_checkpoint("qwen3")
+    client = object()  # never called: no turn is generated
+    ctx = SimpleNamespace(
+        session_url=None,
+        client=client,
+        extra={"family": "qwen3", "tokenizer_dir": str(d)},
+        sampling=SamplingParams(max_new_tokens=8),
+    )
+
+    async def source() -> str:
+        await local.session_url_for(ctx)
+        server = local._per_loop[asyncio.get_running_loop()].by_client[id(client)][1]
+        await server.stop()
+        return str(getattr(server.family.codec, "source", ""))
+
+    assert asyncio.run(source()) == str(d / "tokenizer.json")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from lockstep.cli import build_parser, main
 
@@ -23,3 +25,14 @@ def test_unknown_family_exits_2_and_lists_the_families(capsys: pytest.CaptureFix
 def test_dp_size_below_one_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sessions", "--engine", "http://127.0.0.1:1", "--family", "tiny", "--dp-size", "0"]) == 2
     assert "--dp-size 0" in capsys.readouterr().out
+
+
+def test_a_tokenizer_that_cannot_be_resolved_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["sessions", "--engine", "http://127.0.0.1:1", "--family", "qwen3", "--tokenizer", "org/absent"]
+    assert main(args) == 2
+    out = capsys.readouterr().out
+    assert "--tokenizer" in out and "org/absent" in out

@@ -54,6 +54,9 @@ class BpeCodec:
         self.special_to_id: dict[str, int] = {s: _id(tokenizer, s, source) for s in specials}
         """Control-token string -> ID."""
         self._special_ids = frozenset(self.special_to_id.values())
+        unk = getattr(tokenizer.model, "unk_token", None)
+        unk_id = tokenizer.token_to_id(unk) if unk else None
+        self._unk: tuple[str, int] | None = (unk, int(unk_id)) if unk and unk_id is not None else None
 
     @classmethod
     def stand_in(cls, specials: Sequence[str], vocab_size: int = 512) -> BpeCodec:
@@ -86,7 +89,19 @@ class BpeCodec:
         return cls.from_dir(tokenizer_dir, specials) if tokenizer_dir else cls.stand_in(specials)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Token IDs of `text`; ValueError naming the characters a vocabulary without byte fallback
+        (the tiny one) cannot represent, instead of a silent unknown token."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if self._unk is not None and self._unk[1] in ids and self._unk[0] not in text:
+            bad = sorted(
+                {
+                    ch
+                    for ch in text
+                    if self.tokenizer.encode(ch, add_special_tokens=False).ids == [self._unk[1]]
+                }
+            )
+            raise ValueError(f"{''.join(bad)!r} is not in the vocabulary of {self.source}")
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         if skip_special:
