@@ -39,6 +39,9 @@ def _start(args: argparse.Namespace) -> int:
     )
     print(f"export KUBECONFIG={cp.kubeconfig}")
     print(f"export PATH={cp.bin_dir}:$PATH")
+    if cp.node is not None:
+        # The images built here for the real node (pods use them with imagePullPolicy: Never).
+        print(f"export LOCKSTEP_BUSYBOX_IMAGE={cp.node.images['busybox']}")
     return 0
 
 

@@ -216,6 +216,8 @@ class RealNode:
         self._holder = subprocess.Popen(
             ["unshare", "--net", "--mount", "--propagation", "private", "sleep", "infinity"],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # not the caller's: `$(start.sh)` waits for its stdout to close
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
             # The holder inherits the slot's lock: the slot stays taken while the namespaces live,
             # also after a `start.sh` that started them has exited.
