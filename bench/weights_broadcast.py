@@ -38,7 +38,7 @@ GOAL_OVERHEAD = 0.10
 
 
 def write_model(directory: Path, mib: int) -> Any:
-    from lockstep.models.tiny import TinyTokenizer, tiny_config
+    from lockstep.models.tiny import save_tokenizer, tiny_config
     from transformers import Qwen3ForCausalLM
 
     layers = max(1, (mib - 32) // 13)  # ~13 MiB per layer below, 32 MiB of embeddings
@@ -49,7 +49,7 @@ def write_model(directory: Path, mib: int) -> Any:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(directory, safe_serialization=True)
-    TinyTokenizer().save(directory)
+    save_tokenizer(directory)
     return model
 
 

@@ -294,7 +294,7 @@ def test_gb300_example_packs_trainer_into_one_nvlink_domain(
     for pod in [*ranks, *engines]:
         assert node_labels(cluster, pod["spec"]["nodeName"])["nvidia.com/gpu.product"] == "NVIDIA-GB300"
     cmd = engines[0]["spec"]["containers"][0]["command"]
-    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--enable-dp-attention" in cmd
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--attn-dp-size" in cmd
     assert len({p["spec"]["nodeName"] for p in ranks}) == 8  # one rank pod per tray
     delete_and_wait(cluster, namespace, job)
 

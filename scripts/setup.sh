@@ -19,3 +19,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[runtime,p2p,megatron,dev]"
   echo "$want" > "$stamp"
 fi
+# SGLang as the contract tests' oracle (runtime/tests/sglang): its own ServerArgs parser, routes and
+# request structs. Never imported by the runtime (an import-linter contract). It cannot run here, so the
+# wheel goes in without its dependencies, plus the few small modules its argument parser and request
+# structs import. The version is SGLANG_VERSION in operator/lockstep_operator/resources/sglang.py.
+sglang_version=0.5.23
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$sglang_version')" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"
+  .venv/bin/python -m pip install -q orjson psutil pybase64 starlette msgspec pyzmq IPython
+fi

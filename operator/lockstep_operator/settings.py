@@ -60,6 +60,9 @@ class OperatorSettings(BaseModel):
     """Built-in pool autoscaler: minimum time between two changes of a pool."""
     gang_restart_limit_default: int = Field(default=3, ge=0)
     """Gang restarts of a TrainerGroup allowed when its spec does not say."""
+    rdma_resource: str = Field(default="rdma/ib", min_length=1, max_length=253)
+    """The extended resource of one RDMA NIC, requested by each rank pod of a p2p job (the cluster's
+    RDMA device plugin names it: rdma/ib, rdma/rdma_shared_device_a, nvidia.com/mlnxnics, ...)."""
 
 
 def effective_priority(settings: OperatorSettings, pod_name: str | None) -> int:

@@ -106,10 +106,23 @@ class Decision:
     """Set when the spec asked for a transport that is not feasible: why not."""
 
 
+ENGINE_WITHOUT_P2P = (
+    "the engines have no P2P receive side (stock SGLang offers none): declare an image that serves "
+    "Lockstep's extension with rollout.p2pReceiver: true (docs/sglang.md), or use broadcast"
+)
+
+
 def feasible_transports(
-    trainer: Sequence[NodeFacts], engines: Sequence[NodeFacts], *, colocated: bool, shared_volume: bool
+    trainer: Sequence[NodeFacts],
+    engines: Sequence[NodeFacts],
+    *,
+    colocated: bool,
+    shared_volume: bool,
+    engine_p2p: bool = True,
 ) -> tuple[list[Transport], dict[Transport, str]]:
-    """All feasible transports in preference order, and for each infeasible one the reason why not."""
+    """All feasible transports in preference order, and for each infeasible one the reason why not.
+
+    `engine_p2p`: the engines serve the P2P receive side (resources.children.engine_serves_p2p)."""
     feasible: list[Transport] = []
     why_not: dict[Transport, str] = {}
     if colocated:
@@ -124,14 +137,16 @@ def feasible_transports(
         why_not["p2p"] = why_not["broadcast"] = (
             f"trainer and engines are on different networks {sorted(networks)}"
         )
-    elif not rdma_everywhere:
+    if not engine_p2p:
+        why_not["p2p"] = ENGINE_WITHOUT_P2P
+    elif shared_network and not rdma_everywhere:
         missing = sorted({n.name for n in (*trainer, *engines) if not n.has_rdma})
         why_not["p2p"] = f"nodes without an RDMA resource: {', '.join(missing)}"
-    elif len(trainer_hosts) < 2 or len(engine_hosts) < 2:
+    elif shared_network and (len(trainer_hosts) < 2 or len(engine_hosts) < 2):
         why_not["p2p"] = (
             f"p2p needs >= 2 nodes per side (trainer on {len(trainer_hosts)}, engines on {len(engine_hosts)})"
         )
-    else:
+    elif shared_network:
         feasible.append("p2p")
     if shared_network:
         feasible.append("broadcast")
@@ -149,6 +164,7 @@ def choose_transport(
     colocated: bool,
     shared_volume: bool,
     requested: Transport | None = None,
+    engine_p2p: bool = True,
 ) -> Decision:
     """Pick the transport for the nodes the trainer ranks and the engines landed on (pure)."""
     if not colocated and (not trainer or not engines):
@@ -156,7 +172,7 @@ def choose_transport(
     if colocated and not trainer and not engines:
         return Decision(None, "waiting for pods to be scheduled", ())
     feasible, why_not = feasible_transports(
-        trainer, engines, colocated=colocated, shared_volume=shared_volume
+        trainer, engines, colocated=colocated, shared_volume=shared_volume, engine_p2p=engine_p2p
     )
     if requested is not None:
         if requested in feasible:

@@ -20,10 +20,15 @@ from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
 from lockstep_operator.resources.driver import driver_manifest
 from lockstep_operator.resources.engines import engine_manifest
-from lockstep_operator.resources.network import trainer_network_policy
+from lockstep_operator.resources.network import (
+    driver_network_policy,
+    engine_network_policy,
+    trainer_network_policy,
+)
 from lockstep_operator.resources.podgroups import gang_min_member
 from lockstep_operator.resources.pods import rank_env, selector_labels
 from lockstep_operator.resources.ranks import rank_manifest
+from lockstep_operator.resources.secrets import api_key_secret, new_api_key
 from lockstep_operator.resources.services import engines_service, headless_service
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -112,6 +117,14 @@ def test_job_children(example: str) -> None:
                 trainer=f"{name}-trainer",
                 pool=f"{name}-rollout",
             ),
+            "engineNetworkPolicy": engine_network_policy(
+                owner("RolloutPool", f"{name}-rollout"),
+                job=name,
+                pool=f"{name}-rollout",
+                trainer=f"{name}-trainer",
+            ),
+            "driverNetworkPolicy": driver_network_policy(own, job=name),
+            "apiKeySecret": api_key_secret(own, job=name, key="<random>"),
         },
     )
     # The sections copied from the job are exactly the job's (kept out of the golden file, so new
@@ -137,6 +150,7 @@ def test_driver_config_and_rbac() -> None:
         "config": config.runtime_config_map(own, job="j", rendered={"spec": {"a": 1}}),
         "progress": config.progress_config_map(own, job="j"),
         "rbac": config.driver_rbac(own, job="j"),
+        "trainer-rbac": config.trainer_rbac(own, job="j"),
     })  # fmt: skip
 
 
@@ -213,6 +227,54 @@ def test_rank_run_dir_is_on_the_shared_volume_when_the_job_names_one() -> None:
         env = {e["name"]: e.get("value") for e in main["env"]}
         assert env["LOCKSTEP_RUN_DIR"] == run_dir
         assert volume in pod["spec"]["volumes"]
-        mounted = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
-        assert run_dir.startswith(mounted[volume["name"]])  # the run dir is on a mounted volume
-        assert len(pod["spec"]["volumes"]) == 2  # config + exactly one of shared / run
+        mounted = [m["mountPath"] for m in main["volumeMounts"] if m["name"] == volume["name"]]
+        assert any(run_dir.startswith(m) for m in mounted)  # the run dir is on a mounted volume
+        own = sorted(v["name"] for v in pod["spec"]["volumes"] if v["name"] != "model")  # hub model aside
+        assert own == sorted(["config", "dshm", volume["name"]])  # exactly one of shared / run
+
+
+def test_p2p_rank_pods_get_rdma_ipc_lock_and_shm() -> None:
+    """A p2p job's ranks request one RDMA device each and may pin memory; others get neither."""
+    job = load("h100")
+    _, trainer, _ = child_manifests(owner("RLJob", job.metadata.name), job.spec, suspended=False, stopped="")
+    spec = TrainerGroupSpec.model_validate(trainer["spec"])
+
+    def rank0(rdma: str | None) -> dict[str, Any]:
+        pod = rank_manifest(
+            owner("TrainerGroup", "t"),
+            spec,
+            0,
+            generation=0,
+            gang_min=1,
+            clique=None,
+            image=IMAGE,
+            p2p_rdma=rdma,
+        )
+        main: dict[str, Any] = pod["spec"]["containers"][0]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in main["volumeMounts"]
+        return main
+
+    p2p = rank0("rdma/ib")
+    assert p2p["resources"]["limits"]["rdma/ib"] == p2p["resources"]["requests"]["rdma/ib"] == "1"
+    assert p2p["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    plain = rank0(None)
+    assert (
+        "rdma/ib" not in plain["resources"]["limits"]
+        and "add" not in plain["securityContext"]["capabilities"]
+    )
+
+
+def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
+    keys = {new_api_key() for _ in range(64)}
+    assert len(keys) == 64 and all(len(k) >= 43 for k in keys)
+    job = load("h100")
+    own = owner("RLJob", job.metadata.name)
+    secret = api_key_secret(own, job=job.metadata.name, key="s3cret")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == own.uid  # deleted with the job
+    driver = driver_manifest(own, job.spec, image=IMAGE)
+    env = {e["name"]: e for e in driver["spec"]["containers"][0]["env"]}
+    assert env["LOCKSTEP_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{job.metadata.name}-api-key",
+        "key": "api-key",
+    }
+    assert "s3cret" not in yaml.safe_dump(driver)

@@ -6,13 +6,15 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from lockstep.api.common import ConditionStatus
+from lockstep.api.progress import progress_patch, rank_key
 from lockstep.api.rljob import Phase, RLJob, RLJobSpec, RLJobStatus
 from lockstep.api.rolloutpool import RolloutPoolStatus
 from lockstep.api.trainergroup import TrainerGroupStatus
 from lockstep.api.weightchannel import WeightChannelStatus
-from lockstep_operator.reconcile.progress import ProgressReport, read_progress
+from lockstep_operator.reconcile.progress import ProgressReport, read_progress, read_rank_reports
 from lockstep_operator.reconcile.status import (
     JobObserved,
     channel_status,
@@ -44,6 +46,7 @@ def observed(
     channel: WeightChannelStatus | None = None,
     trainer_failed: str | None = None,
     gang: str | None = None,
+    rank_reports: dict[int, ProgressReport] | None = None,
 ) -> JobObserved:
     trainer = trainer_status(
         [pod("t-0", ready)],
@@ -65,6 +68,7 @@ def observed(
         progress_problem=None,
         driver_phase=driver,
         gang_problem=gang,
+        rank_reports=rank_reports or {},
     )
 
 
@@ -118,6 +122,54 @@ def test_trainer_limit_and_driver_errors_fail_the_job() -> None:
     st = phase(s, observed(trainer_failed="rank 1 failed: OOMKilled"))
     assert st.phase == Phase.FAILED and "OOMKilled" in condition(st.conditions, "Failed").message  # type: ignore[union-attr]
     assert phase(s, observed(progress=ProgressReport(error="dataset missing"))).phase == Phase.FAILED
+
+
+@pytest.mark.parametrize("running_before", [False, True])
+def test_a_start_failure_fails_the_job_with_its_reason_in_one_pass(running_before: bool) -> None:
+    # What the driver and a rank write when they cannot start (their own patch bodies), as the
+    # reconcile reads them back: the job is Failed in the same pass, from any phase before.
+    s = spec()
+    prev = Phase.RUNNING if running_before else Phase.PROVISIONING
+    driver_doc = progress_patch(
+        ProgressReport(
+            error="driver could not start: FileNotFoundError: /models/nope", reason="DriverStartFailed"
+        )
+    )
+    report, problem = read_progress(driver_doc)
+    st = phase(s, observed(ready=False, progress=report), prev)
+    failed = condition(st.conditions, "Failed")
+    assert problem is None and st.phase == Phase.FAILED and st.completion_time == T1
+    assert failed is not None and failed.status == ConditionStatus.TRUE
+    assert (failed.reason, failed.message) == (
+        "DriverStartFailed",
+        "driver could not start: FileNotFoundError: /models/nope",
+    )
+
+    rank_doc = progress_patch(
+        ProgressReport(
+            error="trainer rank 2 could not start: no tokenizer.json", reason="TrainerStartFailed"
+        ),
+        rank_key(2),
+    )
+    st = phase(s, observed(ready=False, rank_reports=read_rank_reports(rank_doc)), prev)
+    failed = condition(st.conditions, "Failed")
+    assert st.phase == Phase.FAILED and failed is not None
+    assert (failed.reason, failed.message) == (
+        "TrainerStartFailed",
+        "trainer rank 2 could not start: no tokenizer.json",
+    )
+
+
+def test_read_rank_reports_keeps_only_rank_documents() -> None:
+    data = {
+        "progress.json": '{"step": 1}',
+        "rank-0.json": '{"error": "e0", "reason": "TrainerStartFailed"}',
+        "rank-1.json": "not json",
+        "rank-x.json": '{"error": "e"}',
+        "rank-2.json": '{"errorr": "e"}',
+    }
+    assert read_rank_reports({"data": data}) == {0: ProgressReport(error="e0", reason="TrainerStartFailed")}
+    assert read_rank_reports(None) == {} and read_rank_reports({}) == {}
 
 
 def test_done_suspended_and_degraded() -> None:

@@ -39,6 +39,16 @@ def test_rdma_two_nodes_per_side_is_p2p() -> None:
     assert (d.transport, d.feasible) == ("p2p", ("p2p", "broadcast"))
 
 
+def test_stock_sglang_engines_never_get_p2p_and_a_request_says_why() -> None:
+    """Stock SGLang has no P2P receive side: RDMA everywhere still means broadcast, and an explicit p2p
+    is rejected with the fix (declare rollout.p2pReceiver)."""
+    t = [node("t1", rdma=True), node("t2", rdma=True)]
+    e = [node("e1", rdma=True), node("e2", rdma=True)]
+    d = choose_transport(t, e, colocated=False, shared_volume=False, requested="p2p", engine_p2p=False)
+    assert (d.transport, d.feasible) == ("broadcast", ("broadcast",))
+    assert d.override_rejected is not None and "rollout.p2pReceiver" in d.override_rejected
+
+
 def test_rdma_but_one_node_per_side_is_broadcast() -> None:
     t = [node("t1", rdma=True)]
     e = [node("e1", rdma=True), node("e2", rdma=True)]

@@ -1,6 +1,10 @@
-"""Shared pytest set-up for the runtime tests: GPU tests are skipped where CUDA is absent."""
+"""Shared pytest set-up for the runtime tests: GPU tests are skipped where CUDA is absent; HF-layout
+fixture checkpoints per family (hf_checkpoints.py) are built once per session."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +24,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build (once per session) the HF-layout fixture checkpoint of a family: qwen3, qwen3-moe, glm5."""
+    from hf_checkpoints import write_checkpoint  # runtime/tests is on sys.path (this conftest's dir)
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = write_checkpoint(name, tmp_path_factory.mktemp("hf") / name)
+        return built[name]
+
+    return get

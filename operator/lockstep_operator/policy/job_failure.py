@@ -1,8 +1,11 @@
 """When a job has failed, and why (the job's failure policy; JobSet's failure_policy.go is the model).
 
 Rules in order, the first that matches wins: the trainer group failed (its gang restart limit was
-reached: its reason and message), the pre-flight weight-equality check failed (the tensors that
-differ), the driver reported a fatal error, the driver pod failed. Separately, a job running longer
+reached: its reason and message), a trainer rank reported that it cannot start (the lowest such
+rank's error: TrainerStartFailed), the pre-flight weight-equality check failed (the tensors that
+differ), the driver reported a fatal error (DriverStartFailed when it could not start, else
+DriverError), an init step of the driver pod failed (the model download: ModelPullFailed), the driver
+pod failed. Separately, a job running longer
 than spec.activeDeadlineSeconds fails with DeadlineExceeded.
 """
 
@@ -22,6 +25,9 @@ def job_failure(obs: JobObserved) -> Verdict | None:
     failed = condition(obs.trainer.conditions, "Failed") if obs.trainer is not None else None
     if failed is not None and failed.status == ConditionStatus.TRUE:
         return Verdict(Phase.FAILED, failed.reason, f"trainer: {failed.message}")
+    rank = next((r for _, r in sorted(obs.rank_reports.items()) if r.error), None)
+    if rank is not None and rank.error:
+        return Verdict(Phase.FAILED, rank.reason or "TrainerStartFailed", rank.error)
     progress = obs.progress
     if progress is not None and progress.preflight == "failed":
         names = ", ".join(progress.preflight_mismatched) or "(not named by the driver)"
@@ -29,7 +35,9 @@ def job_failure(obs: JobObserved) -> Verdict | None:
             Phase.FAILED, "PreflightFailed", f"weight-equality check failed; tensors that differ: {names}"
         )
     if progress is not None and progress.error:
-        return Verdict(Phase.FAILED, "DriverError", progress.error)
+        return Verdict(Phase.FAILED, progress.reason or "DriverError", progress.error)
+    if obs.driver_init_failure is not None:
+        return Verdict(Phase.FAILED, "ModelPullFailed", f"driver pod: {obs.driver_init_failure}")
     if obs.driver_phase == "Failed":
         return Verdict(Phase.FAILED, "DriverFailed", "the driver pod failed")
     return None

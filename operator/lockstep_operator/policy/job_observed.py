@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from lockstep.api.progress import ProgressReport
 from lockstep.api.rljob import Phase
@@ -32,6 +34,22 @@ class JobObserved:
     """Pod phase of the driver pod (None when it does not exist)."""
     gang_problem: str | None
     """Why the gang scheduler cannot be used (its CRDs are not served), if so."""
+    rank_reports: Mapping[int, ProgressReport] = field(default_factory=dict)
+    """Trainer rank -> its document in the progress channel (written only when it cannot start)."""
+    driver_init_failure: str | None = None
+    """Why an init step of the driver pod (pull-model) failed, if one did (init_failure)."""
+
+
+def init_failure(pod: Mapping[str, Any] | None) -> str | None:
+    """`<container> exited <code>: <termination message>` of the first init container of `pod` that
+    ended non-zero, now or before its restart; None when none did (pure)."""
+    for st in ((pod or {}).get("status") or {}).get("initContainerStatuses") or []:
+        for state in (st.get("state") or {}, st.get("lastState") or {}):
+            ended = state.get("terminated") or {}
+            if ended.get("exitCode"):
+                message = (ended.get("message") or ended.get("reason") or "").strip()
+                return f"{st.get('name')} exited {ended['exitCode']}: {message[-1000:]}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from lockstep.api.progress import PROGRESS_KEY, ProgressReport
+from lockstep.api.progress import PROGRESS_KEY, RANK_KEY_PREFIX, ProgressReport
 from pydantic import ValidationError
 
-__all__ = ["PROGRESS_KEY", "ProgressReport", "read_progress"]
+__all__ = ["PROGRESS_KEY", "ProgressReport", "read_progress", "read_rank_reports"]
 
 
 def read_progress(config_map: Mapping[str, Any] | None) -> tuple[ProgressReport | None, str | None]:
@@ -36,3 +36,18 @@ def read_progress(config_map: Mapping[str, Any] | None) -> tuple[ProgressReport 
         return None, f"{PROGRESS_KEY} in the progress ConfigMap is not a valid report: {where}"
     except ValueError as err:
         return None, f"{PROGRESS_KEY} in the progress ConfigMap is not JSON: {err}"
+
+
+def read_rank_reports(config_map: Mapping[str, Any] | None) -> dict[int, ProgressReport]:
+    """Trainer rank -> its document (`rank-<r>.json`, written when the rank cannot start); a key or
+    document that does not parse is left out (the rank's pod failure still counts)."""
+    out: dict[int, ProgressReport] = {}
+    for key, raw in ((config_map or {}).get("data") or {}).items():
+        number = key.removeprefix(RANK_KEY_PREFIX).removesuffix(".json")
+        if not key.startswith(RANK_KEY_PREFIX) or not number.isdigit():
+            continue
+        try:
+            out[int(number)] = ProgressReport.model_validate(json.loads(raw))
+        except ValueError:  # ValidationError is a ValueError, as is bad JSON
+            continue
+    return out

@@ -4,7 +4,8 @@ Why it exists: an RLJob is the user's whole request; this turns it into owned ch
 what they and the driver report back into one status. Ordered, idempotent steps (server-side apply,
 deterministic names), so a reconcile killed halfway and run again creates no duplicates:
 1. parse the spec (a bad spec fails the job with the validation message);
-2. ConfigMaps (job.yaml, the channel's transport choice, the empty progress channel), driver RBAC;
+2. ConfigMaps (job.yaml, the channel's transport choice, the empty progress channel), driver RBAC,
+   the driver's NetworkPolicy, the job's API-key Secret (created once, never re-applied);
 3. gang: the scheduler's API must be served (else Admitted=False and stop), apply the PodGroup;
 4. RolloutPool, TrainerGroup, WeightChannel (resources.children); the pool is created with
    spec.replicas and later only re-applied without it, so /scale keeps control;
@@ -24,13 +25,14 @@ from lockstep.api.trainergroup import TrainerGroupStatus
 from lockstep.api.weightchannel import WeightChannelStatus
 from pydantic import ValidationError
 
-from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.k8s.client import ApiError, KubeClient, Manifest
 from lockstep_operator.policy.condition import set_condition
+from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
-from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.progress import read_progress, read_rank_reports
 from lockstep_operator.reconcile.status import JobObserved, job_status
-from lockstep_operator.resources import config, podgroups
+from lockstep_operator.resources import config, podgroups, secrets
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.commands import product_label
@@ -44,6 +46,8 @@ from lockstep_operator.resources.common import (
     trainer_name,
 )
 from lockstep_operator.resources.driver import driver_manifest
+from lockstep_operator.resources.model import local_model
+from lockstep_operator.resources.network import driver_network_policy
 from lockstep_operator.resources.pods import template_hash_of
 from lockstep_operator.settings import FIELD_MANAGER, OperatorSettings
 
@@ -71,14 +75,17 @@ async def reconcile_job(
         "apiVersion": API_VERSION,
         "kind": "RLJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": spec.wire(),
+        # hub references read as the model volume's directories (resources.model)
+        "spec": spec.model_copy(update={"model": local_model(spec.model)}).wire(),
     }
     manifests = [
         config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
         config.progress_config_map(owner, job=name),
         *config.driver_rbac(owner, job=name),
+        driver_network_policy(owner, job=name),
+        *config.trainer_rbac(owner, job=name),
     ]
-    await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests))
+    await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests), _ensure_api_key(kube, owner))
     gang_problem = await _ensure_gang(kube, owner, spec)
     terminal = previous is not None and previous.phase in (Phase.SUCCEEDED, Phase.FAILED)
     if gang_problem is None:
@@ -89,6 +96,24 @@ async def reconcile_job(
     status = job_status(spec, observed, previous, generation=generation, now=now)
     await write_status(kube, body, previous, status)
     return status.phase
+
+
+_KEYED: set[str] = set()
+"""UIDs of jobs whose API-key Secret this process created or found (no create call per pass)."""
+
+
+async def _ensure_api_key(kube: KubeClient, owner: Owner) -> None:
+    """Create Secret `<job>-api-key` once. Create, never apply: an apply would rotate the key under
+    running pods. The operator needs only `create` on secrets (a 409 means it exists); it never
+    reads a Secret back, and the key appears in no log."""
+    if owner.uid in _KEYED:
+        return
+    try:
+        await kube.create(secrets.api_key_secret(owner, job=owner.name, key=secrets.new_api_key()))
+    except ApiError as err:
+        if err.status != 409:
+            raise
+    _KEYED.add(owner.uid)
 
 
 async def _invalid(
@@ -219,4 +244,6 @@ async def _observe(
         progress_problem=problem,
         driver_phase=(driver.get("status") or {}).get("phase") if driver else None,
         gang_problem=gang_problem,
+        rank_reports=read_rank_reports(progress_cm),
+        driver_init_failure=init_failure(driver),
     )

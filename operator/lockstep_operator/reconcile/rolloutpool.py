@@ -38,8 +38,10 @@ from lockstep_operator.resources.common import (
     progress_name,
     router_name,
     selector,
+    trainer_name,
 )
 from lockstep_operator.resources.engines import engine_manifest, weights_gate
+from lockstep_operator.resources.network import engine_network_policy
 from lockstep_operator.resources.pods import selector_labels, template_hash_of
 from lockstep_operator.resources.services import engines_service, router_service
 from lockstep_operator.settings import OperatorSettings
@@ -64,6 +66,8 @@ async def reconcile_pool(
     await kube.apply(router_service(owner, job=spec.job, name=router_name(name), selector=labels), cache=True)
     engines = engines_service(owner, job=spec.job, name=engines_service_name(name), selector=labels)
     await kube.apply(engines, cache=True)
+    policy = engine_network_policy(owner, job=spec.job, pool=name, trainer=trainer_name(spec.job))
+    await kube.apply(policy, cache=True)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     stopped = ann.get(Annotation.SUSPENDED) == "true" or bool(ann.get(Annotation.STOPPED))
     desired = 0 if stopped else spec.replicas

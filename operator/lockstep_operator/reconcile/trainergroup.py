@@ -134,6 +134,7 @@ def _rendered(
             shared_volume=ann.get(Annotation.SHARED_VOLUME),
             image=settings.runtime_image,
             config_hash=ann.get(Annotation.CONFIG_HASH, ""),
+            p2p_rdma=settings.rdma_resource if ann.get(Annotation.P2P_RANKS) == "true" else None,
         )
         for rank in range(spec.trainer.nodes)
     }

@@ -62,6 +62,8 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
     except ValidationError:
         return
     colocated = annotations_of(body).get(Annotation.COLOCATE) == "true"
+    # Absent on channels written before the key existed: the reference engine was the only one with P2P.
+    engine_p2p = annotations_of(body).get(Annotation.ENGINE_P2P, "true") == "true"
     sel_t = selector(selector_labels(spec.job, trainer=spec.trainer_group))
     sel_e = selector(selector_labels(spec.job, pool=spec.rollout_pool))
     cache: dict[str, NodeFacts] = {}
@@ -78,6 +80,7 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
             colocated=colocated,
             shared_volume=sync.disk_delta.volume_claim is not None,
             requested=requested,
+            engine_p2p=engine_p2p,
         )
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     previous = previous_status(body, WeightChannelStatus)

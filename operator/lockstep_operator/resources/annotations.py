@@ -29,6 +29,11 @@ class Annotation(enum.StrEnum):
     """On the trainer: gang restarts allowed (the RLJob's backoffLimit)."""
     COLOCATE = f"{GROUP}/colocate"
     """On the channel: "true" when trainer and engines share GPUs (schedule.colocate)."""
+    ENGINE_P2P = f"{GROUP}/engine-p2p"
+    """On the channel: "true" when the engines serve the P2P receive side (the reference engine, or an
+    SGLang image declared with rollout.p2pReceiver); otherwise p2p is never chosen."""
+    P2P_RANKS = f"{GROUP}/p2p"
+    """On the trainer: "true" when weightSync.transport is p2p: the ranks get RDMA devices and IPC_LOCK."""
     SHARED_VOLUME = f"{GROUP}/shared-volume"
     """On pool and trainer: the ReadWriteMany claim mounted at /shared (weightSync.diskDelta.volumeClaim)."""
     JOB_REPLICAS = f"{GROUP}/job-replicas"

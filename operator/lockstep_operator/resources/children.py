@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from lockstep.api.rljob import EngineSpec, RLJobSpec
+from lockstep.api.rljob import Engine, EngineSpec, RLJobSpec, Transport
 
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
@@ -55,6 +55,12 @@ def engine_part(spec: RLJobSpec) -> dict[str, Any]:
     return part
 
 
+def engine_serves_p2p(engine: EngineSpec) -> bool:
+    """Whether the engines can receive P2P writes: the reference engine always; stock SGLang never, so
+    an SGLang image must declare the extension (rollout.p2pReceiver; docs/sglang.md)."""
+    return engine.engine is Engine.REFERENCE or engine.p2p_receiver
+
+
 def child_manifests(
     owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str, clique: str = "", avoid_clique: str = ""
 ) -> list[Manifest]:
@@ -84,6 +90,8 @@ def child_manifests(
             "engine": engine_part(spec),
             "placement": spec.placement.wire(),
             **({"autoscaling": spec.rollout.autoscaling.wire()} if spec.rollout.autoscaling else {}),
+            **({"r3": True} if spec.algorithm.r3 else {}),
+            **({"trueOnPolicy": True} if spec.algorithm.true_on_policy else {}),
         },
     }
     trainer_ann = {
@@ -91,6 +99,7 @@ def child_manifests(
         Annotation.RESTART_LIMIT.value: str(spec.backoff_limit),
         Annotation.CLIQUE.value: clique,
         Annotation.CONFIG_HASH.value: run_config_hash(spec),
+        Annotation.P2P_RANKS.value: str(spec.weight_sync.transport is Transport.P2P).lower(),
     }
     trainer = {
         "apiVersion": API_VERSION,
@@ -103,7 +112,10 @@ def child_manifests(
             "placement": spec.placement.wire(),
         },
     }
-    channel_ann = {Annotation.COLOCATE.value: str(spec.schedule.colocate).lower()}
+    channel_ann = {
+        Annotation.COLOCATE.value: str(spec.schedule.colocate).lower(),
+        Annotation.ENGINE_P2P.value: str(engine_serves_p2p(spec.rollout)).lower(),
+    }
     channel = {
         "apiVersion": API_VERSION,
         "kind": "WeightChannel",

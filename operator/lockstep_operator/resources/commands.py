@@ -1,17 +1,20 @@
 """Container commands of the runtime roles, derived from the parsed spec (pure).
 
 Why it exists: which binary a pod runs is a contract with the runtime (the `lockstep` CLI
-subcommands) and with SGLang (`python3 -m sglang.launch_server` and its flags); it is written in one
-place and golden-tested. Called by the RolloutPool, TrainerGroup and RLJob reconciles.
+subcommands) and with SGLang (`python3 -m sglang.launch_server`, its flags in resources.sglang); it is
+written in one place and tested against both parsers. Called by the RolloutPool, TrainerGroup and RLJob reconciles.
 """
 
 from __future__ import annotations
 
-from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
+from lockstep.api.rljob import EngineSpec, ModelSpec
 
-from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT
+from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT, POD_IP_ENV
+from lockstep_operator.resources.sglang import Disaggregation, sglang_command
 
 CONFIG_PATH = f"{CONFIG_MOUNT}/{CONFIG_FILE}"
+POD_IP = f"$({POD_IP_ENV})"
+"""Engines bind the pod IP (Kubernetes expands the downward-API env var), never all interfaces."""
 
 PRODUCTS = {"GB300": "NVIDIA-GB300", "H100": "NVIDIA-H100-80GB-HBM3"}
 """lockstep.api GPUProduct -> the nvidia.com/gpu.product label value GPU feature discovery writes."""
@@ -22,8 +25,19 @@ def product_label(product: str) -> str | None:
     return PRODUCTS.get(product)
 
 
-def engine_command(engine: EngineSpec, model: ModelSpec) -> list[str]:
-    """SGLang's server for `sglang`, Lockstep's reference engine for `reference`."""
+def engine_command(
+    engine: EngineSpec,
+    model: ModelSpec,
+    *,
+    r3: bool = False,
+    true_on_policy: bool = False,
+    disaggregation: Disaggregation | None = None,
+) -> list[str]:
+    """SGLang's server for `sglang` (resources.sglang), Lockstep's reference engine for `reference`.
+
+    The reference engine needs no flag for R3 or true-on-policy: it returns routed experts on request
+    and its kernels are the trainer's own.
+    """
     if engine.engine.value == "reference":
         # The flags of `lockstep engine` (runtime/lockstep/cli/engine.py); runtime/tests/test_pod_commands.py
         # parses every pod command with the runtime's own CLI.
@@ -31,21 +45,10 @@ def engine_command(engine: EngineSpec, model: ModelSpec) -> list[str]:
             "lockstep", "engine",
             "--model", model.checkpoint,
             "--device", "cuda" if engine.gpus_per_engine > 0 else "cpu",
-            "--host", "0.0.0.0",
+            "--host", POD_IP,
             "--port", str(ENGINE_PORT),
         ]  # fmt: skip
-    cmd = [
-        "python3", "-m", "sglang.launch_server",
-        "--model-path", model.checkpoint,
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
-        "--tp-size", str(engine.tensor_parallel),
-    ]  # fmt: skip
-    if engine.data_parallel_attention > 1:
-        cmd += ["--enable-dp-attention", "--dp-size", str(engine.data_parallel_attention)]
-    if engine.kv_cache_dtype != KVCacheDtype.AUTO:
-        cmd += ["--kv-cache-dtype", engine.kv_cache_dtype.value]
-    return cmd + list(engine.extra_args)
+    return sglang_command(engine, model, r3=r3, true_on_policy=true_on_policy, disaggregation=disaggregation)
 
 
 def trainer_command() -> list[str]:

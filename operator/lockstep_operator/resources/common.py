@@ -182,3 +182,26 @@ def engines_service_name(pool: str) -> str:
     """The headless Service listing every engine of a pool, ready or not (the driver asks each one
     for its weight version; the ranks can address each engine)."""
     return f"{pool}-engines"
+
+
+def api_key_secret_name(job: str) -> str:
+    """The Secret holding the job's shared API key (created once by the RLJob reconcile)."""
+    return f"{job}-api-key"
+
+
+API_KEY_ITEM = "api-key"
+"""The key's item in that Secret."""
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+"""The env var every pod of the job reads the key from (engines render SGLang's --api-key from it)."""
+POD_IP_ENV = "POD_IP"
+"""The pod's IP (downward API): what servers in the pod bind instead of all interfaces."""
+
+
+def engine_network_policy_name(pool: str) -> str:
+    """The NetworkPolicy guarding a pool's engine pods (named like the pool)."""
+    return pool
+
+
+def driver_network_policy_name(job: str) -> str:
+    """The NetworkPolicy of the driver pod, where the session server runs (named like the driver)."""
+    return driver_name(job)

@@ -28,6 +28,7 @@ from lockstep_operator.resources.common import (
     job_labels,
     metadata,
     progress_name,
+    trainer_name,
 )
 
 DEFAULT_REASON = "chosen by the WeightChannel"
@@ -74,8 +75,18 @@ def progress_config_map(owner: Owner, *, job: str) -> Manifest:
 
 def driver_rbac(owner: Owner, *, job: str) -> list[Manifest]:
     """ServiceAccount, Role (get/patch on the one progress ConfigMap) and RoleBinding of the driver."""
-    name = driver_name(job)
-    labels = job_labels(job, "driver")
+    return _progress_rbac(owner, driver_name(job), job_labels(job, "driver"), job, ["get", "patch"])
+
+
+def trainer_rbac(owner: Owner, *, job: str) -> list[Manifest]:
+    """ServiceAccount, Role (patch on the one progress ConfigMap) and RoleBinding of the trainer ranks,
+    which write there only when they cannot start (their own `rank-<r>.json` key)."""
+    return _progress_rbac(owner, trainer_name(job), job_labels(job, "trainer"), job, ["patch"])
+
+
+def _progress_rbac(
+    owner: Owner, name: str, labels: dict[str, str], job: str, verbs: list[str]
+) -> list[Manifest]:
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(owner, name, labels)},
         {
@@ -87,7 +98,7 @@ def driver_rbac(owner: Owner, *, job: str) -> list[Manifest]:
                     "apiGroups": [""],
                     "resources": ["configmaps"],
                     "resourceNames": [progress_name(job)],
-                    "verbs": ["get", "patch"],
+                    "verbs": verbs,
                 }
             ],
         },

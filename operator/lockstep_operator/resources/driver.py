@@ -21,6 +21,7 @@ from lockstep_operator.resources.common import (
     trainer_name,
     trainer_url,
 )
+from lockstep_operator.resources.model import model_pull
 from lockstep_operator.resources.pods import Container, driver_pod, with_template_hash
 
 
@@ -33,7 +34,9 @@ def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
     pod = driver_pod(
         owner,
         job=job,
-        container=Container(image=spec.agent.image or image, command=driver_command()),
+        container=Container(
+            image=spec.agent.image or image, command=driver_command(), model=model_pull(spec.model, image)
+        ),
         router_url=router_url(job),
         trainer=trainer_name(job),
         trainer_url=trainer_url(trainer_name(job), owner.namespace),

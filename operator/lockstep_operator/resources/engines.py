@@ -12,12 +12,44 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from lockstep.api.rljob import Engine
 from lockstep.api.rolloutpool import RolloutPoolSpec
 
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import engine_command, product_label
-from lockstep_operator.resources.common import WEIGHTS_CURRENT, Manifest, Owner
+from lockstep_operator.resources.common import (
+    API_KEY_ENV,
+    API_KEY_ITEM,
+    WEIGHTS_CURRENT,
+    Manifest,
+    Owner,
+    api_key_secret_name,
+)
+from lockstep_operator.resources.model import local_model, model_pull
 from lockstep_operator.resources.pods import Container, Placement, engine_pod, with_template_hash
+from lockstep_operator.resources.sglang import TRUE_ON_POLICY_ENV
+
+GPU_SHM = "32Gi"
+"""/dev/shm of a GPU engine (SGLang's docs run its container with a 32 GB shared memory)."""
+CPU_SHM = "1Gi"
+"""/dev/shm of a CPU engine."""
+
+
+def engine_container(spec: RolloutPoolSpec, image: str, shared_volume: str | None) -> Container:
+    """What an engine replica runs: the command, a sized /dev/shm, the job's API key (from its
+    Secret; both engines require it) and, for SGLang, the true-on-policy environment."""
+    sglang = spec.engine.engine is Engine.SGLANG
+    return Container(
+        image=spec.engine.image or image,
+        command=engine_command(  # the model volume's path, not the hub id
+            spec.engine, local_model(spec.model), r3=spec.r3, true_on_policy=spec.true_on_policy
+        ),
+        env=dict(TRUE_ON_POLICY_ENV) if sglang and spec.true_on_policy else {},
+        secret_env={API_KEY_ENV: (api_key_secret_name(spec.job), API_KEY_ITEM)},
+        shared_volume_claim=shared_volume or None,
+        shm_size=GPU_SHM if spec.engine.gpus_per_engine > 0 else CPU_SHM,
+        model=model_pull(spec.model, image),
+    )
 
 
 def engine_placement(spec: RolloutPoolSpec, avoid_clique: str | None = None) -> Placement:
@@ -43,7 +75,8 @@ def engine_manifest(
     avoid_clique: str | None = None,
 ) -> Manifest:
     """Engine pod `replica` of the pool (pure), annotated with its pod-template hash (the pod spec:
-    image, command with the engine arguments, resources, placement; never replicas or gang membership).
+    image, command with the engine arguments, env, resources, placement; never replicas or gang
+    membership).
     Replicas below the pool's min_available are gang members."""
     gang = spec.placement.gang
     keys = podgroups.member_keys(
@@ -53,17 +86,12 @@ def engine_manifest(
         queue=gang.queue_name,
         member=replica < spec.min_available,
     )
-    container = Container(
-        image=spec.engine.image or image,
-        command=engine_command(spec.engine, spec.model),
-        shared_volume_claim=shared_volume or None,
-    )
     pod = engine_pod(
         owner,
         job=spec.job,
         pool=owner.name,
         replica=replica,
-        container=container,
+        container=engine_container(spec, image, shared_volume),
         placement=engine_placement(spec, avoid_clique),
         gang=keys,
     )

@@ -1,4 +1,4 @@
-"""NetworkPolicy builder: who may reach a trainer group's rank pods (least privilege).
+"""NetworkPolicy builders: who may reach a job's rank, engine and driver pods (least privilege).
 
 Why it exists: trainer rank 0 serves the RL steps on its control port (29600, `lockstep trainer
 --serve`); anything that reaches it can drive the optimizer. So only the job's driver pod may reach
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from lockstep_operator.resources.common import (
     CONTROL_PORT,
+    ENGINE_PORT,
     Manifest,
     Owner,
+    driver_network_policy_name,
+    engine_network_policy_name,
     job_labels,
     metadata,
     network_policy_name,
@@ -59,5 +62,47 @@ def trainer_network_policy(owner: Owner, *, job: str, trainer: str, pool: str) -
                     "ports": _all_but_control(),
                 },
             ],
+        },
+    }
+
+
+def engine_network_policy(owner: Owner, *, job: str, pool: str, trainer: str) -> Manifest:
+    """Ingress of pool `pool`'s engine pods: the HTTP port from the job's driver (rollouts, sessions)
+    and trainer ranks (weight updates); every TCP port from the trainer ranks and the pool's own
+    engines (NCCL and Mooncake P2P connect both ways, on ports the OS picks). Kubelet probes are
+    node-local and not subject to the policy on common CNIs."""
+    trainers = {"podSelector": {"matchLabels": selector_labels(job, trainer=trainer)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, engine_network_policy_name(pool), job_labels(job, "engine", pool=pool)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(job, pool=pool)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": selector_labels(job, driver=True)}}],
+                    "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+                },
+                {
+                    "from": [trainers, {"podSelector": {"matchLabels": selector_labels(job, pool=pool)}}],
+                    "ports": [{"protocol": "TCP", "port": 1, "endPort": MAX_PORT}],
+                },
+            ],
+        },
+    }
+
+
+def driver_network_policy(owner: Owner, *, job: str) -> Manifest:
+    """Ingress of the driver pod: none. Its session server and agents talk over loopback, and it
+    reaches out (engines, trainer, its progress ConfigMap); nothing may connect in."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, driver_network_policy_name(job), job_labels(job, "driver")),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(job, driver=True)},
+            "policyTypes": ["Ingress"],
+            "ingress": [],
         },
     }

@@ -20,6 +20,8 @@ from typing import Any
 
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
+    API_KEY_ENV,
+    API_KEY_ITEM,
     CONFIG_FILE,
     CONFIG_MOUNT,
     CONTROL_PORT,
@@ -28,19 +30,34 @@ from lockstep_operator.resources.common import (
     LABEL_POOL,
     LABEL_ROLE,
     LABEL_TRAINER,
+    POD_IP_ENV,
     RENDEZVOUS_PORT,
     RUN_MOUNT,
     SHARED_MOUNT,
     WEIGHTS_CURRENT,
     Manifest,
     Owner,
+    api_key_secret_name,
     config_name,
     driver_name,
     job_labels,
     metadata,
+    progress_name,
+    trainer_name,
+)
+from lockstep_operator.resources.model import (
+    MODEL_MOUNT,
+    MODEL_VOLUME,
+    SHARED_SUBPATH,
+    ModelPull,
+    pull_command,
 )
 
 GPU = "nvidia.com/gpu"
+ENGINE_STARTUP_S = 3600
+"""How long an engine may take to load its checkpoint before the kubelet restarts it."""
+ENGINE_DRAIN_S = 600
+"""How long a deleted engine may finish its running requests (the runtime's request timeout)."""
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 
@@ -95,6 +112,16 @@ class Container:
     """A ReadWriteMany PersistentVolumeClaim mounted at /shared (checkpoints, disk-delta)."""
     image_pull_policy: str = "IfNotPresent"
     """imagePullPolicy."""
+    secret_env: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Env vars read from Secrets: name -> (Secret name, data key); the value never enters the pod spec."""
+    shm_size: str | None = None
+    """Size of a memory-backed /dev/shm (NCCL, SGLang's and torch's shared-memory transfers); None keeps
+    the runtime's 64 MiB default."""
+    capabilities: Sequence[str] = ()
+    """Linux capabilities added to the dropped-ALL set (IPC_LOCK to pin RDMA buffers)."""
+    model: ModelPull | None = None
+    """The hub model the pod's init step downloads into the model volume (resources.model); None
+    when the checkpoint is local."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -116,6 +143,13 @@ def _resources(p: Placement) -> Manifest:
     return out
 
 
+def _capabilities(c: Container) -> Manifest:
+    caps: Manifest = {"drop": ["ALL"]}
+    if c.capabilities:
+        caps["add"] = list(c.capabilities)
+    return caps
+
+
 def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str], restart: str) -> Manifest:
     selector = dict(p.node_selector)
     if p.product:
@@ -133,9 +167,16 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": c.shared_volume_claim}})
     all_env: list[Manifest] = [{"name": k, "value": v} for k, v in {**env, **c.env}.items()]
     all_env += [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        for name, (secret, key) in c.secret_env.items()
+    ]
+    all_env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    if c.model is not None:
+        volumes += _add_model_volume(c, mounts)
     container: Manifest = {
         "name": "main",
         "image": c.image,
@@ -144,8 +185,11 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "env": all_env,
         "resources": _resources(p),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": _capabilities(c)},
     }
+    if c.shm_size:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": c.shm_size}})
     spec: Manifest = {
         "restartPolicy": restart,
         "containers": [container],
@@ -153,6 +197,8 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
+    if c.model is not None:
+        spec["initContainers"] = [_pull_container(c.model, mounts[-1], c.image_pull_policy)]
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -171,6 +217,48 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
     return spec
 
 
+def api_key_env(job: str) -> Manifest:
+    """LOCKSTEP_API_KEY from the job's Secret `<job>-api-key` (never a literal in a pod spec)."""
+    ref = {"name": api_key_secret_name(job), "key": API_KEY_ITEM}
+    return {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _with_api_key(spec: Manifest, job: str) -> Manifest:
+    spec["containers"][0]["env"].append(api_key_env(job))
+    return spec
+
+
+def _add_model_volume(c: Container, mounts: list[Manifest]) -> list[Manifest]:
+    """Mount the model volume (last in `mounts`): the shared claim's model directory when the pod has
+    the claim, else an emptyDir of its own; the volumes to add."""
+    if c.shared_volume_claim:
+        mounts.append({"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH})
+        return []
+    mounts.append({"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT})
+    return [{"name": MODEL_VOLUME, "emptyDir": {}}]
+
+
+def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:
+    """The init step filling the model volume; the hub token reaches this container only."""
+    env: list[Manifest] = []
+    if pull.token is not None:
+        ref = {"name": pull.token.name, "key": pull.token.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    out: Manifest = {
+        "name": "pull-model",
+        "image": pull.image,
+        "imagePullPolicy": pull_policy,
+        "command": pull_command(pull),
+        "volumeMounts": [dict(mount)],
+        # pull-model's last words (the repo, the cache, the fix) become the pod's status message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if env:
+        out["env"] = env
+    return out
+
+
 def _base_env(job: str) -> dict[str, str]:
     return {
         "LOCKSTEP_JOB": job,
@@ -184,9 +272,14 @@ def engine_pod(
 ) -> Manifest:
     """Rollout engine replica `replica` of pool `pool`: `<pool>-<replica>`, serving on port 30000.
 
-    Ready means the engine's /health answers AND it holds the current weight version: the readiness
-    gate rl.lockstep.dev/weights-current is a pod condition the pool reconcile sets from the driver's
+    As SGLang's docs run it: started once /health answers (loading a large checkpoint takes long, so
+    the startup probe allows ENGINE_STARTUP_S); ready while /health_generate can sample a token (SGLang
+    waits up to 20 s for it) AND it holds the current weight version: the readiness gate
+    rl.lockstep.dev/weights-current is a pod condition the pool reconcile sets from the driver's
     per-engine report, so the router Service only sends rollouts to engines on the current policy.
+    Graceful drain: on deletion the pod leaves the Service's endpoints during the preStop pause, then
+    SIGTERM makes SGLang answer 503 to health checks and finish its running requests, for up to
+    ENGINE_DRAIN_S (the runtime's request timeout) before the kubelet kills it.
     restartPolicy Never: a failed engine is replaced by the pool reconcile (the driver re-syncs it).
     """
     env = {
@@ -198,11 +291,19 @@ def engine_pod(
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
     main = spec["containers"][0]
     main["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
-    main["readinessProbe"] = {
+    main["startupProbe"] = {
         "httpGet": {"path": "/health", "port": ENGINE_PORT},
-        "periodSeconds": 5,
+        "periodSeconds": 10,
+        "failureThreshold": ENGINE_STARTUP_S // 10,
+    }
+    main["readinessProbe"] = {
+        "httpGet": {"path": "/health_generate", "port": ENGINE_PORT},
+        "periodSeconds": 10,
+        "timeoutSeconds": 30,
         "failureThreshold": 3,
     }
+    main["lifecycle"] = {"preStop": {"sleep": {"seconds": 10}}}
+    spec["terminationGracePeriodSeconds"] = ENGINE_DRAIN_S
     spec["readinessGates"] = [{"conditionType": WEIGHTS_CURRENT}]
     labels = {**job_labels(job, "engine", pool=pool, replica=str(replica)), **gang.labels}
     return {
@@ -273,7 +374,9 @@ def rank_pod(
     engines read disk-delta copies from the same path), else an emptyDir that lives as long as the pod
     (a gang restart then starts from the base checkpoint).
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
-    restarts as a gang (all ranks deleted and recreated with `generation` + 1).
+    restarts as a gang (all ranks deleted and recreated with `generation` + 1). A rank that cannot
+    start reports why into the progress ConfigMap (ServiceAccount `<job>-trainer`, patch only), so the
+    job fails with the reason instead of restarting the gang.
     """
     nproc = max(placement.gpus, 1)
     env = {
@@ -282,12 +385,14 @@ def rank_pod(
         "LOCKSTEP_ROUTER_URL": router_url,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
         "LOCKSTEP_RUN_DIR": run_dir(job, shared=bool(container.shared_volume_claim)),
+        "LOCKSTEP_PROGRESS_CONFIGMAP": progress_name(job),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
-    spec = _pod_spec(container, placement, gang, env=env, restart="Never")
+    spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), job)
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
+    spec["serviceAccountName"] = trainer_name(job)
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [
@@ -331,7 +436,7 @@ def driver_pod(
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
     }
-    spec = _pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure")
+    spec = _with_api_key(_pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure"), job)
     spec["serviceAccountName"] = driver_name(job)
     return {
         "apiVersion": "v1",

@@ -41,6 +41,8 @@ def seen(
     trainer_failed: str | None = None,
     gang: str | None = None,
     problem: str | None = None,
+    rank_reports: dict[int, ProgressReport] | None = None,
+    init_failure: str | None = None,
 ) -> JobObserved:
     """Observed children: `ranks`/`engines` ready (None: the child does not exist yet)."""
     trainer = None
@@ -48,4 +50,6 @@ def seen(
         failed = [cond("Failed", True, "GangRestartLimitExceeded", trainer_failed)] if trainer_failed else []
         trainer = TrainerGroupStatus(world_size=1, ready_ranks=ranks, conditions=failed)
     pool = RolloutPoolStatus(replicas=1, ready_replicas=engines) if engines is not None else None
-    return JobObserved(pool, trainer, channel, progress, problem, driver, gang)
+    return JobObserved(
+        pool, trainer, channel, progress, problem, driver, gang, rank_reports or {}, init_failure
+    )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 from lockstep.api.progress import ProgressReport
 from lockstep.api.rljob import Phase
 from lockstep.api.weightchannel import WeightChannelStatus
 from lockstep_operator.policy.job_failure import deadline_exceeded, job_failure
-from lockstep_operator.policy.job_observed import JobObserved
+from lockstep_operator.policy.job_observed import JobObserved, init_failure
 from lockstep_operator.policy.job_phase import job_phase
 from lockstep_operator.policy.job_success import job_success
 from policy_fixtures import T0, job_spec, seen
@@ -35,6 +36,39 @@ FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
         "driver error",
         seen(progress=ProgressReport(error="non-finite loss")),
         ("DriverError", "non-finite loss"),
+    ),
+    (
+        "driver could not start",
+        seen(
+            progress=ProgressReport(
+                error="driver could not start: FileNotFoundError: /models/x", reason="DriverStartFailed"
+            ),
+            driver="Running",
+        ),
+        ("DriverStartFailed", "driver could not start: FileNotFoundError: /models/x"),
+    ),
+    (
+        "trainer rank could not start: the lowest failed rank",
+        seen(
+            rank_reports={
+                3: ProgressReport(error="trainer rank 3 could not start: b", reason="TrainerStartFailed"),
+                1: ProgressReport(error="trainer rank 1 could not start: a", reason="TrainerStartFailed"),
+                0: ProgressReport(),
+            },
+            progress=ProgressReport(error="later", reason="DriverStartFailed"),
+        ),
+        ("TrainerStartFailed", "trainer rank 1 could not start: a"),
+    ),
+    (
+        "rank report without a reason",
+        seen(rank_reports={0: ProgressReport(error="x")}),
+        ("TrainerStartFailed", "x"),
+    ),
+    ("rank report without an error", seen(rank_reports={0: ProgressReport()}), None),
+    (
+        "model download failed",
+        seen(driver="Pending", init_failure="pull-model exited 2: error: Qwen/Qwen3-4B: hub unreachable"),
+        ("ModelPullFailed", "driver pod: pull-model exited 2: error: Qwen/Qwen3-4B: hub unreachable"),
     ),
     ("driver pod failed", seen(driver="Failed"), ("DriverFailed", "the driver pod failed")),
     (
@@ -123,3 +157,31 @@ def test_job_phase_table(
 ) -> None:
     verdict = job_phase(job_spec(**spec), obs, previous)
     assert (verdict.phase, verdict.reason) == want
+
+
+@pytest.mark.parametrize(
+    ("statuses", "want"),
+    [
+        ([], None),
+        ([{"name": "pull-model", "state": {"running": {}}}], None),
+        ([{"name": "pull-model", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}], None),
+        (
+            [{"name": "pull-model", "state": {"terminated": {"exitCode": 2, "message": "error: no repo\n"}}}],
+            "pull-model exited 2: error: no repo",
+        ),
+        (
+            [
+                {
+                    "name": "pull-model",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}},
+                }
+            ],
+            "pull-model exited 2: Error",
+        ),
+    ],
+    ids=["none", "running", "done", "failed", "restarting"],
+)
+def test_init_failure_of_a_pod(statuses: list[dict[str, Any]], want: str | None) -> None:
+    assert init_failure({"status": {"initContainerStatuses": statuses}}) == want
+    assert init_failure(None) is None

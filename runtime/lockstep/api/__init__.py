@@ -17,6 +17,7 @@ from lockstep.api.manifest import (
     load_objects,
     parse_object,
 )
+from lockstep.api.profiles import PROFILES, TRUE_ON_POLICY_PROFILES, Profile, profile_for
 from lockstep.api.progress import (
     PROGRESS_KEY,
     ProgressReport,
@@ -32,6 +33,7 @@ from lockstep.api.rljob import (
     DeltaEncoding,
     Device,
     DiskDeltaSpec,
+    DynamicSamplingSpec,
     Engine,
     EngineSpec,
     GangSchedulerName,
@@ -40,6 +42,8 @@ from lockstep.api.rljob import (
     KLSpec,
     KVCacheDtype,
     LoraSpec,
+    LRDecay,
+    LRScheduleSpec,
     Matcher,
     MismatchCorrection,
     MismatchSpec,
@@ -69,7 +73,7 @@ from lockstep.api.rljob import (
     WeightSyncSpec,
 )
 from lockstep.api.rolloutpool import EngineStatus, RolloutPool, RolloutPoolSpec, RolloutPoolStatus
-from lockstep.api.rules import RULES, TRUE_ON_POLICY_PROFILES, Problem, Rule, check_rules
+from lockstep.api.rules import RULES, Problem, Rule, check_rules
 from lockstep.api.trainergroup import TrainerGroup, TrainerGroupSpec, TrainerGroupStatus
 from lockstep.api.transport_choice import (
     DEFAULT_TRANSPORT_FILE,
@@ -86,6 +90,7 @@ __all__ = [
     "DEFAULT_TRANSPORT_FILE",
     "GROUP",
     "KINDS",
+    "PROFILES",
     "PROGRESS_KEY",
     "RULES",
     "TRANSPORT_KEY",
@@ -102,6 +107,7 @@ __all__ = [
     "DeltaEncoding",
     "Device",
     "DiskDeltaSpec",
+    "DynamicSamplingSpec",
     "Engine",
     "EngineSpec",
     "EngineStatus",
@@ -110,6 +116,8 @@ __all__ = [
     "GangScheduling",
     "KLSpec",
     "KVCacheDtype",
+    "LRDecay",
+    "LRScheduleSpec",
     "LoraSpec",
     "ManifestError",
     "Matcher",
@@ -125,6 +133,7 @@ __all__ = [
     "PlacementSpec",
     "Precision",
     "Problem",
+    "Profile",
     "ProgressReport",
     "RLJob",
     "RLJobSpec",
@@ -160,6 +169,7 @@ __all__ = [
     "load_objects",
     "load_transport_choice",
     "parse_object",
+    "profile_for",
     "progress_config_map_name",
     "progress_patch",
 ]

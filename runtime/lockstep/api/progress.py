@@ -2,9 +2,11 @@
 
 Why it exists: pods get no broad RBAC. The driver (which owns the loop and the buffer) may only
 get/patch one ConfigMap, `<job>-progress`; it writes one JSON document under the key `progress.json`
-after the init step (with the pre-flight result) and after each step. The operator folds it into the
-status of the RLJob (step, version, reward, staleness, queue size), the RolloutPool (per-engine
-versions) and the WeightChannel (pre-flight result, last update). Both sides import this module, so
+after the init step (with the pre-flight result) and after each step, or its error when it cannot
+start; a trainer rank that cannot start writes its error under its own key `rank-<r>.json`. The
+operator folds them into the status of the RLJob (step, version, reward, staleness, queue size, or
+Failed with the error), the RolloutPool (per-engine versions) and the WeightChannel (pre-flight
+result, last update). Both sides import this module, so
 it lives in lockstep.api (pydantic only, no torch) rather than in the operator or the driver.
 
 Who calls it: lockstep.driver.report (writes, `ProgressReport.to_json`), the operator's reconciles
@@ -18,7 +20,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 PROGRESS_KEY = "progress.json"
-"""The ConfigMap data key holding the document."""
+"""The ConfigMap data key holding the driver's document."""
+RANK_KEY_PREFIX = "rank-"
+"""Trainer rank r reports under its own key `rank-<r>.json` (rank_key): only when it cannot start."""
 
 
 class ProgressReport(BaseModel):
@@ -58,6 +62,9 @@ class ProgressReport(BaseModel):
     """True once the driver finished all steps (the job succeeds)."""
     error: str | None = Field(default=None, max_length=4096)
     """A fatal error of the driver (the job fails with it)."""
+    reason: str | None = Field(default=None, max_length=64, pattern=r"^[A-Z][A-Za-z]*$")
+    """CamelCase reason of `error`, shown as the Failed condition's reason (`DriverStartFailed`,
+    `TrainerStartFailed`); unset reads `DriverError`."""
 
 
 def progress_config_map_name(job: str) -> str:
@@ -65,6 +72,12 @@ def progress_config_map_name(job: str) -> str:
     return f"{job}-progress"
 
 
-def progress_patch(report: ProgressReport) -> dict[str, dict[str, str]]:
-    """The JSON merge patch body that replaces the document in the progress ConfigMap."""
-    return {"data": {PROGRESS_KEY: report.model_dump_json(by_alias=True, exclude_none=True)}}
+def rank_key(rank: int) -> str:
+    """The data key of trainer rank `rank`'s document (a start-up failure) in the progress ConfigMap."""
+    return f"{RANK_KEY_PREFIX}{rank}.json"
+
+
+def progress_patch(report: ProgressReport, key: str = PROGRESS_KEY) -> dict[str, dict[str, str]]:
+    """The JSON merge patch body that replaces the document under `key` in the progress ConfigMap
+    (other keys are left alone, so the driver and the ranks never overwrite each other)."""
+    return {"data": {key: report.model_dump_json(by_alias=True, exclude_none=True)}}

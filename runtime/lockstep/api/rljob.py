@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,6 +33,7 @@ from lockstep.api.common import (
 # Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
 Label = Annotated[str, Field(max_length=63)]
 Arg = Annotated[str, Field(max_length=1024)]
+ModulePattern = Annotated[str, Field(min_length=1, max_length=256)]
 
 # ---------------------------------------------------------------------------------------------- model
 
@@ -45,6 +47,28 @@ class LoraSpec(ApiModel):
     """Scaling numerator; the adapter output is scaled by alpha / rank."""
     target_modules: list[Label] = Field(default_factory=lambda: ["all-linear"], max_length=64)
     """Module names (or `all-linear`) that get adapters."""
+
+
+HUB_ID_PATTERN: Final = (
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9][A-Za-z0-9._/-]*)?$"
+)
+"""A Hugging Face repo id with an optional revision: `org/name` or `org/name@rev` (branch, tag or commit).
+A local directory in a cluster is an absolute path, so it never reads as a repo id."""
+
+
+def is_hub_id(ref: str) -> bool:
+    """Whether a checkpoint or tokenizer reference names a hub repo (`org/name[@rev]`), not a local
+    directory or `builtin:<name>` (pure)."""
+    return re.fullmatch(HUB_ID_PATTERN, ref) is not None
+
+
+class SecretKeySelector(ApiModel):
+    """One key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """Secret name."""
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    """Key within the Secret."""
 
 
 class ModelSpec(ApiModel):
@@ -64,8 +88,18 @@ class ModelSpec(ApiModel):
     """Tokenizer location when it differs from the checkpoint (same forms as checkpoint)."""
     chat_template: str | None = Field(default=None, max_length=1024)
     """Path of a Jinja chat template overriding the tokenizer's own."""
+    hub_token_secret: SecretKeySelector | None = None
+    """Secret holding a Hugging Face token for a gated or private hub checkpoint (`name`, and `key`,
+    default `token`). In a cluster only the init step that downloads the model gets it, as HF_TOKEN
+    from the Secret; it is never in job.yaml or the logs."""
     lora: LoraSpec | None = None
-    """Train LoRA adapters instead of the full weights; unset trains all weights."""
+    """Train LoRA adapters instead of the full weights; unset trains all weights. Not built yet:
+    refused at apply (rule lora-not-built)."""
+    bf16_modules: list[ModulePattern] = Field(default_factory=list, max_length=256)
+    """BF16 exceptions of a low-precision recipe (rollout or trainer precision other than bf16):
+    module-name patterns (fnmatch over HF names without `.weight`, e.g. `model.layers.27.*`,
+    `*.shared_expert.*`) kept in BF16 at all four stages (conversion, training forward, export,
+    rollout). Linear weights whose contraction axis does not fill whole blocks stay BF16 anyway."""
 
 
 # ------------------------------------------------------------------------------------------ algorithm
@@ -155,9 +189,52 @@ class SFTWarmStartSpec(ApiModel):
     """Supervised steps on the task's reference answers before RL starts (off with steps 0)."""
 
     steps: int = Field(default=0, ge=0, le=100000000)
-    """SFT optimizer steps before the first RL step; 0 skips the warm start."""
+    """SFT optimizer steps before the first RL step (with stopAtLoss: the most it may take); 0 skips
+    the warm start."""
     learning_rate: float | None = Field(default=None, gt=0.0, le=1.0)
     """Learning rate of the SFT steps; unset uses algorithm.learningRate."""
+    stop_at_loss: float | None = Field(default=None, gt=0.0, le=100.0)
+    """End the warm start once the mean SFT loss (per answer token) of its last 5 steps is at or
+    below this. A fixed step count stops each seed at a different point of a steep loss curve (issue
+    18 measured 0.50 to 1.02 after 85 steps); a loss target stops every seed at the same point, so RL
+    starts from comparable policies. Unset runs all `steps`."""
+
+
+class LRDecay(enum.StrEnum):
+    """How the RL learning rate moves from learningRate (after warmup) to minLearningRate."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+class LRScheduleSpec(ApiModel):
+    """The RL learning rate over the run's steps (spec.schedule.steps): a linear warmup from 0 to
+    learningRate, then a decay to minLearningRate at the last step. The SFT warm start keeps its own
+    constant rate. The default (no warmup, constant) is a constant learningRate."""
+
+    warmup_steps: int = Field(default=0, ge=0, le=100000000)
+    """RL steps of linear warmup (step k of n trains at learningRate x k / n); must be fewer than
+    schedule.steps."""
+    decay: LRDecay = LRDecay.CONSTANT
+    """`constant`, `linear` or `cosine` from learningRate right after warmup towards minLearningRate,
+    reached one step after the last (every step trains at a rate above it). A decay lets the policy
+    settle late in the run, where a constant rate keeps perturbing a nearly solved policy."""
+    min_learning_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Where a decay ends; at most learningRate."""
+
+
+class DynamicSamplingSpec(ApiModel):
+    """DAPO's dynamic sampling (sync schedule): a group whose samples all got the same reward has
+    advantage 0 on every token and trains nothing, so it is dropped and more prompts are generated
+    until the step holds batchSize groups with a reward spread. Costs rollouts, not optimizer steps;
+    each step's groups_generated and groups_dropped are logged."""
+
+    max_groups_per_step: int = Field(ge=1, le=1048576)
+    """Most groups generated for one step, dropped ones included: at least algorithm.batchSize. When
+    it is reached the step trains on the groups with a spread it has (on the first batchSize
+    generated when none has one), so a step never waits forever on prompts the policy always or
+    never solves."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -186,11 +263,16 @@ class AlgorithmSpec(ApiModel):
     """Deterministic, batch-invariant kernels on both sides so train and rollout logprobs are equal.
     Needs a registered model profile and the fsdp backend."""
     opd: OPDSpec | None = None
-    """On-policy distillation; unset disables it."""
+    """On-policy distillation; unset disables it. Not built yet: refused at apply (rule opd-not-built)."""
     sft_warm_start: SFTWarmStartSpec = Field(
         default_factory=SFTWarmStartSpec, json_schema_extra=EMPTY_DEFAULT
     )
     """SFT warm start on the task's reference answers before RL (off by default)."""
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec, json_schema_extra=EMPTY_DEFAULT)
+    """The RL learning rate over the steps: warmup and decay (default constant)."""
+    dynamic_sampling: DynamicSamplingSpec | None = None
+    """Drop groups without a reward spread and generate more (sync schedule); unset trains every
+    group generated."""
 
 
 # -------------------------------------------------------------------------------------------- rollout
@@ -276,9 +358,11 @@ class SamplingSpec(ApiModel):
     max_new_tokens: int = Field(default=1024, ge=1, le=1048576)
     """Most tokens per model reply (one turn)."""
     max_session_tokens: int | None = Field(default=None, ge=1, le=16777216)
-    """Most tokens of a whole multi-turn session; unset means no cap beyond the context length."""
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    """Sampling temperature; RL normally keeps 1.0 so logprobs describe the sampled distribution."""
+    """Most tokens of a whole multi-turn session; unset means no cap beyond the context length. Not
+    built yet: refused at apply (rule session-token-cap-not-built)."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature, above 0 (greedy decoding has no logprobs to train on); RL normally keeps
+    1.0 so logprobs describe the sampled distribution."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
 
@@ -303,9 +387,15 @@ class EngineSpec(ApiModel):
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     """KV-cache dtype (`auto` follows the weights)."""
     prefill_decode: bool = False
-    """Prefill-decode disaggregation (separate prefill and decode servers)."""
+    """Prefill-decode disaggregation (separate prefill and decode servers). Not built yet: true is
+    refused at apply (rule prefill-decode-not-built)."""
     multi_token_prediction: bool = False
-    """Speculative decoding with the model's MTP draft head."""
+    """Speculative decoding with the model's MTP draft head. Not built yet: true is refused at apply
+    (rule mtp-not-built)."""
+    p2p_receiver: bool = Field(default=False, alias="p2pReceiver")
+    """The engine image serves Lockstep's P2P receive extension (GET /p2p_receiver_info, POST
+    /p2p_receiver_commit; docs/sglang.md). Stock SGLang has none, so for engine `sglang` the operator
+    chooses the p2p transport only when this is true; the reference engine always serves it."""
     extra_args: list[Arg] = Field(default_factory=list, max_length=64)
     """Extra engine command-line arguments, appended verbatim."""
 
@@ -366,7 +456,7 @@ class Parallelism(ApiModel):
     pipeline: int = Field(default=1, ge=1, le=1024)
     """Pipeline parallel size (PP)."""
     context: int = Field(default=1, ge=1, le=1024)
-    """Context parallel size (CP)."""
+    """Context parallel size (CP). Not built yet: only 1 is accepted (rule context-parallel-not-built)."""
     expert: int = Field(default=1, ge=1, le=1024)
     """Expert parallel size (EP) of MoE layers."""
     expert_tensor: int = Field(default=1, ge=1, le=1024)

@@ -33,6 +33,12 @@ class RolloutPoolSpec(ApiModel):
     """What each replica runs."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=EMPTY_DEFAULT)
     """Where the replicas go."""
+    r3: bool = False
+    """Rollout routing replay (the job's algorithm.r3): the engines return the routed experts of
+    every token (SGLang --enable-return-routed-experts)."""
+    true_on_policy: bool = False
+    """The job's algorithm.trueOnPolicy: the engines run deterministic kernels matched to the FSDP
+    trainer (SGLang --enable-deterministic-inference --rl-on-policy-target fsdp)."""
 
     @property
     def min_available(self) -> int:

@@ -21,21 +21,23 @@ from pydantic import BaseModel
 
 from lockstep.api.cel import Expr, field, has, old
 from lockstep.api.common import NAME_PATTERN, KubeObject
+from lockstep.api.profiles import TRUE_ON_POLICY_FAMILIES, TRUE_ON_POLICY_PROFILES, registered_names
 from lockstep.api.rljob import (
+    AlgorithmSpec,
     Autoscaling,
     EngineSpec,
     GangScheduling,
+    KVCacheDtype,
     MismatchSpec,
     ModelSpec,
     OPDSpec,
     RLJobSpec,
     RolloutSpec,
+    SamplingSpec,
+    SFTWarmStartSpec,
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
-
-TRUE_ON_POLICY_PROFILES: Final[tuple[str, ...]] = ("qwen3-0.6b", "qwen3-4b")
-"""`family-variant` pairs with a registered true-on-policy profile (Qwen3 dense 0.6B and 4B; seed §4.3)."""
 
 WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
 
@@ -144,18 +146,29 @@ RULES: Final[tuple[Rule, ...]] = (
         "alike): set trainer.precision to nvfp4 or serve bf16, fp8 or mxfp8",
     ),
     Rule(
+        "trainer-precision-matches-serving",
+        RLJobSpec,
+        field("trainer.precision").eq("bf16") | field("trainer.precision").eq(field("rollout.precision")),
+        "trainer.precision",
+        "a low-precision trainer must serve the same format (a quantized forward against other serving "
+        "weights is a different policy): set trainer.precision to bf16 or to rollout.precision",
+    ),
+    Rule(
         "true-on-policy-profile",
         RLJobSpec,
         field("algorithm.trueOnPolicy")
         .eq(True)
         .implies(
-            has("model.variant")
-            & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
+            field("model.family").in_(list(TRUE_ON_POLICY_FAMILIES))
+            | (
+                has("model.variant")
+                & (field("model.family") + "-" + field("model.variant")).in_(list(TRUE_ON_POLICY_PROFILES))
+            )
         ),
         "algorithm.trueOnPolicy",
-        "true-on-policy has profiles only for model family-variant "
-        + ", ".join(TRUE_ON_POLICY_PROFILES)
-        + ": set algorithm.trueOnPolicy to false or use a registered model",
+        "true-on-policy has profiles only for the models "
+        + registered_names()
+        + " (lockstep.api.profiles): set algorithm.trueOnPolicy to false or use a registered model",
     ),
     Rule(
         "true-on-policy-fsdp",
@@ -164,6 +177,28 @@ RULES: Final[tuple[Rule, ...]] = (
         "trainer.backend",
         "true-on-policy runs on the fsdp backend only: set trainer.backend to fsdp or "
         "algorithm.trueOnPolicy to false",
+    ),
+    Rule(
+        "true-on-policy-same-device",
+        RLJobSpec,
+        field("algorithm.trueOnPolicy")
+        .eq(True)
+        .implies(field("rollout.gpusPerEngine").gt(0).eq(field("trainer.device").eq("cuda"))),
+        "algorithm.trueOnPolicy",
+        "the engines and the trainer must run on the same device type (the exact kernels are exact per "
+        "device): set rollout.gpusPerEngine to 0 with trainer.device cpu, or above 0 with trainer.device cuda",
+    ),
+    Rule(
+        "true-on-policy-no-fp8-kv",
+        RLJobSpec,
+        field("algorithm.trueOnPolicy")
+        .eq(True)
+        .implies(
+            ~field("rollout.kvCacheDtype").in_([d.value for d in KVCacheDtype if d.value.startswith("fp8")])
+        ),
+        "rollout.kvCacheDtype",
+        "an FP8 KV cache rounds the engine's keys and values, which the trainer does not: set "
+        "rollout.kvCacheDtype to auto with trueOnPolicy, or trueOnPolicy to false",
     ),
     Rule(
         "in-flight-holds-a-group",
@@ -179,6 +214,22 @@ RULES: Final[tuple[Rule, ...]] = (
         has("schedule.evalInterval").implies(has("data.evalPrompts")),
         "schedule.evalInterval",
         "evaluation needs held-out prompts: set data.evalPrompts or remove schedule.evalInterval",
+    ),
+    Rule(
+        "lr-warmup-within-steps",
+        RLJobSpec,
+        field("algorithm.lrSchedule.warmupSteps").lt(field("schedule.steps")),
+        "algorithm.lrSchedule.warmupSteps",
+        "the learning-rate warmup must end before the last step: lower "
+        "algorithm.lrSchedule.warmupSteps below schedule.steps",
+    ),
+    Rule(
+        "dynamic-sampling-needs-sync",
+        RLJobSpec,
+        has("algorithm.dynamicSampling").implies(_mode.eq("sync")),
+        "algorithm.dynamicSampling",
+        "dynamic sampling is built for the sync schedule: remove algorithm.dynamicSampling or set "
+        "schedule.mode to sync (fully-async jobs drop groups with agent.groupFilterFunction)",
     ),
     Rule(
         "trainer-parallelism-divides-gpus",
@@ -289,6 +340,30 @@ RULES: Final[tuple[Rule, ...]] = (
         "minReplicas must not exceed maxReplicas: swap or fix them",
     ),
     Rule(
+        "lr-min-below-lr",
+        AlgorithmSpec,
+        field("lrSchedule.minLearningRate").le(field("learningRate")),
+        "lrSchedule.minLearningRate",
+        "the learning-rate decay ends at minLearningRate, which must not exceed learningRate: lower "
+        "lrSchedule.minLearningRate",
+    ),
+    Rule(
+        "dynamic-sampling-covers-batch",
+        AlgorithmSpec,
+        has("dynamicSampling").implies(field("dynamicSampling.maxGroupsPerStep").ge(field("batchSize"))),
+        "dynamicSampling.maxGroupsPerStep",
+        "dynamic sampling generates at least one batch per step: raise "
+        "dynamicSampling.maxGroupsPerStep to at least algorithm.batchSize",
+    ),
+    Rule(
+        "sft-stop-needs-steps",
+        SFTWarmStartSpec,
+        has("stopAtLoss").implies(field("steps").gt(0)),
+        "stopAtLoss",
+        "stopAtLoss ends a warm start that must run: set sftWarmStart.steps (the most SFT steps) above 0 "
+        "or remove stopAtLoss",
+    ),
+    Rule(
         "mismatch-bounds-ordered",
         MismatchSpec,
         field("low").lt(field("high")),
@@ -301,6 +376,70 @@ RULES: Final[tuple[Rule, ...]] = (
         has("defaultTeacher").implies(field("defaultTeacher").in_(field("teachers").map("name"))),
         "defaultTeacher",
         "defaultTeacher must name one of the teachers: fix the name or add that teacher",
+    ),
+    Rule(
+        "fully-async-no-abort",
+        RLJobSpec,
+        _mode.eq("fully-async").implies(~field("weightSync.pauseMode").eq("abort")),
+        "weightSync.pauseMode",
+        "fully-async keeps trajectories in flight across every weight update, and abort would drop "
+        "their groups: set weightSync.pauseMode to retract (the default) or schedule.mode to sync",
+    ),
+    Rule(
+        "cuda-ipc-one-engine",
+        RLJobSpec,
+        _transport.eq("cuda-ipc").implies(field("rollout.replicas").le(1)),
+        "rollout.replicas",
+        "cuda-ipc hands weights to the one colocated engine: set rollout.replicas to 1 or use "
+        "transport broadcast or auto",
+    ),
+    # Not built yet: the API keeps these fields, the runtime does not build them, so a manifest that
+    # asks for one is refused at apply, never at pod start. Each rule goes when its feature is built.
+    Rule(
+        "lora-not-built",
+        ModelSpec,
+        ~has("lora"),
+        "lora",
+        "LoRA is not built yet (the trainer trains all weights): remove model.lora",
+    ),
+    Rule(
+        "opd-not-built",
+        AlgorithmSpec,
+        ~has("opd"),
+        "opd",
+        "on-policy distillation is not built yet: remove algorithm.opd",
+    ),
+    Rule(
+        "prefill-decode-not-built",
+        EngineSpec,
+        field("prefillDecode").eq(False),
+        "prefillDecode",
+        "prefill-decode disaggregation is not built yet (engines are rendered as one server each): "
+        "set prefillDecode to false",
+    ),
+    Rule(
+        "mtp-not-built",
+        EngineSpec,
+        field("multiTokenPrediction").eq(False),
+        "multiTokenPrediction",
+        "multi-token prediction (speculative decoding) is not built yet (no engine command sets it): "
+        "set multiTokenPrediction to false",
+    ),
+    Rule(
+        "session-token-cap-not-built",
+        SamplingSpec,
+        ~has("maxSessionTokens"),
+        "maxSessionTokens",
+        "a whole-session token cap is not built yet (maxNewTokens caps each turn, agent.maxTurns the "
+        "turns): remove rollout.sampling.maxSessionTokens",
+    ),
+    Rule(
+        "context-parallel-not-built",
+        TrainerSpec,
+        field(_par + "context").eq(1),
+        "parallelism.context",
+        "context parallelism is not built yet (megatron-core's local layer spec has no "
+        "context-parallel attention without Transformer Engine): set trainer.parallelism.context to 1",
     ),
     Rule(
         "kueue-needs-queue",

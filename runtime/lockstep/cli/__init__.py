@@ -3,7 +3,8 @@
 Why it exists: the same binary runs a whole job on one machine (`lockstep run`), checks manifests
 offline (`lockstep validate`), serves the reference engine, runs trainer ranks, the driver, the
 session server, and the disk-delta tools. Each subcommand lives in its own module here and exposes
-`register(subparsers)`, which adds its parser and sets `func(args) -> int`. Only the chosen
+`register(subparsers)`, which adds its parser and sets `func(args) -> int` (a dash in a subcommand is
+an underscore in its module name: `pull-model` is pull_model.py). Only the chosen
 subcommand's module is imported (commands.py lists them), so `lockstep validate` never loads torch.
 
 Who calls it: users, the pods the operator creates, and tests.
@@ -30,7 +31,7 @@ def build_parser(commands: Iterable[str] = tuple(HELP)) -> argparse.ArgumentPars
     full = set(commands)
     for name, help_line in HELP.items():
         if name in full:
-            importlib.import_module(f"{__name__}.{name}").register(sub)
+            importlib.import_module(f"{__name__}.{name.replace('-', '_')}").register(sub)
         else:
             sub.add_parser(name, help=help_line)
     return parser

@@ -23,7 +23,7 @@ from typing import Any
 from lockstep.api import ManifestError, load_manifest
 from lockstep.cli.commands import HELP
 from lockstep.cli.run import EXIT_CODES, RunOptions, execute
-from lockstep.driver.report import ConfigMapReporter, reporter_from_env
+from lockstep.driver.report import ConfigMapReporter, reporter_from_env, start_failure
 from lockstep.driver.settings import Resume
 from lockstep.observability.logs import configure_logging
 
@@ -67,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
+        reporter_from_env().report(start_failure(e, "driver"))  # the job fails with it, no restart loop
         return 2
     urls = list(args.engine_url) or (
         [os.environ["LOCKSTEP_ROUTER_URL"]] if os.environ.get("LOCKSTEP_ROUTER_URL") else []

@@ -9,8 +9,9 @@ under --out and carry the driver's loop state. `auto` transport is resolved from
 (the operator's choice). Without --serve it only proves the sharded load / SFT / save path.
 docs/trainer.md explains it all.
 
-Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings or transport file, 3 no
-engine reachable or no transport file in time.
+Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings, checkpoint or transport
+file, 3 no engine reachable or no transport file in time. A rank that cannot start (exit 2) writes its
+error into the job's progress ConfigMap under `rank-<RANK>.json`, so the job fails with the reason.
 
 Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 """
@@ -21,12 +22,15 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
+from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
-from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
+from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.observability.logs import configure_logging
 from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.membership import members_from
@@ -92,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
+        if args.serve:
+            report_start_failure(e)
         return 2
     if args.serve:
         return serve_rank(job, args)
@@ -108,6 +114,7 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    listening: list[int] = []
     try:
         return serve(
             job,
@@ -120,23 +127,37 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             transport_file=args.transport_file or args.config.parent / TRANSPORT_KEY,
             transport_timeout_s=args.transport_timeout,
             in_pod=os.environ.get("LOCKSTEP_ROLE") == "trainer",
-            on_listening=lambda port: logging.getLogger("lockstep.trainer").info(
-                "listening on %s:%d", args.host, port
-            ),
+            on_listening=lambda port: _listening(listening, args.host, port),
         )
     except (EngineUnreachable, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (ValueError, FileNotFoundError) as e:
+    except START_FAILURES as e:
         print(f"error: {e}", file=sys.stderr)
+        if not listening:
+            report_start_failure(e)
         return 2
+
+
+def _listening(ports: list[int], host: str, port: int) -> None:
+    ports.append(port)
+    logging.getLogger("lockstep.trainer").info("listening on %s:%d", host, port)
+
+
+def report_start_failure(error: BaseException, env: Mapping[str, str] | None = None) -> bool:
+    """Report that this rank (torchrun's RANK) cannot start, into the job's progress ConfigMap under
+    `rank-<RANK>.json` (a rank pod's ServiceAccount may patch it); nowhere outside a pod."""
+    env = os.environ if env is None else env
+    rank = int(env.get("RANK", "0"))
+    reporter = reporter_from_env(env, key=rank_key(rank))
+    return reporter.report(start_failure(error, f"trainer rank {rank}"))
 
 
 def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
-    tok = TinyTokenizer.load(model_dir)
+    tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
     lr = s.sft_learning_rate or s.learning_rate
     backend = build_backend(

@@ -29,8 +29,9 @@ from lockstep.driver.engines import EngineServer, PoolClient, start_reference_en
 from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
-from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
 from lockstep.models.moe import routing_shape
+from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
@@ -38,7 +39,7 @@ from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, load_task
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.weights.factory import check_transport, needs_tensor_updates
 
 if TYPE_CHECKING:
@@ -132,7 +133,6 @@ def build_components(
     With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
-    check_supported(job)
     if trainer_url is None:
         check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
     settings = settings_from_job(job, steps)
@@ -142,11 +142,14 @@ def build_components(
     try:
         model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
         check_r3_model(job, model_dir)
-        tokenizer = TinyTokenizer.load(model_dir)
+        model = job.spec.model
+        tokenizer = load_tokenizer(model_dir, model.tokenizer, model.chat_template, cache_dir)
         task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
         runner = LoopThread()
         closers.append(runner.close)
-        engines = [] if engine_urls else _start_engines(job, model_dir, closers)
+        engines = (
+            [] if engine_urls else _start_engines(job, serving_checkpoint(job, model_dir, run_dir), closers)
+        )
         clients = [
             EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
         ]
@@ -193,6 +196,15 @@ def build_components(
     )
 
 
+def serving_checkpoint(job: RLJob, model_dir: Path, run_dir: Path) -> Path:
+    """The checkpoint the engines load: `model_dir`, or with spec.rollout.precision other than bf16 its
+    conversion by the job's recipe (seed §6 stage 1) under run_dir/serving-<precision>."""
+    serving = recipe_of(job)
+    if serving is None:
+        return model_dir
+    return convert_checkpoint(model_dir, run_dir / f"serving-{serving.scheme.format}", serving)
+
+
 def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]]) -> list[EngineServer]:
     """spec.rollout.replicas reference engines in this process (CUDA when gpusPerEngine > 0 and present).
 
@@ -202,7 +214,13 @@ def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]
     allow = needs_tensor_updates(job)  # cuda-ipc sends /update_weights_from_tensor
     engines = []
     for _ in range(max(job.spec.rollout.replicas, 1)):
-        server = start_reference_engine(model_dir, device=device, allow_tensor_updates=allow)
+        server = start_reference_engine(
+            model_dir,
+            device=device,
+            allow_tensor_updates=allow,
+            true_on_policy=job.spec.algorithm.true_on_policy,
+            kv_cache_dtype=str(job.spec.rollout.kv_cache_dtype),
+        )
         closers.append(server.stop)
         engines.append(server)
     return engines
@@ -231,14 +249,14 @@ def _build_trainer(
 
 
 def _build_rollout(
-    job: RLJob, settings: RunSettings, tokenizer: TinyTokenizer, task: Task, clients: list[EngineClient]
+    job: RLJob, settings: RunSettings, tokenizer: ChatTokenizer, task: Task, clients: list[EngineClient]
 ) -> Rollout:
     """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
     sampling = SamplingParams(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        stop_token_ids=[tokenizer.eos_token_id],
+        stop_token_ids=list(tokenizer.stop_token_ids),
     )
     ctx = RolloutContext(
         # R3: every /generate asks for the routed experts; an engine that returns none is refused.
@@ -271,8 +289,13 @@ def _build_rollout(
             settings.seed,
             max_turns=agent.max_turns,
             timeout_s=timeout,
-            # The session server renders turns with the family's chat-template rules (TITO).
-            extra={"family": job.spec.model.family},
+            # The session server renders turns with the family's chat-template rules (TITO) and the
+            # checkpoint's own tokenizer; its new sessions default to spec.rollout.session.
+            extra={
+                "family": job.spec.model.family,
+                "tokenizer_dir": tokenizer.source,
+                "session": job.spec.rollout.session.wire(),
+            },
         )
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731

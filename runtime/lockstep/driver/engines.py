@@ -41,11 +41,18 @@ class EngineServer:
 
 
 def start_reference_engine(
-    model_dir: Path, *, device: str = "cpu", allow_tensor_updates: bool = False
+    model_dir: Path,
+    *,
+    device: str = "cpu",
+    allow_tensor_updates: bool = False,
+    true_on_policy: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> EngineServer:
     """Serve lockstep.engine's reference engine for `model_dir` on 127.0.0.1 (free port).
 
     `allow_tensor_updates` opens /update_weights_from_tensor (pickled tensors; the cuda-ipc transport).
+    `true_on_policy` runs the trainer's batch-invariant kernels (spec.algorithm.trueOnPolicy);
+    `kv_cache_dtype` is spec.rollout.kvCacheDtype (SGLang's values).
 
     Sampling is reproducible through the per-request sampling_seed the rollout sends, so the engine
     itself needs no seed.
@@ -55,7 +62,9 @@ def start_reference_engine(
     loop = asyncio.new_event_loop()
 
     async def serve() -> None:
-        engine = ReferenceEngine.load(model_dir, device=device)
+        engine = ReferenceEngine.load(
+            model_dir, device=device, true_on_policy=true_on_policy, kv_cache_dtype=kv_cache_dtype
+        )
         await engine.start()
         runner = web.AppRunner(create_app(engine, allow_tensor_updates=allow_tensor_updates), access_log=None)
         await runner.setup()

@@ -5,8 +5,8 @@ slowest trajectory of each batch. Here a background worker (lockstep.rollout.asy
 fixed number of trajectories in flight while the trainer trains on complete groups from the buffer
 (lockstep.rollout.buffer); at each update interval the engines' weights are updated with in-flight
 requests retracted, the staleness of every consumed group is measured, and evaluation runs in the
-background. Colocate and pause mode abort are refused at start (seed §10). `AsyncLoop` is written
-against small hooks (`LoopHooks`) so it is testable on its own; `run_fully_async(c)` builds them from
+background. Colocate and pause mode abort are refused at apply (lockstep.api.rules; seed §10).
+`AsyncLoop` is written against small hooks (`LoopHooks`) so it is testable on its own; `run_fully_async(c)` builds them from
 the Components the sync loop uses. docs/fully-async.md explains the loop and its metrics.
 
 Who calls it: lockstep.driver.loop.run for schedule mode "fully-async", tests, bench/async_longtail.py.
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from tqdm import tqdm
 
-from lockstep.api import PauseMode, ScheduleMode
 from lockstep.driver.settings import Schedule
 from lockstep.driver.steps import EvalOutcome, evaluate, start
 from lockstep.observability.plot import plot_metrics
@@ -60,28 +59,6 @@ FULLY_ASYNC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval latency (s)", ("eval_eval_latency_s",)),
 )
 """Extra panels of the end-of-run plot (observability.plot's extra_panels)."""
-
-
-class ColocateRefused(ValueError):
-    """Fully-async was asked for with colocate: the two phases cannot overlap on shared GPUs."""
-
-
-def check_schedule(mode: str, colocate: bool, pause_mode: str = "retract") -> None:
-    """Fail at start when the schedule cannot keep its promise (seed §10)."""
-    if mode != ScheduleMode.FULLY_ASYNC:
-        return
-    if colocate:
-        raise ColocateRefused(
-            "spec.schedule: mode fully-async cannot run with colocate: true; fully-async generates while "
-            "the trainer trains, which needs separate resources for engines and trainer. Set colocate: false "
-            "(separate GPUs, or on one machine the engine in its own thread or process) or use mode: sync"
-        )
-    if pause_mode == PauseMode.ABORT:
-        raise ValueError(
-            "spec.weightSync.pauseMode: abort cannot be used with schedule.mode fully-async: every weight "
-            "update would abort the in-flight trajectories and their groups would be dropped; use retract "
-            "(the default: requests resume under the new weights and record per-token versions)"
-        )
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -413,8 +390,7 @@ def run_fully_async(c: Components) -> DriverState:
     metrics.jsonl (kinds train/eval) and metrics.png (plus the queue and staleness panels).
     """
     spec = c.job.spec
-    pause_mode = spec.weight_sync.pause_mode
-    check_schedule(spec.schedule.mode, spec.schedule.colocate, pause_mode)
+    pause_mode = spec.weight_sync.pause_mode  # retract or in_place: abort is refused at apply
     settings = settings_for_job(c.job, c.settings.schedule)
     filters = filters_for_job(c.job)
     # resume, SFT warm start once, engines == trainer before step 1 (pre-flight when asked)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from lockstep.api import RLJob, ScheduleMode
 from lockstep.driver.components import Components, build_components
 from lockstep.driver.fully_async import run_fully_async
-from lockstep.driver.report import ProgressReporter
+from lockstep.driver.report import START_FAILURES, DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume
 from lockstep.driver.steps import collect_batch, evaluate_at, start
 from lockstep.observability.plot import plot_metrics
@@ -59,13 +59,20 @@ def run(
     """Build the components of `job`, run its loop, release the components; the final state.
 
     `stop` (e.g. set by the SIGINT handler) ends the loop after the current step; the other options
-    are build_components'.
+    are build_components'. A start that cannot succeed on a restart (START_FAILURES: a bad checkpoint,
+    a missing tokenizer, an unbuilt model) is reported on the progress channel, so the job fails with
+    the reason instead of the pod restarting in a loop.
     """
-    c = build_components(
-        job, run_dir, steps=steps, resume=resume, engine_urls=engine_urls, prometheus_port=prometheus_port,
-        cache_dir=cache_dir, engine_ready_timeout_s=engine_ready_timeout_s, reporter=reporter,
-        trainer_url=trainer_url, trainer_timeout_s=trainer_timeout_s,
-    )  # fmt: skip
+    reporter = reporter if reporter is not None else reporter_from_env()
+    try:
+        c = build_components(
+            job, run_dir, steps=steps, resume=resume, engine_urls=engine_urls, prometheus_port=prometheus_port,
+            cache_dir=cache_dir, engine_ready_timeout_s=engine_ready_timeout_s, reporter=reporter,
+            trainer_url=trainer_url, trainer_timeout_s=trainer_timeout_s,
+        )  # fmt: skip
+    except START_FAILURES as e:
+        DriverProgress(reporter).start_failed(e)
+        raise
     if stop is not None:
         c.stop = stop
     try:
@@ -98,8 +105,8 @@ def run_sync(c: Components) -> DriverState:
     saved_at = state.step
     with _progress_bar(state.step, s.steps) as bar:
         while state.step < s.steps and not c.stop.is_set():
-            groups = collect_batch(c, state)
-            metrics = c.trainer.train(groups)
+            groups, rollout_metrics = collect_batch(c, state)
+            metrics = c.trainer.train(groups) | rollout_metrics
             state.step += 1
             if state.step % s.update_interval == 0:
                 state.version += 1

@@ -7,7 +7,8 @@ I/O); a `ProgressReporter` delivers it: `NullReporter` for a local `lockstep run
 `ConfigMapReporter` in a pod (a JSON merge patch through the `kubernetes` client with the pod's
 ServiceAccount token, re-read per request; lockstep.kube), which adds every engine's weight version by address
 (`EngineVersionProbe` over the pool's headless Service) so the operator can gate engine readiness. A failed report is logged and counted, never raised: a flaky API server
-must not stop training.
+must not stop training. A driver or trainer rank that cannot start (START_FAILURES) reports
+`start_failure` instead, so the job fails with the reason rather than the pod restarting in a loop.
 
 Who calls it: lockstep.driver.loop and lockstep.driver.fully_async (through Components.reporter),
 lockstep.cli.driver (`reporter_from_env` picks the reporter), the e2e test of the channel.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lockstep.api.progress import ProgressReport, progress_config_map_name, progress_patch
+from lockstep.api.progress import PROGRESS_KEY, ProgressReport, progress_config_map_name, progress_patch
 from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, use_token_file
 from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
 from lockstep.trainer.protocol import PREFLIGHT_FILE
@@ -40,6 +41,19 @@ NAMESPACE_ENV = "LOCKSTEP_NAMESPACE"
 """Optional env var overriding the namespace file of the ServiceAccount."""
 REWARD_EMA = 0.9
 """Weight of the previous reward average in the moving average (0.9: about the last 10 steps)."""
+START_FAILURES: tuple[type[BaseException], ...] = (
+    ValueError,  # a bad manifest or setting, a checkpoint that is not one (the message names the field)
+    LookupError,  # an unregistered family or task
+    FileNotFoundError,  # a missing checkpoint, tokenizer or prompt file
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    NotImplementedError,  # a model this runtime does not build
+    ImportError,  # a user function or an optional backend that is not installed
+)
+"""Errors a process cannot recover from by restarting: reported as the job's error when they stop a
+driver or a trainer rank at start. An unreachable engine or trainer group is not among them (the pod
+restarts and tries again)."""
 
 
 class ProgressReporter(Protocol):
@@ -121,9 +135,10 @@ class ProgressTracker:
         """The last document of a run that did all its steps."""
         return self._set({"done": True})
 
-    def failed(self, error: str) -> ProgressReport:
-        """The last document of a run that stopped on a fatal error (truncated to the field's limit)."""
-        return self._set({"error": error[:4096] or "driver failed"})
+    def failed(self, error: str, reason: str | None = None) -> ProgressReport:
+        """The last document of a run that stopped on a fatal error (truncated to the field's limit);
+        `reason` is the CamelCase reason the job fails with (None: the operator's DriverError)."""
+        return self._set({"error": error[:4096] or "driver failed", "reason": reason})
 
     def _set(self, update: Mapping[str, object]) -> ProgressReport:
         self.current = self.current.model_copy(update=dict(update))
@@ -160,6 +175,17 @@ class DriverProgress:
             self.tracker.preflight_failed(preflight)
         self.reporter.report(self.tracker.failed(f"{type(error).__name__}: {error}"))
 
+    def start_failed(self, error: BaseException) -> None:
+        """The driver cannot start (START_FAILURES): the job fails with DriverStartFailed."""
+        self.reporter.report(start_failure(error, "driver"))
+
+
+def start_failure(error: BaseException, who: str) -> ProgressReport:
+    """The document of a process (`who`: driver, trainer rank 3) that could not start (pure)."""
+    reason = "DriverStartFailed" if who == "driver" else "TrainerStartFailed"
+    text = f"{who} could not start: {type(error).__name__}: {error}"
+    return ProgressReport(error=text[:4096], reason=reason)
+
 
 def _read_preflight(run_dir: Path) -> PreflightResult | None:
     """The PreflightResult first_update wrote into the run dir, or None when the check did not run."""
@@ -193,7 +219,7 @@ class EngineVersionProbe:
     The driver reaches the pool through its router and knows no pod names; the operator needs each
     engine's version to gate its readiness. So each report resolves the headless Service `host` (every
     engine pod's IP, ready or not) and asks each address the SGLang contract's question (GET
-    /model_info, else /get_weight_version on servers without it; `weight_version`, as
+    /model_info; `weight_version`, as
     lockstep.serving.client.EngineClient.get_weight_version reads it). An engine that does not answer
     or reports no integer version is left out: the operator counts it as not holding the current one.
     """
@@ -223,8 +249,6 @@ class EngineVersionProbe:
                 base = engine_url(ip, self.port)
                 try:
                     r = http.get(f"{base}/model_info")
-                    if r.status_code == 404:
-                        r = http.get(f"{base}/get_weight_version")
                     r.raise_for_status()
                     out[f"{ip}:{self.port}"] = int(r.json()["weight_version"])
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
@@ -265,6 +289,8 @@ class ConfigMapReporter:
     probe: EngineVersionProbe | None = None
     """Asks every engine for its version; each report with a weight version then carries
     engineAddressVersions (in a driver pod: the pool's headless Service, LOCKSTEP_ENGINES_SERVICE)."""
+    key: str = PROGRESS_KEY
+    """The data key written: the driver's `progress.json`, a trainer rank's `rank-<r>.json`."""
 
     @property
     def path(self) -> str:
@@ -274,7 +300,7 @@ class ConfigMapReporter:
         if self.probe is not None and report.weight_version is not None:
             fields = {**report.model_dump(), "engine_address_versions": self.probe.versions()}
             report = ProgressReport.model_validate(fields)
-        body = progress_patch(report)
+        body = progress_patch(report, self.key)
         policy = RetryPolicy(attempts=self.attempts, initial_s=self.backoff_s, max_s=30.0)
         attempt = 1
         while True:
@@ -335,13 +361,14 @@ def _message(body: object) -> str:
 
 
 def reporter_from_env(
-    env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR
+    env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR, key: str = PROGRESS_KEY
 ) -> ProgressReporter:
-    """ConfigMapReporter inside a driver pod, else NullReporter.
+    """ConfigMapReporter inside a driver or trainer rank pod, else NullReporter.
 
     In a pod: the operator sets LOCKSTEP_PROGRESS_CONFIGMAP (else LOCKSTEP_JOB gives `<job>-progress`)
-    and LOCKSTEP_ENGINES_SERVICE (each report then carries every engine's version), Kubernetes sets
-    KUBERNETES_SERVICE_HOST/PORT and mounts the ServiceAccount files in `sa_dir`.
+    and LOCKSTEP_ENGINES_SERVICE (the driver's reports then carry every engine's version), Kubernetes
+    sets KUBERNETES_SERVICE_HOST/PORT and mounts the ServiceAccount files in `sa_dir`. `key` is the
+    data key written (a trainer rank's is `rank_key(rank)`; it probes no engine).
     """
     env = os.environ if env is None else env
     name = env.get(CONFIGMAP_ENV) or (progress_config_map_name(env[JOB_ENV]) if env.get(JOB_ENV) else "")
@@ -368,5 +395,6 @@ def reporter_from_env(
         name=name,
         token_path=token,
         ca_path=ca if ca.exists() else None,
-        probe=EngineVersionProbe(engines) if engines else None,
+        probe=EngineVersionProbe(engines) if engines and key == PROGRESS_KEY else None,
+        key=key,
     )

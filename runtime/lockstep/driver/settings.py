@@ -72,6 +72,9 @@ class RunSettings:
     """Sampling temperature of evaluation (0 = greedy)."""
     trainer: TrainerSettings
     """The trainer side's knobs (learning rates, SFT warm start, loss)."""
+    max_groups_per_step: int | None = None
+    """Dynamic sampling (spec.algorithm.dynamicSampling): most groups generated per step, dropped
+    groups without a reward spread included; None trains every group generated."""
 
 
 def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
@@ -96,4 +99,7 @@ def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
         max_new_tokens=sampling.max_new_tokens,
         eval_temperature=spec.schedule.eval_temperature,
         trainer=TrainerSettings.from_job(job),  # refuses temperature <= 0
+        max_groups_per_step=(
+            spec.algorithm.dynamic_sampling.max_groups_per_step if spec.algorithm.dynamic_sampling else None
+        ),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from lockstep.driver.settings import Resume
+from lockstep.rollout.group_signal import group_signal_metrics, groups_to_generate, keep_groups, select_groups
 from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
@@ -61,24 +62,53 @@ def evaluate_at(c: Components, state: DriverState) -> dict[str, float]:
     return {**c.runner.run(evaluate(c)).metrics, "weight_version": float(state.version)}
 
 
-def collect_batch(c: Components, state: DriverState) -> list[Group]:
-    """Generate and score `batch_groups` complete groups from the next prompts; advances the data position."""
+def collect_batch(c: Components, state: DriverState) -> tuple[list[Group], dict[str, float]]:
+    """Generate and score `batch_groups` complete groups from the next prompts; advances the data position.
+
+    With dynamic sampling (settings.max_groups_per_step) groups without a reward spread are dropped
+    and more are generated, within the cap (lockstep.rollout.group_signal). Returns the groups to
+    train on and the rollout's metrics: groups generated and dropped, and reward_mean over every
+    generated sample (it replaces the trainer's mean of the trained groups, logged as
+    trained_reward_mean), so the logged reward stays the policy's sampled reward.
+    """
     s = c.settings.schedule
+    cap = c.settings.max_groups_per_step
+    generated = c.runner.run(_generate_groups(c, state, s.batch_groups))
+    if cap is None:
+        return generated, {}
+    while n := groups_to_generate(len(keep_groups(generated)), len(generated), s.batch_groups, cap):
+        generated += c.runner.run(_generate_groups(c, state, n))
+    groups = select_groups(generated, s.batch_groups)
+    dropped = len(generated) - len(keep_groups(generated))
+    rewards = [r for g in generated for r in g.rewards]
+    trained = [r for g in groups for r in g.rewards]
+    return groups, {
+        # The policy's sampled reward is over every generated sample, dropped groups included; the
+        # trained groups' mean is biased by the filter (no all-wrong groups early, no all-right late).
+        "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "trained_reward_mean": sum(trained) / max(len(trained), 1),
+        "groups_generated": float(len(generated)),
+        "groups_dropped": float(dropped),
+        **{f"generated_{k}": v for k, v in group_signal_metrics([g.rewards for g in generated]).items()},
+    }
+
+
+async def _generate_groups(c: Components, state: DriverState, n: int) -> list[Group]:
+    """`n` groups of the next train prompts, generated concurrently; advances the data position."""
     jobs = []
-    for _ in range(s.batch_groups):
+    for _ in range(n):
         item = c.task.item(state.prompts_consumed, "train")
         jobs.append(
             c.rollout.generate_group(
-                state.next_group_index, item.messages, s.samples_per_prompt, c.item_metadata(item)
+                state.next_group_index,
+                item.messages,
+                c.settings.schedule.samples_per_prompt,
+                c.item_metadata(item),
             )
         )
         state.prompts_consumed += 1
         state.next_group_index += 1
-
-    async def gather() -> list[Group]:
-        return list(await asyncio.gather(*jobs))
-
-    return c.runner.run(gather())
+    return list(await asyncio.gather(*jobs))
 
 
 async def evaluate(c: Components) -> EvalOutcome:

@@ -33,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -45,17 +47,42 @@ from typing import Any, Literal
 
 import torch
 
+from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tokenizer import ChatTokenizer
+from lockstep.numerics import exact, recipe
+from lockstep.numerics.quant import Scheme
 from lockstep.serving.payloads import SamplingParams
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
+MAX_VERSION = 2**63
+"""Weight versions are integers in [0, MAX_VERSION) (an int64 anywhere they are stored)."""
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""SGLang's --kv-cache-dtype values -> the cache dtype (None: the model's)."""
 
 
 class EngineInputError(ValueError):
     """A request the engine cannot serve; the message names the field and the fix (HTTP 400)."""
+
+
+class EngineBusy(RuntimeError):
+    """The queue is full or the engine is draining: retry later (HTTP 503 with Retry-After)."""
+
+
+MAX_TOP_K = 2**31 - 1
+"""top_k beyond the vocabulary keeps every token; larger values are refused before any kernel."""
+MAX_STOP_TOKEN_IDS = 1024
+"""stop_token_ids entries per request."""
+SEED_RANGE = (-(2**63), 2**64)
+"""sampling_seed must fit torch.Generator.manual_seed."""
 
 
 @dataclass(slots=True)
@@ -160,35 +187,45 @@ class ReferenceEngine:
         model: torch.nn.Module,
         *,
         model_path: str = "",
-        tokenizer: TinyTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         device: str | torch.device = "cpu",
         max_running_requests: int = 32,
         context_length: int = 1024,
         max_prefill_tokens: int = 16384,
         seed: int = 0,
         cuda_graphs: bool | None = None,
+        max_queued_requests: int = 1024,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """model: an HF Qwen3ForCausalLM on `device`; max_running_requests: KV slots (sequences run
         together); context_length: longest prompt + output; max_prefill_tokens: prompt tokens admitted per
         step; seed: the engine generator's seed (requests without sampling_seed); cuda_graphs: decode on
         static buffers, captured into CUDA graphs on CUDA (default: on for CUDA). With graphs, parameters
         must never be rebound (`p.data = t`), only copied into, as load_weights does.
+        max_queued_requests: sequences waiting or running at once; beyond it submit raises EngineBusy.
+        kv_cache_dtype: SGLang's --kv-cache-dtype (`fp8_e4m3`/`fp8_e5m2` store K/V in FP8, scale 1.0).
         """
         self.device = torch.device(device)
         """Where the weights and the KV cache live."""
         self.model_path = model_path
         """The checkpoint dir loaded at start."""
         self.tokenizer = tokenizer
-        """Decodes output text when the checkpoint has a tiny tokenizer; else text is empty."""
+        """The checkpoint's tokenizer (decodes output text); None when the dir has none (text is empty)."""
         self.model: Any = model.eval()
-        """The Qwen3ForCausalLM holding the live weights under HF names."""
+        """The transformers causal LM holding the live weights under HF names."""
         self.weight_version: int = 0
         """The version of the loaded weights; 0 at start."""
         self.stats = EngineStats()
         """Counters, including the prefix-cache hit rate."""
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_queued_requests = max_queued_requests
+        """Sequences waiting or running at once; more are refused with EngineBusy (HTTP 503)."""
+        self.draining = False
+        """Set on shutdown: new requests are refused with EngineBusy, /health answers 503."""
         dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(
+        # Qwen3-style attention runs on the slotted KV cache; other architectures recompute (recompute.py).
+        runner_cls: Any = ModelRunner if slotted_runner_supports(model.config) else RecomputeRunner
+        self.runner = runner_cls(
             model,
             max_slots=max_running_requests,
             context_length=context_length,
@@ -196,8 +233,14 @@ class ReferenceEngine:
             dtype=dtype,
             seed=seed,
             cuda_graphs=self.device.type == "cuda" if cuda_graphs is None else cuda_graphs,
+            kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
         )
-        self._params = dict(model.named_parameters(remove_duplicate=False))  # incl. tied lm_head
+        # Weights by HF name: parameters (incl. a tied lm_head) and the persistent buffers a checkpoint also
+        # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
+        self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
+        self.scheme: Scheme | None = None
+        """The serving weight format when the checkpoint was quantized (weights arrive quantized and
+        are dequantized on load, lockstep.numerics.recipe.receive); None for bf16/fp32 serving."""
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -219,30 +262,53 @@ class ReferenceEngine:
 
     @classmethod
     def load(
-        cls, path: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None, **kwargs: Any
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        true_on_policy: bool = False,
+        **kwargs: Any,
     ) -> ReferenceEngine:
-        """Load an HF-layout Qwen3 checkpoint dir (fp32 on CPU, bf16 on CUDA unless dtype is given)."""
+        """Load an HF-layout checkpoint dir through transformers' auto classes (fp32 on CPU, bf16 on CUDA
+        unless dtype is given); its tokenizer.json, when present, decodes output text.
+
+        true_on_policy: run the trainer's batch-invariant kernels (lockstep.numerics.exact), SGLang's
+        --enable-deterministic-inference --rl-on-policy-target fsdp.
+        """
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(path)
         dev = torch.device(device)
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         config = AutoConfig.from_pretrained(path)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        scheme = recipe.checkpoint_scheme(json.loads((path / "config.json").read_text()))
+        model: Any
+        if scheme is None:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
+            del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            _load_quantized(model, path, scheme, dtype)
         model = model.to(dev)
-        tok = TinyTokenizer.load(path) if TinyTokenizer.exists_in(path) else None
+        if true_on_policy:
+            exact.apply(model, dev)
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tok = ChatTokenizer.load(path, require_template=False) if has_tokenizer else None
         ctx = kwargs.pop("context_length", None) or min(
             int(getattr(config, "max_position_embeddings", 1024)), 4096
         )
-        return cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine = cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
+        engine.scheme = scheme
+        return engine
 
     @property
     def context_length(self) -> int:
-        return self.runner.context_length
+        return int(self.runner.context_length)
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return int(self.runner.vocab_size)
 
     @property
     def is_moe(self) -> bool:
@@ -262,10 +328,12 @@ class ReferenceEngine:
                 await self._task
             self._task = None
         self._abort_all("engine shut down")
-        if self.weight_group is not None:
-            self.weight_group.close()
-            self.weight_group = None
-        self._executor.shutdown(wait=True)
+        group, self.weight_group = self.weight_group, None
+        if group is not None:
+            group.close()
+        # Never wait here for a worker stuck in a collective (a sender that died mid-update): the
+        # process exits around it (lockstep.cli.engine bounds the whole shutdown).
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def run_in_worker(self, fn: Any, *args: Any) -> Any:
         """Run fn(*args) on the engine's tensor thread (serialized with steps)."""
@@ -273,23 +341,61 @@ class ReferenceEngine:
 
     # -- weights API (stable; the weights helper relies on it) ---------------------------------
 
-    def set_weight_version(self, version: int) -> None:
-        """Set the version reported from now on (and recorded on tokens sampled from now on)."""
-        self.weight_version = int(version)
+    def check_version(self, version: int | str | None) -> int | None:
+        """The version an update may set, or None when it names none; raises EngineInputError.
+
+        Versions are integers in [current, 2**63) (they only move forward; the same version again is a
+        re-load, e.g. a resumed driver's first update). Checked before any weight moves.
+        """
+        if version is None:
+            return None
+        try:
+            v = int(version)
+        except (TypeError, ValueError) as e:
+            raise EngineInputError(
+                f"weight_version {version!r}: the reference engine uses non-negative integer versions"
+            ) from e
+        if not 0 <= v < MAX_VERSION:
+            raise EngineInputError(f"weight_version {v}: must be in [0, 2**63)")
+        if v < self.weight_version:
+            raise EngineInputError(
+                f"weight_version {v} is older than the served version {self.weight_version}; versions "
+                "only move forward (restart the engine to serve an older policy)"
+            )
+        return v
+
+    def set_weight_version(self, version: int | str) -> None:
+        """Set the version reported from now on (and recorded on tokens sampled from now on);
+        raises EngineInputError unless check_version accepts it."""
+        v = self.check_version(version)
+        assert v is not None
+        self.weight_version = v
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF name -> live parameter tensor (tied weights listed once, as HF's state dict files do)."""
-        return {n: p.data for n, p in self.model.named_parameters()}
+        """HF name -> live weight tensor: parameters (tied ones listed once, as HF state dict files do) and
+        persistent buffers."""
+        return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
     @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False) -> int:
-        """Copy tensors into the live parameters by HF name; return how many were copied.
+    def stage_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False, owned: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Validate every tensor of an update and stage it; the live weights are not touched.
 
+        Returns (live parameter, staged tensor) pairs, the staged tensor already in the parameter's
+        dtype, shape and device, so `commit_weights` is plain same-layout copies. `owned`: the caller
+        hands the tensors over (received or read for this update), so one already in the right
+        layout is used as it is; otherwise (shared memory the sender may still write) it is copied.
         Raises KeyError on an unknown name and ValueError on a shape mismatch, or a dtype mismatch
-        unless cast=True. Call between steps (inside `paused()` or holding no requests).
+        unless cast=True, naming the tensor; then nothing was changed. A quantized engine (`scheme`)
+        first dequantizes what arrived with scales.
         """
-        n = 0
+        if self.scheme is not None:
+            named = recipe.receive(named, self.scheme, self.runner.dtype)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, t in named:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"load_weights: {name!r} is a {type(t).__name__}, not a tensor")
             p = self._params.get(name)
             if p is None:
                 raise KeyError(f"load_weights: {name!r} is not a parameter of this model (HF names expected)")
@@ -301,9 +407,26 @@ class ReferenceEngine:
                 raise ValueError(
                     f"load_weights: {name} has dtype {t.dtype}, the model's is {p.dtype}; convert first"
                 )
-            p.data.copy_(t)
-            n += 1
-        return n
+            same = t.dtype == p.dtype and t.device == p.device and t.is_contiguous()
+            staged.append((p.data, t if owned and same else t.to(p.device, p.dtype, copy=True)))
+        return staged
+
+    @torch.no_grad()
+    def commit_weights(self, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Copy staged tensors into their parameters (same dtype, shape and device: nothing left to
+        fail but the device itself). Call between steps, holding `exclusive()`."""
+        for live, new in staged:
+            live.copy_(new)
+        return len(staged)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False) -> int:
+        """Copy tensors into the live parameters by HF name, all or nothing; return how many.
+
+        Every tensor is checked and staged first (`stage_weights`), then copied (`commit_weights`):
+        an unknown name (KeyError) or a shape or dtype mismatch (ValueError) anywhere leaves every
+        weight as it was. Call between steps (inside `exclusive()` or holding no requests).
+        """
+        return self.commit_weights(self.stage_weights(named, cast=cast))
 
     def receive_targets(
         self, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -361,7 +484,10 @@ class ReferenceEngine:
         gen = None
         if params.sampling_seed is not None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.sampling_seed)
+            try:
+                gen.manual_seed(params.sampling_seed)
+            except (RuntimeError, OverflowError, ValueError) as e:
+                raise EngineInputError(f"sampling_params.sampling_seed {params.sampling_seed}: {e}") from e
         return Sequence(
             rid=rid or uuid.uuid4().hex,
             prompt_len=len(input_ids),
@@ -393,6 +519,7 @@ class ReferenceEngine:
             raise EngineInputError(
                 "sampling_params.min_p is not supported by the reference engine; use top_p/top_k"
             )
+        _check_sampling(p)
         if logprob_start_len >= len(ids):
             raise EngineInputError(
                 f"logprob_start_len {logprob_start_len} must be < the prompt length {len(ids)}"
@@ -400,11 +527,23 @@ class ReferenceEngine:
 
     async def submit(self, seq: Sequence) -> Sequence:
         """Queue a sequence and wait until it finishes (a finished Sequence carries finish)."""
-        if seq.rid in self._by_rid:
-            raise EngineInputError(f"rid {seq.rid!r} is already running; request IDs must be unique")
-        self._by_rid[seq.rid] = seq
-        self._waiting.append(seq)
+        return (await self.submit_many([seq]))[0]
+
+    async def submit_many(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Queue sequences all or none (EngineInputError on a duplicate rid, EngineBusy when they do
+        not fit), then wait until every one finishes."""
+        rids = [s.rid for s in seqs]
+        dup = next((r for r in rids if r in self._by_rid), None)
+        if dup is not None or len(set(rids)) != len(rids):
+            raise EngineInputError(f"rid {dup!r} is already running; request IDs must be unique")
+        self.check_capacity(len(seqs))
+        for seq in seqs:
+            self._by_rid[seq.rid] = seq
+            self._waiting.append(seq)
         self._wake.set()
+        return list(await asyncio.gather(*(self._wait(s) for s in seqs)))
+
+    async def _wait(self, seq: Sequence) -> Sequence:
         try:
             return await asyncio.shield(seq.future)
         except asyncio.CancelledError:  # the HTTP client went away: stop spending steps on it
@@ -413,6 +552,17 @@ class ReferenceEngine:
             raise
         finally:
             self._by_rid.pop(seq.rid, None)
+
+    def check_capacity(self, n: int) -> None:
+        """Raise EngineBusy unless `n` more sequences fit the queue (and the engine is not draining)."""
+        if self.draining:
+            raise EngineBusy("the engine is shutting down; send the request to another engine")
+        queued = len(self._by_rid)
+        if queued + n > self.max_queued_requests:
+            raise EngineBusy(
+                f"{queued} requests queued or running, {n} more would pass max_queued_requests "
+                f"{self.max_queued_requests}; retry later"
+            )
 
     async def abort(self, rid: str | None = None, *, message: str = "aborted by /abort_request") -> None:
         """Abort one request (by rid) or all; their replies carry finish_reason type abort."""
@@ -606,7 +756,7 @@ class ReferenceEngine:
             top_k=torch.tensor([s.params.top_k for s in seqs], device=self.device),
             generators=[s.generator for s in seqs],
         )
-        ids, lps = sample(torch.cat(logits), params, runner.generator)
+        ids, lps = sample(torch.cat(logits), params, runner.generator, runner.tiles)
         return ids, lps, prompt_lp
 
     def _apply(
@@ -677,8 +827,53 @@ def _prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> list[float | None]:
     return out
 
 
+def _persistent_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Buffers saved in the state dict (checkpoint tensors that are not parameters), by HF name."""
+    saved = set(model.state_dict().keys())
+    return {n: b for n, b in model.named_buffers() if n in saved}
+
+
 def _eos_ids(config: Any) -> set[int]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _check_sampling(p: SamplingParams) -> None:
+    """Bounds of every sampling parameter, checked before a kernel sees it (EngineInputError naming
+    the field); one request's bad value must never fail a batch it shares with others."""
+    for name in ("temperature", "top_p", "min_p"):
+        value = getattr(p, name)
+        if not math.isfinite(value):
+            raise EngineInputError(f"sampling_params.{name} is {value}; send a finite number")
+    if p.top_k != -1 and not 1 <= p.top_k <= MAX_TOP_K:
+        raise EngineInputError(f"sampling_params.top_k {p.top_k}: use -1 (all tokens) or 1..{MAX_TOP_K}")
+    if p.max_new_tokens > 2**31:
+        raise EngineInputError(f"sampling_params.max_new_tokens {p.max_new_tokens}: at most 2**31")
+    if p.stop_token_ids is not None and len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise EngineInputError(
+            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}"
+        )
+    if p.sampling_seed is not None and not SEED_RANGE[0] <= p.sampling_seed < SEED_RANGE[1]:
+        raise EngineInputError(f"sampling_params.sampling_seed {p.sampling_seed}: must fit 64 bits")
+
+
+def _load_quantized(model: Any, path: Path, scheme: Scheme, dtype: torch.dtype) -> None:
+    """Fill `model` from the quantized checkpoint at `path` (every parameter must be there)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
+    loaded = set()
+    with torch.no_grad():
+        for name, t in recipe.receive(tensors.items(), scheme, dtype):
+            if name not in params:
+                raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
+            params[name].copy_(t)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join(missing[:5])}")

@@ -1,39 +1,37 @@
-"""Our engine extensions for weight transfer: pre-flight noise and checksums, and the P2P receive side.
+"""The reference engine's one extension beyond stock SGLang: the P2P receive side (seed §7.2.3).
 
-Why it exists: stock SGLang has no endpoint to overwrite weights with noise, to checksum them, or to
-receive Mooncake P2P writes (Miles' SGLang fork adds its own; see docs/weights.md). The reference
-engine needs them for the pre-flight check (seed §7.2.5) and the P2P transport (seed §7.2.3), so
-they are added here as explicit, documented extensions under the /lockstep/ prefix:
+Why it exists: the pinned SGLang can serve its weights to a new instance over Mooncake's
+TransferEngine (/remote_instance_transfer_engine_info), but it has no endpoint through which a
+trainer writes a new version into it and activates it (Miles' SGLang fork adds its own; see
+docs/sglang.md). The reference engine adds one, documented, and the operator refuses the p2p
+transport for `engine: sglang` unless the pool declares an image that serves it:
 
-- POST /lockstep/weights/randomize {seed}: overwrite every weight with seeded noise (before the first
-  update only; the pre-flight then proves the update overwrote all of it).
-- POST /lockstep/weights/checksums {names?}: dtype, shape and xxh3-128 of each weight, by HF name.
-- GET  /lockstep/p2p/info: this engine's P2P target info (TransferEngine session, receive buffer
+- GET  /p2p_receiver_info: this engine's P2P target info (TransferEngine session, receive buffer
   address and the slot of every weight); the buffer is created and registered on first use.
-- POST /lockstep/p2p/commit {version, checksums}: verify what arrived in the receive buffer and only
+- POST /p2p_receiver_commit {version, checksums}: verify what arrived in the receive buffer and only
   then load it into the live weights and set the weight version (400 naming the damaged tensors).
 
-Who calls it: lockstep.engine.server.create_app calls register(app, engine); the clients are
-lockstep.weights.preflight and lockstep.weights.p2p.
+Stock mode (`lockstep engine --stock`) leaves it out. The pre-flight runs on SGLang's own
+/weights_checker (lockstep.engine.weights_checker).
+
+Who calls it: lockstep.engine.server.create_app calls register(app, engine); the client is
+lockstep.weights.p2p.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from aiohttp import web
 from pydantic import ValidationError
 
 from lockstep.engine.core import ReferenceEngine
-from lockstep.weights.p2p import P2PCommitRequest, P2PReceiver, P2PWriteError
-from lockstep.weights.preflight import (
-    CHECKSUMS_PATH,
-    RANDOMIZE_PATH,
-    ChecksumsReply,
-    ChecksumsRequest,
-    RandomizeRequest,
-    summarize,
+from lockstep.weights.p2p import (
+    P2P_COMMIT_ROUTE,
+    P2P_INFO_ROUTE,
+    P2PCommitRequest,
+    P2PReceiver,
+    P2PWriteError,
 )
 
 _ENGINE = web.AppKey("lockstep_weights_engine", ReferenceEngine)
@@ -45,47 +43,6 @@ async def _body(request: web.Request, model: Any) -> Any:
         return model.model_validate(await request.json() if request.can_read_body else {})
     except (ValidationError, ValueError) as e:
         raise web.HTTPBadRequest(text=f'{{"error": {str(e)!r}}}', content_type="application/json") from e
-
-
-@torch.no_grad()
-def _randomize(engine: ReferenceEngine, seed: int) -> int:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    n = 0
-    for _, t in sorted(engine.named_weights().items()):
-        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)  # [*shape] on CPU, then moved
-        t.copy_(
-            noise.to(device=t.device, dtype=t.dtype)
-            if t.is_floating_point()
-            else noise.round().to(t.device, t.dtype)
-        )
-        n += 1
-    return n
-
-
-async def randomize(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
-    body: RandomizeRequest = await _body(request, RandomizeRequest)
-    async with engine.exclusive():
-        n = await engine.run_in_worker(_randomize, engine, body.seed)
-        engine.flush_cache()  # cached KV was computed by the old weights
-    return web.json_response({"success": True, "message": f"randomized {n} tensors", "tensors": n})
-
-
-async def checksums(request: web.Request) -> web.Response:
-    engine = request.app[_ENGINE]
-    body: ChecksumsRequest = await _body(request, ChecksumsRequest)
-
-    def run() -> ChecksumsReply:
-        weights = engine.named_weights()
-        names = body.names if body.names is not None else sorted(weights)
-        return ChecksumsReply(
-            tensors={n: summarize(weights[n]) for n in names if n in weights},
-            weight_version=str(engine.weight_version),
-        )
-
-    async with engine.exclusive():
-        reply = await engine.run_in_worker(run)
-    return web.json_response(reply.model_dump(mode="json"))
 
 
 def _receiver(app: web.Application, engine: ReferenceEngine) -> P2PReceiver:
@@ -112,27 +69,28 @@ async def p2p_commit(request: web.Request) -> web.Response:
     receiver = request.app[_RECEIVER].get("receiver")
     if receiver is None:
         return web.json_response(
-            {"success": False, "message": "call GET /lockstep/p2p/info first"}, status=400
+            {"success": False, "message": f"call GET {P2P_INFO_ROUTE} first"}, status=400
         )
-    try:
+    try:  # a transaction, as every weight update: check, stage, then swap; the version last
+        engine.check_version(body.version)
         async with engine.exclusive():
             named = await engine.run_in_worker(receiver.verified, body)
-            n = await engine.run_in_worker(lambda: engine.load_weights(named, cast=True))
-            engine.set_weight_version(body.version)
+            staged = await engine.run_in_worker(lambda: engine.stage_weights(named, cast=True))
+            n = await engine.run_in_worker(engine.commit_weights, staged)
             engine.flush_cache()
+            engine.set_weight_version(body.version)
     except (P2PWriteError, KeyError, ValueError) as e:
-        return web.json_response({"success": False, "message": f"p2p commit refused: {e}"}, status=400)
+        message = f"p2p commit refused: {e}; the served weights and weight_version {engine.weight_version} are unchanged"
+        return web.json_response({"success": False, "message": message}, status=400)
     return web.json_response({"success": True, "message": f"loaded {n} tensors at version {body.version}"})
 
 
 def register(app: web.Application, engine: ReferenceEngine) -> None:
-    """Add the weight extensions to the engine's app (called by create_app)."""
+    """Add the P2P receive extension to the engine's app (called by create_app)."""
     app[_ENGINE] = engine
     app[_RECEIVER] = {}
-    app.router.add_post(RANDOMIZE_PATH, randomize)
-    app.router.add_post(CHECKSUMS_PATH, checksums)
-    app.router.add_get("/lockstep/p2p/info", p2p_info)
-    app.router.add_post("/lockstep/p2p/commit", p2p_commit)
+    app.router.add_get(P2P_INFO_ROUTE, p2p_info)
+    app.router.add_post(P2P_COMMIT_ROUTE, p2p_commit)
 
     async def _close(app: web.Application) -> None:
         receiver = app[_RECEIVER].pop("receiver", None)

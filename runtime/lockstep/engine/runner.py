@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lockstep.numerics import exact, kernels
+
 # Buckets of captured CUDA graphs: batch sizes and kv lengths are rounded up to these.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -94,6 +96,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         cuda_graphs: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -120,14 +123,19 @@ class ModelRunner:
                 (max_slots, context_length + 1, self.num_layers, self.top_k), dtype=torch.int32, device=device
             )
         shape = (self.num_layers, max_slots, self.num_kv_heads, context_length + 1, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, M+1, D]
+        cache_dtype = kv_cache_dtype or dtype
+        # An FP8 cache (SGLang's --kv-cache-dtype fp8_e4m3|fp8_e5m2, scale 1.0): K/V are rounded to
+        # FP8 when written and read back in the model dtype.
+        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)  # [L, S, Hkv, M+1, D]
+        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)  # [L, S, Hkv, M+1, D]
         self.generator = torch.Generator(device=device)
         """The engine's generator for rows without a sampling_seed."""
         self.generator.manual_seed(seed)
         self.cuda_graphs = cuda_graphs and not (self.top_k and device.type == "cuda")
         """Decode on static bucketed buffers, captured into CUDA graphs on CUDA (eager on CPU, for tests).
         Off on CUDA for MoE models (see the module doc)."""
+        self.tiles = exact.tiles_of(model)
+        """True on-policy: the batch-invariant kernels' tiles (lockstep.numerics.exact), else None."""
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]] = {}
         self._graph_pool: Any = None
 
@@ -165,15 +173,19 @@ class ModelRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin  # [B, Hkv, T, D]
             kc, vc = self.k_cache[li], self.v_cache[li]  # [S, Hkv, M+1, D]
-            kc[slot_bt, :, positions] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
-            vc[slot_bt, :, positions] = v
+            kc[slot_bt, :, positions] = k.transpose(1, 2).to(kc.dtype)  # indexed view is [B, T, Hkv, D]
+            vc[slot_bt, :, positions] = v.to(vc.dtype)
             if contiguous:
                 keys, values = kc[:b, :, :kv_len], vc[:b, :, :kv_len]  # [B, Hkv, kv_len, D]
             else:
                 keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=True
-            )  # [B, Hq, T, D]
+            keys, values = keys.to(h.dtype), values.to(h.dtype)
+            if self.tiles is not None:  # true on-policy: the trainer's attention, bit for bit
+                o = kernels.attention(q, keys, values, mask, attn.scaling, self.tiles)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, enable_gqa=True
+                )  # [B, Hq, T, D]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
             if self.routes is not None and self.moe_layers[li]:
                 h = h + self._moe(layer.mlp, layer.post_attention_layernorm(h), li, slot_bt, positions)
@@ -324,9 +336,15 @@ def _is_moe_block(mlp: Any) -> bool:
 
 @torch.inference_mode()
 def sample(
-    logits: torch.Tensor, params: SamplingBatch, generator: torch.Generator
+    logits: torch.Tensor,
+    params: SamplingBatch,
+    generator: torch.Generator,
+    tiles: kernels.Tiles | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Sample one token per row of fp32 logits [B, V]; return (token ids, logprobs) per the module doc."""
+    """Sample one token per row of fp32 logits [B, V]; return (token ids, logprobs) per the module doc.
+
+    With `tiles` (true on-policy) the returned logprob is kernels.token_logprobs, the trainer's.
+    """
     temp = params.temperature
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]  # [B, V]
@@ -343,6 +361,11 @@ def sample(
         if g is not None:
             ids[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     ids = torch.where(greedy, logits.argmax(dim=-1), ids)
+    if tiles is not None:
+        one = torch.ones_like(temp)
+        return ids.tolist(), kernels.token_logprobs(
+            logits, ids, torch.where(greedy, one, temp), tiles
+        ).tolist()
     lp = logp.gather(1, ids[:, None])[:, 0]
     return ids.tolist(), lp.tolist()
 

@@ -2,9 +2,10 @@
 
 Why it exists: the runtime's EngineClient speaks SGLang's HTTP API; this module serves the same
 routes and bodies (lockstep.serving.payloads) so `lockstep engine` can stand in for an SGLang server.
-Extensions beyond stock SGLang are explicit: meta_info.output_token_weight_versions and
-GET /engine_stats (prefix-cache hit rate and counters). If the module lockstep.engine.ext_weights
-exists, its register(app, engine) adds the weights helper's endpoints.
+Per-token weight versions go out as SGLang's own meta_info.weight_versions spans. Extensions beyond
+stock SGLang are explicit: GET /engine_stats (prefix-cache hit rate and counters) and the P2P receive
+side (lockstep.engine.ext_weights). With stock=True neither is served, so a test can run the runtime against exactly what stock SGLang
+offers (runtime/tests/sglang/ walks the routes against the pinned SGLang's source).
 
 Errors: a request body that does not validate, or asks for something this engine does not do, gets
 HTTP 400 with {"error": ...} naming the field; weight endpoints answer SGLang's {success, message}
@@ -25,8 +26,10 @@ import base64
 import importlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,9 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from lockstep.engine.core import EngineInputError, ReferenceEngine, Sequence
+from lockstep.engine import weights_checker
+from lockstep.engine.core import EngineBusy, EngineInputError, ReferenceEngine, Sequence
+from lockstep.serving.guard import bearer_middleware, parse_json
 from lockstep.serving.payloads import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -65,22 +70,11 @@ def _bad(message: str, status: int = 400) -> web.Response:
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
     """Body -> pydantic model; raises web.HTTPBadRequest naming the bad field."""
     try:
-        raw = await request.read()
-        data = json.loads(raw) if raw else {}
-        return model.model_validate(data)
+        return model.model_validate(parse_json(await request.read()))
     except (ValidationError, ValueError) as e:
         raise web.HTTPBadRequest(
             text=json.dumps({"error": f"{request.path}: invalid body: {e}"}), content_type="application/json"
         ) from e
-
-
-def _parse_version(v: str | None) -> int | None:
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except ValueError as e:
-        raise EngineInputError(f"weight_version {v!r}: the reference engine uses integer versions") from e
 
 
 def _result(success: bool, message: str, **extra: Any) -> web.Response:
@@ -109,6 +103,18 @@ def _unsupported(req: GenerateRequest, engine: ReferenceEngine) -> str | None:
     return None
 
 
+def _spans(versions: list[int], current: int) -> list[dict[str, Any]]:
+    """SGLang's meta_info.weight_versions: one {version, start, end} per run of equal token versions
+    (a reply without output tokens gets one empty span of the current version, as SGLang's)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
+
+
 def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict[str, Any]:
     out = seq.output_ids
     text = ""
@@ -123,7 +129,7 @@ def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict
         "cached_tokens": max(seq.cached_tokens, 0),
         "weight_version": str(engine.weight_version),
         "e2e_latency": time.monotonic() - seq.created,
-        "output_token_weight_versions": list(seq.versions),
+        "weight_versions": _spans(seq.versions, engine.weight_version),
     }
     if req.return_logprob:
         dec = engine.tokenizer.decode if (engine.tokenizer and req.return_text_in_logprobs) else None
@@ -158,6 +164,11 @@ async def generate(request: web.Request) -> web.Response:
         return _bad("sampling_params and rid lists must have one entry per prompt of input_ids")
     if batch and isinstance(req.rid, str):
         rids = [f"{req.rid}-{i}" for i in range(len(prompts))]
+    if len(prompts) > engine.max_queued_requests:
+        return _bad(
+            f"input_ids holds {len(prompts)} prompts; this engine queues at most "
+            f"{engine.max_queued_requests} (send smaller batches)"
+        )
     try:
         seqs = [
             engine.new_sequence(
@@ -169,7 +180,7 @@ async def generate(request: web.Request) -> web.Response:
             )
             for p, sp, r in zip(prompts, params, rids, strict=True)
         ]
-        done = await asyncio.gather(*(engine.submit(s) for s in seqs))
+        done = await engine.submit_many(seqs)  # the whole batch or none of it (503 when full)
     except EngineInputError as e:
         return _bad(str(e))
     replies = [_reply(engine, s, req) for s in done]
@@ -183,6 +194,13 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when serving; 503 while a weight-group join runs (the engine is not ready for an update
+    or a rollout on the new policy until it ends) or while draining for shutdown."""
+    join = request.app[_JOIN_KEY].get("join")
+    if join is not None:
+        return web.Response(status=503, text=f"joining weight update group {join.name!r}")
+    if request.app[ENGINE_KEY].draining:
+        return web.Response(status=503, text="shutting down")
     return web.Response(status=200)
 
 
@@ -231,25 +249,48 @@ def _read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
 _UpdateBody = (
     UpdateWeightsFromDiskRequest | UpdateWeightsFromDistributedRequest | UpdateWeightsFromTensorRequest
 )
+_Staged = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-async def _install(engine: ReferenceEngine, body: _UpdateBody, load: Callable[[], int]) -> int:
-    """The update every weight endpoint runs: abort if asked, then `load` the tensors on the worker
-    thread, set the version and flush the cache under the step lock (no step sees half the weights).
+class UpdateRefused(Exception):
+    """A weight update failed before its swap: the served weights and version are the old ones."""
 
-    The version changes only when `load` returned, i.e. every tensor arrived; if it raises, the
-    version stays and the error reaches the handler (success=false). Returns the tensor count.
+
+async def _install(engine: ReferenceEngine, body: _UpdateBody, stage: Callable[[], _Staged]) -> int:
+    """The transaction every weight endpoint runs: validate, stage, then swap.
+
+    1. the version is checked (non-negative, not older than the served one) before anything moves;
+    2. under the step lock, `stage` runs on the worker thread: it reads or receives every tensor and
+       checks it against the model into staging buffers; the live weights are not touched;
+    3. only when every tensor is staged are they copied into the parameters, the prefix cache is
+       flushed (its KV came from the old weights) and the version is set, last.
+    Any failure in 1-2 raises UpdateRefused: weights, version and cache are exactly the old ones.
+    abort_all_requests aborts only once the version passed. Returns the tensor count.
     """
-    version = _parse_version(body.weight_version)
+    try:
+        version = engine.check_version(body.weight_version)
+    except EngineInputError as e:
+        raise UpdateRefused(str(e)) from e
     if body.abort_all_requests:
         await engine.abort(None, message="aborted for a weight update")
     async with engine.exclusive():
-        n: int = await engine.run_in_worker(load)
+        try:
+            staged = await engine.run_in_worker(stage)
+        except Exception as e:  # any failure before the swap is reported, never half-applied
+            raise UpdateRefused(f"{type(e).__name__}: {e}") from e
+        n: int = await engine.run_in_worker(engine.commit_weights, staged)
+        engine.flush_cache()
         if version is not None:
             engine.set_weight_version(version)
-        if body.flush_cache:
-            engine.flush_cache()
     return n
+
+
+def _refused(what: str, engine: ReferenceEngine, e: Exception) -> web.Response:
+    return _result(
+        False,
+        f"{what} failed: {e}; the served weights and weight_version {engine.weight_version} are unchanged",
+        weight_version=str(engine.weight_version),
+    )
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -257,43 +298,127 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     body: UpdateWeightsFromDiskRequest = await _parse(request, UpdateWeightsFromDiskRequest)
     try:
         n = await _install(
-            engine, body, lambda: engine.load_weights(_read_checkpoint(body.model_path), cast=True)
+            engine,
+            body,
+            lambda: engine.stage_weights(_read_checkpoint(body.model_path), cast=True, owned=True),
         )
-    except (OSError, KeyError, ValueError) as e:
-        return _result(False, f"update_weights_from_disk failed: {e}")
+    except UpdateRefused as e:
+        return _refused("update_weights_from_disk", engine, e)
     return _result(True, f"Loaded {n} tensors from {body.model_path}.", num_paused_requests=0)
 
 
+@dataclass(slots=True)
+class _Join:
+    """A weight-group join in flight (the engine is not ready while one runs)."""
+
+    name: str
+    """group_name being joined."""
+    cancelled: bool = False
+    """Set by /destroy_weights_update_group or shutdown: the group is closed as soon as it forms."""
+
+
+_JOIN_KEY = web.AppKey("weight_group_join", dict)
+"""app[_JOIN_KEY]["join"]: the _Join in flight, if any."""
+_JOIN_TIMEOUT_KEY = web.AppKey("weight_group_join_timeout_s", float)
+
+
+def _off_loop(
+    fn: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]
+) -> asyncio.Future[Any]:
+    """Run a blocking call that cannot be interrupted (a rendezvous) on a daemon thread of its own:
+    generation steps keep running on the engine's worker, and shutdown never waits for it.
+    `on_done(result, error)` runs on the event loop when it ends, even if nobody awaits the future;
+    if the loop is gone by then, it runs on that thread."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def finish(result: Any, error: BaseException | None) -> None:
+        on_done(result, error)
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as e:  # reported through the future
+            error = e
+        try:
+            loop.call_soon_threadsafe(finish, result, error)
+        except RuntimeError:  # the loop closed (shutdown): nobody will take the group
+            on_done(result, error)
+
+    threading.Thread(target=run, name="lockstep-weight-group-join", daemon=True).start()
+    return fut
+
+
 async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Join the trainer's weight-update group without stalling generation: the rendezvous runs on a
+    thread of its own, bounded by the join timeout (--weight-group-timeout); /health answers 503 while
+    it runs; /destroy_weights_update_group cancels it."""
     engine = request.app[ENGINE_KEY]
     body: InitWeightsUpdateGroupRequest = await _parse(request, InitWeightsUpdateGroupRequest)
+    joins = request.app[_JOIN_KEY]
     if engine.weight_group is not None:
         return _result(False, f"group {engine.weight_group.name!r} already open; destroy it first")
+    if joins.get("join") is not None:
+        return _result(False, f"group {joins['join'].name!r} is being joined; wait, or destroy it first")
+    timeout = request.app[_JOIN_TIMEOUT_KEY]
+    join = _Join(body.group_name)
+    joins["join"] = join
+
+    def joined(group: Any, error: BaseException | None) -> None:
+        if joins.get("join") is join:
+            joins["join"] = None
+        if group is None:
+            return
+        if join.cancelled or engine.weight_group is not None:
+            group.close()
+        else:
+            engine.weight_group = group
+
+    fut = _off_loop(
+        lambda: open_weight_update_group(
+            backend=body.backend,
+            master_address=body.master_address,
+            master_port=body.master_port,
+            rank=body.rank_offset,  # the engine is a single rank: tp rank 0 -> global rank rank_offset
+            world_size=body.world_size,
+            group_name=body.group_name,
+            join_timeout_s=timeout,
+        ),
+        joined,
+    )
     try:
-        # The engine is a single rank: tp rank 0 -> global rank rank_offset.
-        engine.weight_group = await engine.run_in_worker(
-            lambda: open_weight_update_group(
-                backend=body.backend,
-                master_address=body.master_address,
-                master_port=body.master_port,
-                rank=body.rank_offset,
-                world_size=body.world_size,
-                group_name=body.group_name,
-            )
-        )
-    except (RuntimeError, ValueError) as e:
-        return _result(False, f"init_weights_update_group failed: {e}")
+        await asyncio.wait_for(asyncio.shield(fut), timeout + 5.0)
+    except TimeoutError:
+        join.cancelled = True
+        return _result(False, f"init_weights_update_group: no rendezvous within {timeout:.0f} s")
+    except Exception as e:  # the rendezvous failed: the caller's address, port or world size
+        return _result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
+    if join.cancelled:
+        return _result(False, "init_weights_update_group: cancelled by /destroy_weights_update_group")
     return _result(True, "Succeeded to initialize custom process group.")
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body: DestroyWeightsUpdateGroupRequest = await _parse(request, DestroyWeightsUpdateGroupRequest)
+    join = request.app[_JOIN_KEY].get("join")
+    if join is not None and join.name == body.group_name:
+        join.cancelled = True
+        request.app[_JOIN_KEY]["join"] = None
+        return _result(True, f"Cancelled the join of group {body.group_name!r}.")
     group = engine.weight_group
     if group is None or group.name != body.group_name:
         return _result(False, f"no open weight update group named {body.group_name!r}")
     engine.weight_group = None
-    await engine.run_in_worker(group.close)
+    async with engine.exclusive():  # no update is receiving on it
+        await engine.run_in_worker(group.close)
     return _result(True, "Succeeded to destroy custom process group.")
 
 
@@ -344,24 +469,19 @@ def _slices(flat: torch.Tensor, specs: list[_Spec]) -> list[tuple[str, torch.Ten
 
 
 @torch.no_grad()
-def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = False) -> int:
-    """Receive one update's broadcasts, in announced order, on the engine's worker thread.
+def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = False) -> _Staged:
+    """Receive one update's broadcasts, in announced order, into staging buffers (worker thread).
 
-    Runs under `engine.exclusive()` (no step runs). Every name and shape is checked against the model
-    first (`receive_targets`); a bad one fails the update before any byte reaches a weight (the
-    broadcasts are drained, so the sender is not left hanging). Then each tensor is received straight
-    into its live parameter (no allocation, no copy; the storage stays where CUDA graphs point), and
-    only a tensor whose dtype differs from the parameter's goes through a staging tensor and a cast
-    copy. The collectives are posted asynchronously and waited together, as the sender does.
+    Every name and shape is checked against the model first (`receive_targets`); a bad one fails the
+    update before any byte moves (the broadcasts are drained, so the sender is not left hanging).
+    Then each tensor is received into a buffer of its own, posted asynchronously and waited together
+    as the sender does; only when every broadcast arrived are they staged for the swap. A broken group
+    or a timeout therefore leaves the live weights exactly as they were (the price: one buffer per
+    update, the update's size, instead of receiving into the parameters).
 
     flattened=True is SGLang's load_format="flattened_bucket": the sender broadcasts one uint8 tensor
     holding every tensor's bytes back to back, in announced order, without padding (the layout of
-    SGLang's FlattenedTensorBucket); it is received into one buffer and each slice copied (cast where
-    the dtype differs) into its parameter. One collective per bucket, one copy per tensor.
-
-    A failure during the receive (a broken group, a timeout) leaves the weights mixed, old and new;
-    the caller keeps the weight version unchanged and answers success=false. As with SGLang, the
-    driver then fails the run; the next full update (or pre-flight) repairs the weights.
+    SGLang's FlattenedTensorBucket); it is received into one buffer and sliced.
     """
     import torch.distributed as dist
 
@@ -369,27 +489,21 @@ def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = F
     if group is None:
         raise RuntimeError("the weight update group was destroyed during the update")
     try:
-        targets = engine.receive_targets(specs)
+        engine.receive_targets(specs)
     except (KeyError, ValueError):
         _drain(group, specs, engine.device, flattened=flattened)
         raise
     if flattened:
         flat = torch.empty(sum(_nbytes(specs)), dtype=torch.uint8, device=engine.device)
         group.broadcast(flat, src=0)
-        return engine.load_weights(_slices(flat, specs), cast=True)
+        return engine.stage_weights(_slices(flat, specs), cast=True, owned=True)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    staged: list[tuple[str, torch.Tensor]] = []
-    works = []
-    for (name, dtype, shape), live in zip(specs, targets, strict=True):
-        if live is None:
-            live = torch.empty(shape, dtype=dtype, device=engine.device)
-            staged.append((name, live))
-        works.append(group.pg.broadcast([live], opts))
+    received = [(name, torch.empty(shape, dtype=dtype, device=engine.device)) for name, dtype, shape in specs]
+    works = [group.pg.broadcast([buf], opts) for _, buf in received]
     for w in works:
         w.wait()
-    engine.load_weights(staged, cast=True)
-    return len(specs)
+    return engine.stage_weights(received, cast=True, owned=True)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -408,9 +522,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     flattened = body.load_format == _FLATTENED
     try:
         specs = _specs(body)
+    except ValueError as e:
+        return _refused("update_weights_from_distributed", engine, e)
+    try:
         n = await _install(engine, body, lambda: _receive(engine, specs, flattened=flattened))
-    except (RuntimeError, KeyError, ValueError) as e:
-        return _result(False, f"update_weights_from_distributed failed: {e}")
+    except UpdateRefused as e:
+        return _refused("update_weights_from_distributed", engine, e)
     return _result(True, f"Succeeded to update {n} parameters.")
 
 
@@ -431,10 +548,13 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if len(body.serialized_named_tensors) != 1:
         return _result(False, "serialized_named_tensors needs exactly one entry (the engine is one TP rank)")
     try:
-        named = loads_named_tensors(body.serialized_named_tensors[0])
-        n = await _install(engine, body, lambda: engine.load_weights(named, cast=True))
+        named = await engine.run_in_worker(loads_named_tensors, body.serialized_named_tensors[0])
     except Exception as e:  # a bad payload of any kind is the caller's error, reported, never raised
-        return _result(False, f"update_weights_from_tensor failed: {type(e).__name__}: {e}")
+        return _refused("update_weights_from_tensor", engine, UpdateRefused(f"{type(e).__name__}: {e}"))
+    try:
+        n = await _install(engine, body, lambda: engine.stage_weights(named, cast=True))
+    except UpdateRefused as e:
+        return _refused("update_weights_from_tensor", engine, e)
     return _result(True, f"Succeeded to update {n} parameters.")
 
 
@@ -442,18 +562,15 @@ async def update_weight_version(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body: UpdateWeightVersionRequest = await _parse(request, UpdateWeightVersionRequest)
     try:
-        version = _parse_version(body.new_version)
+        version = engine.check_version(body.new_version)
     except EngineInputError as e:
-        return _result(False, str(e))
+        return _result(False, str(e), weight_version=str(engine.weight_version))
     if body.abort_all_requests:
         await engine.abort(None, message="aborted for a weight version update")
     assert version is not None
-    engine.set_weight_version(version)
-    return _result(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
-
-
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": str(request.app[ENGINE_KEY].weight_version)})
+    async with engine.exclusive():
+        engine.set_weight_version(version)
+    return _result(True, f"Weight version updated to {version}", new_version=str(version))
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -495,13 +612,40 @@ async def _input_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return resp
     except EngineInputError as e:
         return _bad(str(e))
+    except EngineBusy as e:
+        return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
 
 
-def create_app(engine: ReferenceEngine, *, allow_tensor_updates: bool = False) -> web.Application:
-    """The aiohttp app serving `engine`; it starts the engine on startup and closes it on cleanup."""
-    app = web.Application(middlewares=[_input_errors], client_max_size=1 << 30)
+OPEN_READS = frozenset({"/health", "/health_generate", "/get_weight_version", "/model_info", "/engine_stats"})
+"""GET routes served without the key (probes and monitoring); every other route needs it."""
+MAX_BODY_BYTES = 32 << 20
+"""Default request body cap: a batch of 1024 prompts of 4K tokens fits; beyond it, HTTP 413."""
+
+
+def create_app(
+    engine: ReferenceEngine,
+    *,
+    allow_tensor_updates: bool = False,
+    stock: bool = False,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    weight_group_timeout_s: float = 120.0,
+) -> web.Application:
+    """The aiohttp app serving `engine`; it starts the engine on startup and closes it on cleanup.
+
+    stock=True serves only what stock SGLang serves (no extension route or reply field).
+    api_key: required as `Authorization: Bearer <key>` on every route but OPEN_READS (SGLang's
+    --api-key); max_body_bytes: larger bodies get 413; weight_group_timeout_s bounds a weight-group
+    join. On shutdown (SIGTERM) the engine stops admitting (503) and /health answers 503.
+    """
+    app = web.Application(
+        middlewares=[bearer_middleware(api_key, open_reads=OPEN_READS), _input_errors],
+        client_max_size=max_body_bytes,
+    )
     app[ENGINE_KEY] = engine
     app[_ALLOW_TENSOR_KEY] = allow_tensor_updates
+    app[_JOIN_KEY] = {"join": None}
+    app[_JOIN_TIMEOUT_KEY] = float(weight_group_timeout_s)
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
@@ -517,9 +661,8 @@ def create_app(engine: ReferenceEngine, *, allow_tensor_updates: bool = False) -
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
-    r.add_get("/get_weight_version", get_weight_version)
     r.add_get("/model_info", model_info)
-    r.add_get("/engine_stats", engine_stats)
+    weights_checker.register(app, engine)
 
     async def _start(app: web.Application) -> None:
         await engine.start()
@@ -527,8 +670,18 @@ def create_app(engine: ReferenceEngine, *, allow_tensor_updates: bool = False) -
     async def _stop(app: web.Application) -> None:
         await engine.close()
 
+    async def _drain(app: web.Application) -> None:
+        engine.draining = True
+        join = app[_JOIN_KEY].get("join")
+        if join is not None:
+            join.cancelled = True
+
     app.on_startup.append(_start)
+    app.on_shutdown.append(_drain)
     app.on_cleanup.append(_stop)
+    if stock:
+        return app
+    r.add_get("/engine_stats", engine_stats)
     try:
         ext = importlib.import_module(_EXT_MODULE)
     except ModuleNotFoundError as e:

@@ -14,7 +14,10 @@ Built-in checkpoints (the strings manifests and the CLI accept as a model path):
 `materialize_builtin(name, dir, seed)` writes a deterministic random-init checkpoint dir for them.
 
 Tokenizer: one token per character, IDs fixed forever (specials first, then the characters of
-`CHARS` in order), so a checkpoint written today decodes the same tomorrow.
+`CHARS` in order), so a checkpoint written today decodes the same tomorrow. It is saved like every HF
+tokenizer (tokenizer.json from the `tokenizers` library, tokenizer_config.json with the chat template,
+generation_config.json with the end-of-turn token), and the runtime reads it through the same
+lockstep.models.tokenizer path as any real checkpoint's: there is no tiny-only code on the run path.
 
 Chat format (the tiny family's template; the assistant turn ends with the sampled `<|eos|>`, so the
 TITO session server needs no boundary repair for this family):
@@ -27,15 +30,17 @@ lockstep.tasks (render prompts), the CLI (`--model builtin:tiny`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.models.tokenizer import ChatTokenizer
+
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import Qwen3Config, Qwen3MoeConfig
 
 BUILTIN_PREFIX = "builtin:"
@@ -54,6 +59,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ \n{}[]\":,.=+-*/?!()_'<>"
 """The ordinary characters, IDs 6.. in this order (enough to write tool calls in JSON)."""
 
+UNK_TOKEN = "<|unk|>"
+"""What a character outside CHARS encodes to (ID 91); ChatTokenizer.encode refuses it."""
+
 PAD_ID = 0
 EOS_ID = 1
 USER_ID = 2
@@ -61,132 +69,95 @@ ASSISTANT_ID = 3
 TOOL_ID = 4
 SYSTEM_ID = 5
 
-TOKENIZER_FILE = "tiny_tokenizer.json"
-"""File name of the tokenizer inside a checkpoint dir."""
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-"""File name of the chat template (Jinja, the HF convention) inside a checkpoint dir."""
+TOKENIZER_FILE = "tokenizer.json"
+"""The tokenizer inside a checkpoint dir: a `tokenizers` tokenizer.json, as every HF checkpoint has."""
 
-_ROLE_TOKEN = {"system": SYSTEM_ID, "user": USER_ID, "assistant": ASSISTANT_ID, "tool": TOOL_ID}
+_ROLES = ("system", "user", "assistant", "tool")
 
-# Same rendering as TinyTokenizer.render, for HF tooling that reads chat_template.jinja.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}<|system|>{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|eos|>"
-    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] if m['content'] is string else '' -%}"
+    "{%- if m['role'] == 'system' -%}"
+    "{%- if not loop.first -%}{{ raise_exception('messages[' ~ loop.index0 ~ ']: a system message is "
+    "only allowed first') }}{%- endif -%}"
+    "<|system|>{{ content }}"
+    "{%- elif m['role'] == 'user' -%}<|user|>{{ content }}"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>{{ content }}"
+    "{%- for c in m['tool_calls'] or [] -%}"
+    "{%- set f = c['function'] if c['function'] is defined else c -%}"
+    '<call>{"name":{{ f[\'name\'] | tojson }},"arguments":'
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}</call>"
+    "{%- endfor -%}"
+    "<|eos|>"
+    "{%- elif m['role'] == 'tool' -%}<|tool|>{{ content }}"
+    "{%- else -%}{{ raise_exception('messages[' ~ loop.index0 ~ '].role is ' ~ m['role'] ~ '; expected "
+    "one of assistant, system, tool, user') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
+"""The tiny chat template (Jinja, in tokenizer_config.json): see the module doc for the format."""
 
 
-class TinyTokenizer:
-    """Character-level tokenizer of the tiny family with its chat format.
+def tiny_tokenizer() -> Tokenizer:
+    """The tiny character tokenizer as a `tokenizers` Tokenizer (a BPE without merges).
 
-    encode/decode map text <-> IDs; special token strings in text (e.g. "<|eos|>") are recognised
-    by `encode` so decode(encode(s)) == s for every encodable s.
+    IDs: the SPECIAL_TOKENS 0..5, then CHARS in order, then UNK_TOKEN (91, inside the model's 96): a
+    character outside CHARS becomes UNK_TOKEN, which ChatTokenizer.encode refuses, naming it.
     """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    __slots__ = ("_char_to_id", "_special_re", "vocab")
+    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, *CHARS, UNK_TOKEN))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(
+        [AddedToken(s, special=True, normalized=False) for s in (*SPECIAL_TOKENS, UNK_TOKEN)]
+    )
+    return tok
 
-    def __init__(self) -> None:
-        self.vocab: list[str] = [*SPECIAL_TOKENS, *CHARS]
-        """Token strings by ID."""
-        self._char_to_id = {c: i for i, c in enumerate(self.vocab)}
-        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
+def save_tokenizer(directory: str | os.PathLike[str]) -> Path:
+    """Write the tiny tokenizer in HF layout into `directory`: tokenizer.json, tokenizer_config.json
+    (with the chat template) and generation_config.json (the end-of-turn token)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tiny_tokenizer().save(str(d / TOKENIZER_FILE))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[PAD_ID],
+        "unk_token": UNK_TOKEN,
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    generation = {"eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    (d / "generation_config.json").write_text(json.dumps(generation, indent=1) + "\n")
+    return d
 
-    @property
-    def pad_token_id(self) -> int:
-        return PAD_ID
 
-    @property
-    def eos_token_id(self) -> int:
-        return EOS_ID
+@functools.cache
+def chat_tokenizer() -> ChatTokenizer:
+    """The tiny ChatTokenizer built in memory: exactly what ChatTokenizer.load reads back from a dir
+    written by `save_tokenizer` (tests and benchmarks that need no checkpoint dir)."""
+    from transformers import PreTrainedTokenizerFast
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return frozenset(range(len(SPECIAL_TOKENS)))
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tiny_tokenizer(),
+        eos_token=SPECIAL_TOKENS[EOS_ID],
+        pad_token=SPECIAL_TOKENS[PAD_ID],
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1024,
+    )
+    return ChatTokenizer(hf, CHAT_TEMPLATE, [EOS_ID], "builtin:tiny")
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> IDs; raises ValueError naming the first character outside the vocabulary."""
-        ids: list[int] = []
-        for part in self._special_re.split(text):
-            if not part:
-                continue
-            special = self._char_to_id.get(part) if part in SPECIAL_TOKENS else None
-            if special is not None:
-                ids.append(special)
-                continue
-            for pos, ch in enumerate(part):
-                tid = self._char_to_id.get(ch)
-                if tid is None:
-                    raise ValueError(
-                        f"tiny tokenizer: character {ch!r} (in {part[max(0, pos - 10) : pos + 10]!r}) is not "
-                        f"in the vocabulary; use only digits, ASCII letters, space, newline and {CHARS[64:]!r}"
-                    )
-                ids.append(tid)
-        return ids
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """IDs -> text; IDs outside the vocabulary (a bigger model's) decode to nothing."""
-        n = len(self.vocab)
-        specials = len(SPECIAL_TOKENS)
-        out = []
-        for i in ids:
-            if 0 <= i < n and not (skip_special_tokens and i < specials):
-                out.append(self.vocab[i])
-        return "".join(out)
-
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int]:
-        """Chat messages ({"role", "content"}) -> prompt IDs in the tiny chat format.
-
-        An assistant message is closed by <|eos|>, exactly the token the model samples to end its turn,
-        so rendering a conversation reproduces the sampled tokens (no boundary repair for this family).
-        """
-        ids: list[int] = []
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role not in _ROLE_TOKEN:
-                raise ValueError(f"messages[{i}].role is {role!r}; expected one of {sorted(_ROLE_TOKEN)}")
-            if role == "system" and i != 0:
-                raise ValueError(f"messages[{i}]: a system message is only allowed first")
-            content = m.get("content") or ""
-            if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string for the tiny family")
-            ids.append(_ROLE_TOKEN[role])
-            ids.extend(self.encode(content))
-            if role == "assistant":
-                ids.append(EOS_ID)
-        if add_generation_prompt:
-            ids.append(ASSISTANT_ID)
-        return ids
-
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write tiny_tokenizer.json and chat_template.jinja into `directory`."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        spec = {"type": "lockstep-tiny-char", "special_tokens": list(SPECIAL_TOKENS), "chars": CHARS}
-        (d / TOKENIZER_FILE).write_text(json.dumps(spec, indent=1) + "\n")
-        (d / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE + "\n")
-
-    @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> TinyTokenizer:
-        """Read a tokenizer saved by `save`; raises if its vocabulary differs from this code's."""
-        path = Path(directory) / TOKENIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: this checkpoint dir has no tiny tokenizer")
-        spec = json.loads(path.read_text())
-        if spec.get("special_tokens") != list(SPECIAL_TOKENS) or spec.get("chars") != CHARS:
-            raise ValueError(f"{path}: vocabulary differs from lockstep.models.tiny; IDs would not match")
-        return cls()
-
-    @staticmethod
-    def exists_in(directory: str | os.PathLike[str]) -> bool:
-        return (Path(directory) / TOKENIZER_FILE).is_file()
+def has_tokenizer(directory: str | os.PathLike[str]) -> bool:
+    """True when `directory` holds an HF tokenizer (tokenizer.json)."""
+    return (Path(directory) / TOKENIZER_FILE).is_file()
 
 
 def tiny_config(**overrides: Any) -> Qwen3Config:
@@ -247,8 +218,8 @@ def materialize_builtin(name: str, directory: str | os.PathLike[str], seed: int 
     """Write a random-init HF-layout checkpoint of a built-in model into `directory`; returns it.
 
     Deterministic: the same name and seed give bit-identical safetensors. `name` may carry the
-    `builtin:` prefix. The dir holds config.json, model.safetensors, tiny_tokenizer.json and
-    chat_template.jinja.
+    `builtin:` prefix. The dir is in HF layout: config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json (with the chat template) and generation_config.json.
     """
     import torch
     from transformers import Qwen3ForCausalLM
@@ -260,46 +231,45 @@ def materialize_builtin(name: str, directory: str | os.PathLike[str], seed: int 
     d.mkdir(parents=True, exist_ok=True)
     if short == "tiny-moe":
         write_tiny_moe(d, seed)
-        TinyTokenizer().save(d)
+        save_tokenizer(d)
         return d
     # Init on CPU under a private generator so the weights do not depend on the caller's RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(tiny_config() if short == "tiny" else bigger_config())
     model.save_pretrained(d, safe_serialization=True)
-    TinyTokenizer().save(d)
+    save_tokenizer(d)
     return d
 
 
-def resolve_checkpoint(model: str, cache_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> Path:
-    """Model path or `builtin:<name>` -> an HF-layout checkpoint dir (materialized once if built-in).
+def builtin_dir(model: str, cache_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> Path:
+    """`builtin:<name>` -> its checkpoint dir, materialized once into `cache_dir/<name>-seed<seed>`.
 
-    Built-ins go to `cache_dir/<name>-seed<seed>` (default: $LOCKSTEP_CACHE or ~/.cache/lockstep);
-    an existing complete dir is reused.
+    Default cache: $LOCKSTEP_CACHE or ~/.cache/lockstep. An existing complete dir is reused; one written
+    by an older Lockstep (no tokenizer.json) is replaced.
     """
-    if not is_builtin(model):
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {model!r}: no config.json there; pass an HF-layout dir or builtin:tiny"
-            )
-        return path
     base = Path(cache_dir or os.environ.get("LOCKSTEP_CACHE") or Path.home() / ".cache" / "lockstep")
     target = base / f"{model.removeprefix(BUILTIN_PREFIX)}-seed{seed}"
-    if (target / "model.safetensors").is_file() and TinyTokenizer.exists_in(target):
+    if _complete(target):
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     materialize_builtin(model, tmp, seed)
-    if (target / "model.safetensors").is_file() and TinyTokenizer.exists_in(target):
+    if _complete(target):
         shutil.rmtree(tmp)  # another process finished first; its (identical) dir wins
         return target
-    if target.exists():  # an incomplete dir left by an interrupted run
+    if target.exists():  # an incomplete dir left by an interrupted run, or an old layout
         shutil.rmtree(target)
     try:
         os.replace(tmp, target)  # atomic: concurrent readers see a complete dir or none
     except OSError:  # lost a race to a concurrent writer that just finished
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(d: Path) -> bool:
+    return (
+        (d / "model.safetensors").is_file() and (d / "tokenizer_config.json").is_file() and has_tokenizer(d)
+    )
 
 
 # ------------------------------------------------------------------------------------- tiny-moe

@@ -66,7 +66,8 @@ class AgentContext(RolloutContext):
     """spec.agent.timeoutSeconds."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form settings for the agent. The driver sets "family" (spec.model.family), which the
-    in-process session server of lockstep.rollout.session.local uses for the chat-template rules."""
+    in-process session server of lockstep.rollout.session.local uses for the chat-template rules, and
+    "session" (spec.rollout.session, wire form), the defaults of that server's new sessions."""
 
 
 class GenerateFn(Protocol):

@@ -5,13 +5,12 @@ this class only, so a real SGLang server and `lockstep engine` are interchangeab
 failures are retried with exponential backoff, then raise `EngineUnreachable` naming the URL; an
 HTTP error status raises `EngineError` with the server's message.
 
-Per-token weight versions (GenerateResult.token_versions): our engine returns them explicitly in
-meta_info.output_token_weight_versions (a documented Lockstep extension). With stock SGLang the
-client derives them honestly: versions only grow, so if the last version this client saw before
-submitting equals the version reported with the reply, every token was sampled by that version;
-otherwise the versions are unknown (None per token). So against stock SGLang, call
-`await client.get_weight_version()` once after connecting (and the weight-update methods keep
-`last_version` current); our engine needs none of this.
+Per-token weight versions (GenerateResult.token_versions): SGLang (and the reference engine) report
+them as meta_info.weight_versions spans {version, start, end}; the client expands them per token (a
+version that is not an integer is None). A server that sends no spans gets an honest derivation:
+versions only grow, so if the last version this client saw before submitting equals the version
+reported with the reply, every token was sampled by that version; otherwise they are unknown (None).
+The coverage metric (weight_version_sample_coverage) counts the tokens with a known version.
 
 Who calls it: lockstep.rollout (generate), lockstep.weights (update endpoints), lockstep.driver
 (pause/continue, health).
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +32,9 @@ from pydantic import BaseModel
 from lockstep.serving.payloads import (
     ROUTES,
     AbortRequest,
+    CheckAction,
+    CheckWeightsReply,
+    CheckWeightsRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
     GenerateReply,
@@ -45,6 +48,7 @@ from lockstep.serving.payloads import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    WeightVersionSpan,
 )
 
 _R = TypeVar("_R", bound=BaseModel)
@@ -129,6 +133,22 @@ class GenerateBackend(Protocol):
     ) -> GenerateResult: ...
 
 
+API_KEY_ENV = "LOCKSTEP_API_KEY"
+"""The job's shared key (Secret `<job>-api-key`, mounted into every pod of the job)."""
+
+
+def api_key_from_env() -> str | None:
+    """The job's key from LOCKSTEP_API_KEY, or None when unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """`Authorization: Bearer <key>` for the job's servers (engines, sessions, trainer); the key
+    defaults to LOCKSTEP_API_KEY; no header when there is none. Never log the result."""
+    key = api_key if api_key is not None else api_key_from_env()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _parse_version(v: str | int | None) -> int | None:
     if v is None:
         return None
@@ -136,6 +156,21 @@ def _parse_version(v: str | int | None) -> int | None:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def span_versions(spans: Sequence[WeightVersionSpan], n: int) -> list[int | None]:
+    """Per-token versions of `n` output tokens from SGLang's spans (pure); raises ValueError when the
+    spans do not tile [0, n) in order."""
+    versions: list[int | None] = []
+    for span in spans:
+        if span.start != len(versions) or span.end < span.start:
+            raise ValueError(
+                f"weight_versions span {span.start}..{span.end} does not follow token {len(versions)}"
+            )
+        versions += [_parse_version(span.version)] * (span.end - span.start)
+    if len(versions) != n:
+        raise ValueError(f"engine returned weight_versions spans over {len(versions)} tokens for {n} tokens")
+    return versions
 
 
 def result_from_reply(reply: GenerateReply, submit_version: int | None) -> GenerateResult:
@@ -147,12 +182,8 @@ def result_from_reply(reply: GenerateReply, submit_version: int | None) -> Gener
         raise ValueError(f"engine returned {len(logprobs)} output_token_logprobs for {n} output_ids")
     version = _parse_version(meta.weight_version)
     versions: list[int | None]
-    if meta.output_token_weight_versions is not None:
-        if len(meta.output_token_weight_versions) != n:
-            raise ValueError(
-                f"engine returned {len(meta.output_token_weight_versions)} token versions for {n} tokens"
-            )
-        versions = list(meta.output_token_weight_versions)
+    if meta.weight_versions is not None:
+        versions = span_versions(meta.weight_versions, n)
     elif version is not None and submit_version == version:
         versions = [version] * n
     else:
@@ -182,7 +213,8 @@ class EngineClient:
     """Async client of one engine (SGLang or ours). Use as `async with EngineClient(url) as c:`.
 
     retries: connection attempts per call (>= 1); backoff_s: first wait, doubled each retry up to
-    max_backoff_s. `sleep` is injectable so tests need not wait. Only connection failures are retried
+    max_backoff_s. `sleep` is injectable so tests need not wait. api_key: sent as a bearer token on
+    every call (default: LOCKSTEP_API_KEY, see auth_headers). Only connection failures are retried
     (never a request the server may have executed twice, except idempotent reads).
     """
 
@@ -196,6 +228,7 @@ class EngineClient:
         max_backoff_s: float = 8.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         if retries < 1:
             raise ValueError(f"retries={retries}: must be >= 1 (1 means no retry)")
@@ -213,7 +246,9 @@ class EngineClient:
         # 0.12 s per 64 six-token requests to the reference engine on loopback). A fresh connection per
         # request costs one TCP handshake, small next to a generation.
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=0)
-        self._http = httpx.AsyncClient(timeout=timeout_s, limits=limits, transport=transport)
+        self._http = httpx.AsyncClient(
+            timeout=timeout_s, limits=limits, transport=transport, headers=auth_headers(api_key)
+        )
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -231,12 +266,12 @@ class EngineClient:
         endpoint: str,
         body: BaseModel | None = None,
         *,
-        ok_404: bool = False,
+        ok: tuple[int, ...] = (),
         headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         method, path = ROUTES[endpoint]
         payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
-        return await self._send(method, path, payload, ok_404=ok_404, headers=headers)
+        return await self._send(method, path, payload, ok=ok, headers=headers)
 
     async def _send(
         self,
@@ -244,9 +279,10 @@ class EngineClient:
         path: str,
         payload: Any,
         *,
-        ok_404: bool = False,
+        ok: tuple[int, ...] = (),
         headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
+        """`ok`: error statuses returned to the caller instead of raised (their body is the answer)."""
         url = self.base_url + path
         delay = self.backoff_s
         last: BaseException | None = None
@@ -259,16 +295,11 @@ class EngineClient:
                     await self._sleep(delay)
                     delay = min(delay * 2, self.max_backoff_s)
                 continue
-            if resp.status_code >= 400 and not (ok_404 and resp.status_code == 404):
+            if resp.status_code >= 400 and resp.status_code not in ok:
                 raise EngineError(url, resp.status_code, _error_text(resp))
             return resp
         assert last is not None
         raise EngineUnreachable(url, self.retries, last)
-
-    async def post_json(self, path: str, body: BaseModel) -> Any:
-        """POST a body to a non-SGLang route of this engine (e.g. a Lockstep extension under
-        /lockstep/), with the same retries and errors as every call; returns the decoded reply."""
-        return (await self._send("POST", path, body.model_dump(mode="json"))).json()
 
     async def _call(self, endpoint: str, body: BaseModel | None, reply: type[_R]) -> _R:
         resp = await self._request(endpoint, body)
@@ -448,13 +479,29 @@ class EngineClient:
         return info
 
     async def get_weight_version(self) -> int | None:
-        """The engine's current version, from /model_info (older servers: /get_weight_version)."""
-        resp = await self._request("model_info", ok_404=True)
-        if resp.status_code == 404:
-            resp = await self._request("get_weight_version")
-        v = resp.json().get("weight_version")
-        self._saw_version(v)
-        return _parse_version(v)
+        """The engine's current version, from /model_info."""
+        info = await self.model_info()
+        return _parse_version(info.weight_version)
+
+    async def check_weights(
+        self,
+        action: CheckAction,
+        *,
+        skip_tensor_list: Sequence[str] | None = None,
+        allow_quant_error: bool = False,
+    ) -> CheckWeightsReply:
+        """POST /weights_checker: snapshot, reset_tensors, compare or checksum the engine's weights.
+
+        Returns the reply also when the engine says success=false (HTTP 400, whose message names every
+        differing tensor of a failed compare), so the pre-flight can report them.
+        """
+        body = CheckWeightsRequest(
+            action=action,
+            allow_quant_error=allow_quant_error,
+            skip_tensor_list=list(skip_tensor_list) if skip_tensor_list is not None else None,
+        )
+        resp = await self._request("weights_checker", body, ok=(400,))
+        return CheckWeightsReply.model_validate(resp.json())
 
 
 def _error_text(resp: httpx.Response) -> str:

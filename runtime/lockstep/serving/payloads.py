@@ -10,16 +10,18 @@ entrypoints/http_server.py for routes and replies). We model only the fields we 
 `extra="forbid"` (what we send is exactly this); replies are parsed with `extra="ignore"` since SGLang
 returns more than we read.
 
-Lockstep extension (documented, optional, ignored by stock SGLang clients):
-`meta_info.output_token_weight_versions` -- the weight version that sampled each output token, one
-int per output token. Our engine sets it; stock SGLang does not, and the client then derives
-versions honestly (see client.GenerateResult).
+Per-token weight versions: SGLang reports them itself, as `meta_info.weight_versions`, spans
+{version, start, end} over the output tokens (a span per version that sampled some of them, e.g. when
+a retracted request resumed on new weights); the reference engine answers the same. A server that
+sends no spans gets the client's honest derivation instead (see client.GenerateResult).
 
 Routes (ROUTES below): POST /generate, POST /abort_request, GET /health, GET /health_generate,
 GET|POST /flush_cache, POST /pause_generation, POST /continue_generation,
 POST /update_weights_from_disk, POST /init_weights_update_group, POST /destroy_weights_update_group,
 POST /update_weights_from_distributed, POST /update_weights_from_tensor, POST /update_weight_version,
-GET /model_info (carries weight_version; GET /get_weight_version is the older, now 404, spelling).
+POST /weights_checker (CheckWeightsReqInput: the pre-flight), GET /model_info (carries weight_version;
+the older GET /get_weight_version is gone from the pinned SGLang, so the client never calls it).
+runtime/tests/sglang/ checks every route and body here against the pinned SGLang's own source.
 
 Who calls it: lockstep.serving.client (builds requests, parses replies) and lockstep.engine (parses
 requests, builds replies).
@@ -54,7 +56,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "update_weights_from_distributed": ("POST", "/update_weights_from_distributed"),
     "update_weights_from_tensor": ("POST", "/update_weights_from_tensor"),
     "update_weight_version": ("POST", "/update_weight_version"),
-    "get_weight_version": ("GET", "/get_weight_version"),
+    "weights_checker": ("POST", "/weights_checker"),
     "model_info": ("GET", "/model_info"),
 }
 """Endpoint name -> (HTTP method, path), as served by SGLang's http_server.py."""
@@ -130,6 +132,17 @@ class FinishReason(_Reply):
     """Abort reason."""
 
 
+class WeightVersionSpan(_Reply):
+    """One run of output tokens sampled by one weight version: tokens [start, end)."""
+
+    version: str
+    """The weight version (a string in SGLang)."""
+    start: int = Field(ge=0)
+    """First output token index of the run."""
+    end: int = Field(ge=0)
+    """One past the last output token index of the run."""
+
+
 class MetaInfo(_Reply):
     """meta_info of a /generate reply (the fields the runtime reads)."""
 
@@ -151,8 +164,8 @@ class MetaInfo(_Reply):
     """Per prompt token from logprob_start_len [logprob-or-null, token_id, text-or-null]."""
     routed_experts: str | None = None
     """R3 data: base64 of int32 [tokens-1, layers, topk]."""
-    output_token_weight_versions: list[int] | None = None
-    """Lockstep extension: the weight version that sampled each output token."""
+    weight_versions: list[WeightVersionSpan] | None = None
+    """Which weight version sampled which output tokens, as spans (None from servers without them)."""
 
 
 class GenerateReply(_Reply):
@@ -280,6 +293,49 @@ class UpdateWeightVersionRequest(_Request):
     """The version to report from now on."""
     abort_all_requests: bool = True
     """Abort running requests first (SGLang's default)."""
+
+
+CheckAction = Literal["snapshot", "reset_tensors", "compare", "checksum"]
+"""What /weights_checker does: `snapshot` copies the engine's weights aside, `reset_tensors` fills every
+weight with noise, `compare` checks the weights against the snapshot (HTTP 400 naming each differing
+tensor), `checksum` hashes every weight."""
+
+
+class CheckWeightsRequest(_Request):
+    """POST /weights_checker body (CheckWeightsReqInput)."""
+
+    action: CheckAction = "checksum"
+    """snapshot | reset_tensors | compare | checksum."""
+    allow_quant_error: bool = False
+    """compare: accept differences within one quantization step (FP8 engines)."""
+    skip_tensor_list: list[str] | None = None
+    """Substrings of tensor names left out of reset, compare and checksum."""
+    selector: Literal["target", "draft", "all"] = "all"
+    """Which model runners: the target model, the speculative draft model, or both."""
+
+
+class RankChecksums(_Reply):
+    """One model runner's answer to `checksum` (SGLang's ChecksumInfo)."""
+
+    checksums: dict[str, str]
+    """Engine tensor name -> 16 hex digits (SGLang's tensor_hash)."""
+    per_gpu_checksum: str = ""
+    """sha256 over the sorted (name, checksum) pairs of this rank."""
+    parallelism_info: dict[str, Any] = Field(default_factory=dict)
+    """role, tp/dp/pp rank and size of the runner."""
+
+
+class CheckWeightsReply(_Reply):
+    """/weights_checker reply: {success, message} plus, for `checksum`, the ranks and their digest."""
+
+    success: bool
+    """Whether the action succeeded (compare: every tensor equal)."""
+    message: str = ""
+    """Details; for a failed compare, one line per differing tensor (`name=... max_abs_err=...`)."""
+    ranks: list[RankChecksums] | None = None
+    """checksum: one entry per TP rank and runner."""
+    per_engine_checksum: str | None = None
+    """checksum: sha256 over the ranks' per_gpu_checksum (equal on engines holding equal weights)."""
 
 
 class SuccessReply(_Reply):

@@ -54,6 +54,19 @@ class WeightUpdateGroup:
         self.store = None
 
 
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP this host uses to reach host:port (loopback for a loopback peer, the pod IP in a
+    pod): what a weight-group listener binds, never all interfaces. No packet is sent."""
+    import socket
+
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        local: str = s.getsockname()[0]
+    return local
+
+
 def open_weight_update_group(
     *,
     backend: str,
@@ -63,8 +76,13 @@ def open_weight_update_group(
     world_size: int,
     group_name: str = "weight_update_group",
     timeout_s: float = 300.0,
+    join_timeout_s: float | None = None,
 ) -> WeightUpdateGroup:
-    """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined."""
+    """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined.
+
+    join_timeout_s bounds the rendezvous (default: timeout_s); timeout_s bounds each collective.
+    Gloo's listener binds the local address that routes to master_address, not all interfaces.
+    """
     import torch
     import torch.distributed as dist
 
@@ -72,17 +90,25 @@ def open_weight_update_group(
         raise ValueError(f"backend={backend!r}: use gloo (CPU) or nccl (CUDA)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}; check rank_offset and world_size")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master_port {master_port}: must be in 1..65535")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    join = datetime.timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=join)  # type: ignore[attr-defined]
     prefixed = dist.PrefixStore(f"{group_name}/", store)  # type: ignore[attr-defined]
     if backend == "gloo":
-        pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        bind = local_address_towards(master_address, master_port)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("backend nccl needs CUDA; use gloo on CPU")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
+    store.set_timeout(timeout)
     return WeightUpdateGroup(
         name=group_name, backend=backend, rank=rank, world_size=world_size, pg=pg, store=store
     )

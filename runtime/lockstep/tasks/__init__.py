@@ -9,8 +9,9 @@ Built-in tasks (`data.prompts: builtin:<name>`):
 - `builtin:reverse`: reverse a string of 3 to 5 digits; exact-match reward (see digits.py).
 - `builtin:toolcalc`: a multi-turn arithmetic task answered through the `calc` tool (see toolcalc/).
 The table is lockstep.tasks.registry.BUILTIN_TASKS.
-A JSON-lines file path is also accepted (one {"prompt" or "messages", "answer"} object per line,
-exact-match reward after stripping whitespace).
+User data is also accepted: a JSON-lines file or directory, or a local Hugging Face dataset (schema
+and forms in lockstep.tasks.data). Its default reward is the math reward (lockstep.tasks.numeric) when
+every label is a number, else exact match after stripping whitespace.
 
 Who calls it: lockstep.driver (prompt source, eval set, default reward), lockstep.rollout.plugins.
 """

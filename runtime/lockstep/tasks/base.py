@@ -1,17 +1,18 @@
 """The Task contract and the loader that turns a manifest's prompt source into a Task.
 
-Why it exists: one small protocol lets the driver treat built-in toy tasks and user JSON-lines data
-the same way: `item(index, split)` gives a deterministic prompt, `reward(text, item)` scores an answer.
+Why it exists: one small protocol lets the driver treat built-in toy tasks and user data (JSON lines,
+local Hugging Face datasets) the same way: `item(index, split)` gives a deterministic prompt,
+`reward(text, item)` scores an answer.
 
 Who calls it: lockstep.driver.components (load_task on data.prompts / data.evalPrompts).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from lockstep.tasks.numeric import label_number, math_reward
 
 Split = Literal["train", "eval"]
 """Which part of a task: training prompts or held-out evaluation prompts."""
@@ -56,15 +57,21 @@ def exact_match(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
-class JsonlTask:
-    """A task read from a JSON-lines file: {"prompt": str} or {"messages": [...]}, plus "answer"."""
+class DataTask:
+    """A task over user data (lockstep.tasks.data reads it): rows of chat messages and a label.
 
-    def __init__(self, path: Path, eval_path: Path | None = None) -> None:
-        self.name = str(path)
-        self._train = _read_jsonl(path)
-        self._eval = (
-            _read_jsonl(eval_path) if eval_path is not None else self._train[: min(64, len(self._train))]
+    The default reward is `math` (lockstep.tasks.numeric: the final number equals the label) when every
+    label of the train rows is a number (GSM8K's `#### 72` included), else exact match.
+    """
+
+    def __init__(self, name: str, train: list[Row], eval_rows: list[Row] | None = None) -> None:
+        self.name = name
+        self._train = train
+        self._eval = eval_rows if eval_rows is not None else train[: min(64, len(train))]
+        self.reward_kind: Literal["math", "exact"] = (
+            "math" if all(label_number(r.answer) is not None for r in train) else "exact"
         )
+        """Which default reward scores this task's answers."""
 
     @property
     def eval_size(self) -> int:
@@ -73,27 +80,21 @@ class JsonlTask:
     def item(self, index: int, split: Split = "train") -> TaskItem:
         rows = self._train if split == "train" else self._eval
         row = rows[index % len(rows)]
-        return TaskItem(index, row[0], row[1], row[2])
+        return TaskItem(index, row.messages, row.answer, dict(row.metadata))
 
     def reward(self, response: str, item: TaskItem) -> float:
+        if self.reward_kind == "math":
+            return math_reward(response, item.answer)
         return exact_match(response, item.answer)
 
 
-def _read_jsonl(path: Path) -> list[tuple[tuple[dict[str, str], ...], str, dict[str, Any]]]:
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"prompt file {path} does not exist; give a JSON-lines file or builtin:<task>"
-        )
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        if "answer" not in obj or not ("prompt" in obj or "messages" in obj):
-            raise ValueError(f'{path}:{n}: each line needs "answer" and "prompt" or "messages"')
-        msgs = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
-        meta = {k: v for k, v in obj.items() if k not in ("prompt", "messages", "answer")}
-        rows.append((tuple(msgs), str(obj["answer"]), meta))
-    if not rows:
-        raise ValueError(f"prompt file {path} holds no items")
-    return rows
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One prompt of user data, validated (lockstep.tasks.data builds them)."""
+
+    messages: tuple[dict[str, str], ...]
+    """The prompt as chat messages."""
+    answer: str
+    """The label the reward reads."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Every other column of the row (for custom reward functions)."""

@@ -15,9 +15,9 @@ Who calls it: lockstep.tasks.load_task's callers (the driver, the trainer).
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-from lockstep.tasks.base import JsonlTask, Task
+from lockstep.tasks.base import DataTask, Task
+from lockstep.tasks.data import read_rows
 from lockstep.tasks.digits import ReverseDigits
 from lockstep.tasks.toolcalc.env import ToolCalc
 
@@ -42,4 +42,4 @@ def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Tas
                 f"data.evalPrompts: a built-in task evaluates on its own eval split; set it to {source!r}"
             )
         return BUILTIN_TASKS[name](seed)
-    return JsonlTask(Path(source), Path(eval_source) if eval_source else None)
+    return DataTask(source, read_rows(source), read_rows(eval_source) if eval_source else None)

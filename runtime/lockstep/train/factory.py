@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Device, Precision, TrainerBackend
+from lockstep.numerics.recipe import training_recipe
 from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ def build_backend(
             device=str(trainer.device),
             dtype="bfloat16" if bf16 else "float32",
             offload=str(trainer.offload),
+            true_on_policy=job.spec.algorithm.true_on_policy,
+            train_recipe=training_recipe(job),
         )
     )
 

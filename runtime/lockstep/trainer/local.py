@@ -20,11 +20,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Offload
-from lockstep.models import TinyTokenizer
+from lockstep.api import Engine, Offload
+from lockstep.models import load_tokenizer
+from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, load_task
 from lockstep.train.common.losses import policy_loss, sft_loss
+from lockstep.train.common.lr_schedule import learning_rate_at, sft_done
 from lockstep.train.common.mismatch import mismatch_weights
 from lockstep.train.common.packing import pack_groups, pack_sft, response_view
 from lockstep.train.common.r3 import collate_routed_experts
@@ -40,6 +42,7 @@ from lockstep.weights.transport import EngineSet, update_members
 if TYPE_CHECKING:
     from lockstep.api import RLJob
     from lockstep.train.backend import TrainBackend
+    from lockstep.train.common.batch import TrainBatch
     from lockstep.weights.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ class TrainerParts:
     """The engines each update reaches (asked again before every update)."""
     pad_id: int
     """Padding token ID for packing."""
+    eos_id: int
+    """The token that ends an assistant turn (closes each SFT answer)."""
     engine_urls: list[str]
     """The engines known at start (the pre-flight reads them back)."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
@@ -84,15 +89,18 @@ class LocalTrainer:
     def __init__(self, parts: TrainerParts) -> None:
         self.parts = parts
         """The backend, transport and task functions the steps run on."""
+        self.rl_steps = 0
+        """RL optimizer steps done (restored by load_latest): the learning-rate schedule's position."""
 
     def warm_start(self) -> Iterator[dict[str, float]]:
         """The SFT warm start: `sft_steps` steps of NLL on the task's reference answers (assistant tokens
-        only), with the RL optimizer; items come from a train-split offset (SFT_ITEM_BASE) so RL prompts
-        are not the ones just imitated."""
+        only), with the RL optimizer, ending early at `sft_stop_at_loss`; items come from a train-split
+        offset (SFT_ITEM_BASE) so RL prompts are not the ones just imitated."""
         c, s = self.parts, self.parts.settings
-        eos = c.encode("<|eos|>")
+        eos = [c.eos_id]
         if s.sft_learning_rate is not None:
             c.backend.set_learning_rate(s.sft_learning_rate)
+        losses: list[float] = []
         for k in range(s.sft_steps):
             pairs = []
             for j in range(s.sft_rows):
@@ -102,6 +110,14 @@ class LocalTrainer:
             if result.skipped:
                 raise NonFiniteLoss(f"SFT warm start step {k}: non-finite loss {result.loss}")
             yield {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+            losses.append(result.loss)
+            if sft_done(losses, s.sft_stop_at_loss):
+                log.info(
+                    "SFT warm start: mean loss of the last steps reached %s at step %d",
+                    s.sft_stop_at_loss,
+                    k + 1,
+                )
+                break
         c.backend.set_learning_rate(s.learning_rate)
 
     def first_update(self, version: int) -> dict[str, float]:
@@ -112,7 +128,8 @@ class LocalTrainer:
         return self.update_weights(version)
 
     def _preflight_update(self, version: int) -> dict[str, float]:
-        """The first update through the pre-flight check (seed §7.2.5): randomize engines, update, compare.
+        """The first update through the pre-flight check (seed §7.2.5): SGLang's /weights_checker
+        snapshot and reset_tensors on every engine, the update, then compare and checksum.
 
         Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
         """
@@ -123,6 +140,7 @@ class LocalTrainer:
             return response_view(batch, c.backend.compute_logprobs(batch), 0)
 
         probe_prompt = c.render(c.task.item(0, "train").messages)
+        served = getattr(c.transport, "served", None)  # a QuantizingTransport: engines hold fake-quantized
         t0 = c.clock()
         urls = c.engines.targets(version)
         c.transport.follow(urls)
@@ -131,12 +149,19 @@ class LocalTrainer:
             c.transport,
             c.backend.export_weights,
             version=version,
-            probe=LogprobProbe(
+            probe=None
+            if served is not None  # the trainer's forward is not quantized: precision-check compares
+            else LogprobProbe(
                 probe_prompt,
                 trainer_logprobs,
                 tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
             ),
-            seed=c.settings.seed,
+            # The reference engine names tensors as HF does and hashes them on the CPU, as the trainer can;
+            # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
+            trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
+            # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
+            compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
+            served=served,
         )
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
@@ -158,6 +183,8 @@ class LocalTrainer:
         Raises NonFiniteLoss when the step could not be applied (weights unchanged).
         """
         c, loss = self.parts, self.parts.settings.loss
+        lr = learning_rate_at(c.settings.lr_schedule, self.rl_steps + 1)
+        c.backend.set_learning_rate(lr)
         batch = pack_groups(groups, loss.estimator, c.pad_id, c.settings.temperature)
         batch.routed_experts = collate_routed_experts(groups)  # R3: one payload per row (None without)
         t0 = c.clock()
@@ -174,12 +201,15 @@ class LocalTrainer:
             raise NonFiniteLoss(
                 f"non-finite loss ({result.loss}) or gradient norm ({result.grad_norm}); the step was not applied"
             )
+        self.rl_steps += 1
         return {
             **batch_metrics(groups),
+            **signal_metrics(batch),
             **mismatch,
             **result.metrics,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
+            "learning_rate": lr,
             "train_tokens": float(result.tokens),
             "time_logprobs_s": t1 - t0,
             "time_train_s": c.clock() - t1,
@@ -200,7 +230,9 @@ class LocalTrainer:
         path = latest_checkpoint(self.parts.run_dir)
         if path is None:
             return None
-        return DriverState.from_dict(self.parts.backend.load(path))
+        state = DriverState.from_dict(self.parts.backend.load(path))
+        self.rl_steps = state.step
+        return state
 
     def preflight_result(self) -> PreflightResult | None:
         """The pre-flight result the last first_update wrote (None when the check did not run)."""
@@ -232,20 +264,22 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         "failed_samples": float(
             sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples)
         ),
-        "solved_groups_frac": sum(all(r >= 1.0 for r in g.rewards) for g in groups) / max(len(groups), 1),
+        **group_signal_metrics([g.rewards for g in groups]),
     }
 
 
-def check_supported(job: RLJob) -> None:
-    """Refuse manifest features this runtime does not build yet; the error names the fields."""
-    spec = job.spec
-    problems = []
-    if spec.model.lora is not None:
-        problems.append("spec.model.lora: LoRA is not built yet; remove it")
-    if spec.algorithm.opd is not None or spec.algorithm.true_on_policy:
-        problems.append("spec.algorithm: opd and trueOnPolicy are not built yet; turn them off")
-    if problems:
-        raise ValueError("; ".join(problems))
+def signal_metrics(batch: TrainBatch) -> dict[str, float]:
+    """What the step could learn from: the mean |advantage| and the sampled tokens' entropy estimate.
+
+    The entropy estimate is the mean negative logprob (pre-update, at the rollout temperature) of the
+    trained tokens: an unbiased estimate of the policy's per-token entropy on its own samples.
+    """
+    mask = batch.loss_mask
+    n = max(float(mask.sum().item()), 1.0)
+    out = {"advantage_abs_mean": float((batch.advantages.abs() * mask).sum().item()) / n}
+    if batch.old_logprobs is not None:
+        out["entropy_estimate"] = float((-batch.old_logprobs * mask).sum().item()) / n
+    return out
 
 
 def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> TrainBackend:
@@ -279,7 +313,7 @@ def build_trainer_parts(
     `members` is where each update finds the engines of the moment (default: exactly `engine_urls`; a
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
-    tokenizer = TinyTokenizer.load(model_dir)
+    tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
     task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
     device = str(getattr(backend, "device_type", "cpu"))
     urls = sorted(u.rstrip("/") for u in engine_urls)
@@ -293,6 +327,7 @@ def build_trainer_parts(
         transport=transport,
         engines=EngineSet(members or StaticMembers(tuple(urls)), urls),
         pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
         engine_urls=[u.rstrip("/") for u in engine_urls],
         render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
         encode=tokenizer.encode,

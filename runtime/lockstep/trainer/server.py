@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from lockstep.models import resolve_checkpoint
 from lockstep.serving.membership import probe_health
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts, check_supported
+from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.settings import TrainerSettings
 from lockstep.trainer.spmd import LeaderBackend, control_group, follow
@@ -240,7 +240,6 @@ def serve(
     (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
     shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
-    check_supported(job)
     settings = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lockstep.train.common.losses import PolicyLossConfig
+from lockstep.train.common.lr_schedule import LRSchedule
 from lockstep.train.common.mismatch import MismatchConfig
 
 if TYPE_CHECKING:
@@ -40,30 +41,31 @@ class TrainerSettings:
     """SFT learning rate (None = learning_rate)."""
     sft_rows: int
     """Rows per SFT step: the RL batch's samples (batch size x samples per prompt)."""
+    sft_stop_at_loss: float | None
+    """End the warm start early at this mean loss of its last steps (None = all sft_steps)."""
     loss: PolicyLossConfig
     """The RL loss (spec.algorithm)."""
+    lr_schedule: LRSchedule
+    """The RL learning rate per step (spec.algorithm.lrSchedule over spec.schedule.steps; a --steps
+    override stops the run early, it does not reshape the schedule)."""
 
     @classmethod
     def from_job(cls, job: RLJob) -> TrainerSettings:
-        """Read the trainer's knobs from `job`; refuses a sampling temperature RL cannot train on."""
+        """Read the trainer's knobs from `job` (the API keeps the sampling temperature above 0)."""
         spec = job.spec
         alg = spec.algorithm
-        temperature = spec.rollout.sampling.temperature
-        if temperature <= 0:
-            raise ValueError(
-                "spec.rollout.sampling.temperature: RL needs temperature > 0 (logprobs of greedy decoding "
-                "are not a sampling distribution); use 1.0"
-            )
         return cls(
             seed=spec.data.seed,
             learning_rate=alg.learning_rate,
             grad_clip=spec.trainer.grad_clip,
             micro_batch_size=spec.trainer.micro_batch_size,
-            temperature=temperature,
+            temperature=spec.rollout.sampling.temperature,
             sft_steps=alg.sft_warm_start.steps,
             sft_learning_rate=alg.sft_warm_start.learning_rate,
             sft_rows=alg.batch_size * alg.samples_per_prompt,
+            sft_stop_at_loss=alg.sft_warm_start.stop_at_loss,
             loss=loss_config(job),
+            lr_schedule=lr_schedule(job),
         )
 
 
@@ -77,4 +79,16 @@ def loss_config(job: RLJob) -> PolicyLossConfig:
         kl_coef=alg.kl.coef,
         kl_estimator=alg.kl.estimator,
         mismatch=MismatchConfig(alg.mismatch.correction, alg.mismatch.low, alg.mismatch.high),
+    )
+
+
+def lr_schedule(job: RLJob) -> LRSchedule:
+    """The RL learning-rate schedule of the manifest (spec.algorithm.lrSchedule)."""
+    alg, sched = job.spec.algorithm, job.spec.algorithm.lr_schedule
+    return LRSchedule(
+        learning_rate=alg.learning_rate,
+        total_steps=job.spec.schedule.steps,
+        warmup_steps=sched.warmup_steps,
+        decay=sched.decay.value,
+        min_learning_rate=sched.min_learning_rate,
     )

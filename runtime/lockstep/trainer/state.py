@@ -3,8 +3,9 @@
 Why it exists: a run stopped by Ctrl-C, a NaN or a crash must resume exactly: the trainer's weights,
 optimizer and RNG (the backend saves those), plus the loop's own position: step, the engines' weight version,
 how many prompts were drawn (the data position) and the next group index. A checkpoint directory is
-written under a temp name and renamed, then `checkpoints/latest` (a one-line file naming it) is
-replaced atomically, so `latest` always names a complete checkpoint.
+written under a temp name, fsynced and renamed, then `checkpoints/latest` (a one-line file naming
+it) is replaced atomically and durably, so after a crash at any instant `latest` names a complete
+checkpoint (save_checkpoint says how, a re-save of the same step included).
 
 Layout: RUN_DIR/checkpoints/step_NNNNNN/ (HF config + safetensors + optimizer + RNG + state) and
 RUN_DIR/checkpoints/latest.
@@ -16,10 +17,13 @@ the trainer ranks of a cluster, whose checkpoints then carry the driver's state)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lockstep.train.common.durable import atomic_write_text, fsync_dir, fsync_tree
 
 if TYPE_CHECKING:
     from lockstep.train.backend import TrainBackend
@@ -57,28 +61,77 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+LATEST = "latest"
+"""The pointer file: one line naming the checkpoint directory to resume from."""
+_TMP = re.compile(r"\.(step_\d+)\.tmp\d*")
+"""Temporary checkpoint directories: .step_NNNNNN.tmp (and .tmp2 when the first is in use)."""
+
+
+def _pointed(root: Path) -> str | None:
+    pointer = root / LATEST
+    return pointer.read_text().strip() or None if pointer.is_file() else None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The directory named by checkpoints/latest, or None when the run has none."""
-    pointer = checkpoints_dir(run_dir) / "latest"
-    if not pointer.is_file():
+    """The directory named by checkpoints/latest, or None when the run has none.
+
+    `latest` may name a temporary copy (a re-save of the step it named points there first); once
+    that copy is renamed to its final name, the final name is the same complete checkpoint.
+    """
+    root = checkpoints_dir(run_dir)
+    name = _pointed(root)
+    if name is None:
         return None
-    path = checkpoints_dir(run_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if (root / name).is_dir():
+        return root / name
+    tmp = _TMP.fullmatch(name)
+    if tmp is not None and (root / tmp.group(1)).is_dir():
+        return root / tmp.group(1)
+    return None
 
 
 def save_checkpoint(backend: TrainBackend, run_dir: Path, state: DriverState) -> Path:
-    """Save trainer + driver state as checkpoints/step_NNNNNN and point `latest` at it."""
+    """Save trainer + driver state as checkpoints/step_NNNNNN and point `latest` at it, durably.
+
+    Order (a crash at any point leaves `latest` naming a complete checkpoint):
+    1. every rank writes into a temporary directory (each file temp + fsync + rename);
+    2. rank 0 fsyncs the whole tree; if `latest` names the step being re-saved, it now points at the
+       complete temporary copy, so the old one may go;
+    3. an old directory of the step is moved aside, the temporary one renamed into place, the
+       parent fsynced; 4. `latest` is replaced atomically; 5. leftovers are removed.
+    """
     root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{state.step:06d}"
     final = root / name
+    pointed = _pointed(root)  # read by every rank before rank 0 changes it (after the barrier)
     tmp = root / f".{name}.tmp"
+    if pointed == tmp.name:  # a crash left `latest` on this temporary copy: keep it, use another
+        tmp = root / f".{name}.tmp2"
     shutil.rmtree(tmp, ignore_errors=True)
     backend.save(tmp, extra=state.as_dict())
     if backend.rank == 0:
+        fsync_tree(tmp)
+        fsync_dir(root)
+        old = root / f".{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
         if final.exists():
-            shutil.rmtree(final)
+            if latest_checkpoint(run_dir) == final:
+                atomic_write_text(root / LATEST, tmp.name + "\n")
+            os.replace(final, old)
         os.replace(tmp, final)
-        pointer_tmp = root / ".latest.tmp"
-        pointer_tmp.write_text(name + "\n")
-        os.replace(pointer_tmp, root / "latest")
+        fsync_dir(root)
+        atomic_write_text(root / LATEST, name + "\n")
+        _remove_leftovers(root, keep=name)
     return final
+
+
+def _remove_leftovers(root: Path, *, keep: str) -> None:
+    """Temporary and moved-aside directories no pointer names any more (from this or a crashed save)."""
+    for path in root.iterdir():
+        if path.name == keep:
+            continue
+        if path.is_dir() and (_TMP.fullmatch(path.name) or path.name.endswith(".old")):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(f".{LATEST}.tmp-"):  # a pointer write cut short
+            path.unlink(missing_ok=True)

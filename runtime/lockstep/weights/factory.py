@@ -22,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import Device, RLJob, Transport
+from lockstep.api import Device, Engine, Precision, RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
+from lockstep.numerics.recipe import recipe_of
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from lockstep.weights.disk_delta_local import LocalDiskDelta
 from lockstep.weights.from_disk import MODEL_FILES, FromDiskTransport
 from lockstep.weights.ipc import CudaIpcTransport
 from lockstep.weights.p2p import P2PTransport, http_target
 from lockstep.weights.pipeline import PipelineConfig
+from lockstep.weights.quantizing import QuantizingTransport
 from lockstep.weights.transport import WeightTransport
 
 if TYPE_CHECKING:
@@ -121,14 +123,31 @@ def needs_tensor_updates(job: RLJob) -> bool:
 
 
 def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool) -> None:
-    """Refuse, before anything starts, a transport this process cannot run; the error names the field."""
+    """Refuse, before anything starts, a transport this process cannot run; the error names the field.
+
+    Only what depends on this machine and process (CUDA, where the engine runs) is checked here; what
+    the manifest alone decides (one engine for cuda-ipc) is refused at apply (lockstep.api.rules)."""
+    rollout = job.spec.rollout
+    if (
+        job.spec.weight_sync.transport is Transport.P2P
+        and rollout.engine is Engine.SGLANG
+        and not rollout.p2p_receiver
+    ):
+        raise ValueError(
+            f"{FIELD}: p2p writes into the engines through Lockstep's P2P receive extension, which stock "
+            "SGLang does not serve (docs/sglang.md); use broadcast, or set spec.rollout.p2pReceiver to true "
+            "for an engine image that serves it"
+        )
+    if (
+        job.spec.rollout.precision is not Precision.BF16
+        and job.spec.weight_sync.transport is not Transport.AUTO
+    ):
+        raise ValueError(
+            f"{FIELD}: with spec.rollout.precision {job.spec.rollout.precision} the quantized weights travel "
+            "as checkpoint files (from-disk) only so far; set the transport to auto"
+        )
     if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
-    if max(job.spec.rollout.replicas, 1) != 1:
-        raise ValueError(
-            f"{FIELD}: cuda-ipc hands weights to the one colocated engine; set spec.rollout.replicas to 1 "
-            "or choose broadcast"
-        )
     if job.spec.trainer.device is not Device.CUDA:
         if external_engines:
             raise ValueError(
@@ -188,5 +207,8 @@ def build_transport(
         case Transport.CUDA_IPC:
             (url,) = urls  # check_transport allowed one engine only
             transport = CudaIpcTransport(url, device=device, config=pipeline, pause_mode=ws.pause_mode)
+    serving = recipe_of(job)
+    if serving is not None:  # low-precision serving: every push is quantized by the shared quantizer
+        transport = QuantizingTransport(transport, serving)
     transport.follow(urls)
     return transport

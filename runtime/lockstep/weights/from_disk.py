@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lockstep.models.tokenizer import TOKENIZER_FILES
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.weights.transport import TransferReport
@@ -32,7 +33,7 @@ from lockstep.weights.transport import TransferReport
 if TYPE_CHECKING:
     import torch
 
-MODEL_FILES = ("config.json", "tiny_tokenizer.json", "chat_template.jinja")
+MODEL_FILES = ("config.json", *TOKENIZER_FILES)
 """Non-weight files a version directory carries so an engine can load it alone."""
 
 Reload = Callable[[str, int], None]

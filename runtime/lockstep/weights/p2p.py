@@ -40,6 +40,13 @@ _COLUMN_RE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|l
 _ROW_RE = re.compile(r"(o_proj|down_proj)\.weight$")
 
 
+P2P_INFO_ROUTE = "/p2p_receiver_info"
+"""GET: the engine's receive buffer and slots (P2PTargetInfo). Lockstep's one documented engine
+extension (docs/sglang.md): the pinned SGLang has no receive side for trainer-pushed P2P writes."""
+P2P_COMMIT_ROUTE = "/p2p_receiver_commit"
+"""POST P2PCommitRequest: verify what arrived, load it, set the weight version."""
+
+
 class P2PWriteError(RuntimeError):
     """A TransferEngine write (or the engine set-up) failed; the update did not happen."""
 
@@ -105,7 +112,7 @@ class Slot(BaseModel):
 
 
 class P2PTargetInfo(BaseModel):
-    """GET /lockstep/p2p/info reply: what a source needs to write into one target."""
+    """GET /p2p_receiver_info reply: what a source needs to write into one target."""
 
     model_config = ConfigDict(extra="forbid")
     session_id: str
@@ -123,7 +130,7 @@ class P2PTargetInfo(BaseModel):
 
 
 class P2PCommitRequest(BaseModel):
-    """POST /lockstep/p2p/commit body: load what arrived and advance the weight version."""
+    """POST /p2p_receiver_commit body: load what arrived and advance the weight version."""
 
     model_config = ConfigDict(extra="forbid")
     version: int
@@ -212,7 +219,7 @@ class P2PReceiver:
 
 
 Commit = Callable[[P2PCommitRequest], None]
-"""Tells one target to verify and load what arrived (HTTP POST /lockstep/p2p/commit in production)."""
+"""Tells one target to verify and load what arrived (HTTP POST /p2p_receiver_commit in production)."""
 
 
 @dataclass(slots=True)
@@ -442,17 +449,17 @@ class P2PTransport:
 
 
 def http_target(engine_url: str, timeout_s: float = 300.0) -> P2PTarget:
-    """A P2PTarget for an engine serving our extension (GET /lockstep/p2p/info, POST /lockstep/p2p/commit)."""
+    """A P2PTarget for an engine serving our extension (GET /p2p_receiver_info, POST /p2p_receiver_commit)."""
     import httpx
 
     base = engine_url.rstrip("/")
-    resp = httpx.get(base + "/lockstep/p2p/info", timeout=timeout_s)
+    resp = httpx.get(base + P2P_INFO_ROUTE, timeout=timeout_s)
     if resp.status_code != 200:
-        raise P2PWriteError(f"{base}/lockstep/p2p/info answered {resp.status_code}: {resp.text[:300]}")
+        raise P2PWriteError(f"{base}{P2P_INFO_ROUTE} answered {resp.status_code}: {resp.text[:300]}")
     info = P2PTargetInfo.model_validate(resp.json())
 
     def commit(req: P2PCommitRequest) -> None:
-        r = httpx.post(base + "/lockstep/p2p/commit", json=req.model_dump(mode="json"), timeout=timeout_s)
+        r = httpx.post(base + P2P_COMMIT_ROUTE, json=req.model_dump(mode="json"), timeout=timeout_s)
         if r.status_code != 200:
             raise P2PWriteError(f"{base} refused the commit of version {req.version}: {r.text[:500]}")
 

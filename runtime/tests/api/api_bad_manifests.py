@@ -93,6 +93,9 @@ CHOICES: dict[str, list[Any]] = {
     "spec.model.variant": [None, "4b", "8b"],
     "spec.model.family": ["tiny", "qwen3"],
     "spec.rollout.prefillDecode": [False, True],
+    "spec.rollout.multiTokenPrediction": [False, True],
+    "spec.rollout.sampling.maxSessionTokens": [None, 4096],
+    "spec.weightSync.pauseMode": ["retract", "abort", "in_place"],
     "spec.rollout.precision": ["bf16", "fp8", "nvfp4"],
     "spec.rollout.gpusPerEngine": [0, 1, 4],
     "spec.rollout.tensorParallel": [1, 2, 4],
@@ -116,6 +119,7 @@ CHOICES: dict[str, list[Any]] = {
     "spec.trainer.parallelism.tensor": [1, 2, 4],
     "spec.trainer.parallelism.pipeline": [1, 2],
     "spec.trainer.parallelism.context": [1, 2],
+    "spec.algorithm.opd": [None, {"teachers": [{"name": "t", "url": "http://t:30000"}]}],
     "spec.trainer.parallelism.expert": [1, 2, 8],
     "spec.placement.gang": [
         {"scheduler": "none"},

@@ -57,6 +57,18 @@ def test_every_rule_is_exercised_by_the_table() -> None:
     assert untested == ["pool-replicas-within-autoscaling"]
 
 
+def test_every_unbuilt_feature_has_its_own_row() -> None:
+    # each `*-not-built` rule is refused alone by validate and by the apiserver (e2e/test_api_crds.py)
+    unbuilt = {r.name for r in RULES if r.name.endswith("-not-built")}
+    assert len(unbuilt) >= 6
+    rows = {row.name: row for row in TABLE}
+    for name in sorted(unbuilt):
+        rule = next(r for r in RULES if r.name == name)
+        with pytest.raises(ManifestError) as err:
+            parse_object(rows[name].manifest)
+        assert [p.message for p in err.value.problems] == [rule.message], name
+
+
 def test_examples_validate(capsys: pytest.CaptureFixture[str]) -> None:
     paths = sorted(EXAMPLES.glob("*.yaml"))
     assert {p.stem for p in paths} >= {"tiny-local", "h100", "glm5-gb300"}
@@ -88,26 +100,27 @@ def test_unreadable_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_manifest_error_is_one_line_per_problem() -> None:
     doc = example("glm5-gb300")
     doc["spec"]["schedule"]["colocate"] = True
-    doc["spec"]["trainer"]["parallelism"]["context"] = 3
+    doc["spec"]["trainer"]["parallelism"]["tensor"] = 3
     with pytest.raises(ManifestError) as err:
         load_manifest(yaml.safe_dump(doc))
     lines = str(err.value).splitlines()
     assert lines == [
         "spec.schedule.colocate: true: fully-async needs separate GPUs for rollout and training: set "
         "schedule.colocate to false or schedule.mode to sync",
-        'spec.trainer.parallelism: {"tensor":2,"pipeline":4,"context":3,"expert":8,"expertTensor":1}: '
+        'spec.trainer.parallelism: {"tensor":3,"pipeline":4,"context":1,"expert":8,"expertTensor":1}: '
         "tensor x pipeline x context parallel must divide nodes x gpusPerNode: change trainer.parallelism "
         "or the trainer's GPU count",
     ]
 
 
 def test_glm5_parallelism_counts_ep_inside_the_32_gpus() -> None:
-    # seed §9: TP2 x PP4 x CP4 = 32 GPUs, EP8 spreads experts over the same ranks (not 256 GPUs)
+    # seed §9 without CP (not built): TP2 x PP4 on 32 GPUs is DP 4; EP8 spreads experts over the same
+    # ranks (not 256 GPUs)
     job = load_manifest(EXAMPLES / "glm5-gb300.yaml")
     t = job.spec.trainer
     assert t.nodes * t.gpus_per_node == 32
     p = t.parallelism
-    assert (p.tensor, p.pipeline, p.context, p.expert) == (2, 4, 4, 8)
+    assert (p.tensor, p.pipeline, p.context, p.expert) == (2, 4, 1, 8)
 
 
 def _pool(replicas: int, low: int, high: int) -> dict[str, object]:

@@ -271,3 +271,97 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
     assert [d.step for d in reporter.docs] == [0, 0]
     assert reporter.docs[-1].error is not None and reporter.docs[-1].error.startswith("NonFiniteLoss: ")
     assert not reporter.docs[-1].done
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "error"),
+    [("/nonexistent/qwen3", "FileNotFoundError"), ("builtin:no-such-model", None)],
+    ids=["missing-directory", "unknown-builtin"],
+)
+def test_a_driver_that_cannot_start_reports_why_once(
+    tmp_path: Path, checkpoint: str, error: str | None
+) -> None:
+    """A bad checkpoint stops the driver before any step: one document, error and DriverStartFailed."""
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+    from lockstep.driver.report import START_FAILURES
+
+    job = load_manifest(_tiny_job(tmp_path, model={"checkpoint": checkpoint}))
+    reporter = _ListReporter()
+    with pytest.raises(START_FAILURES) as raised:
+        run(job, tmp_path / "run", steps=1, cache_dir=tmp_path / "cache", reporter=reporter)
+    [doc] = reporter.docs
+    assert doc.reason == "DriverStartFailed" and doc.step is None and not doc.done
+    assert doc.error == f"driver could not start: {type(raised.value).__name__}: {raised.value}"
+    assert checkpoint in doc.error
+    if error is not None:
+        assert type(raised.value).__name__ == error
+
+
+def test_an_unreachable_engine_is_not_a_start_failure(tmp_path: Path) -> None:
+    """The engine may come back: the pod restarts and tries again, the job does not fail."""
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+    from lockstep.serving.client import EngineUnreachable
+
+    job = load_manifest(_tiny_job(tmp_path))
+    reporter = _ListReporter()
+    with pytest.raises(EngineUnreachable):
+        run(
+            job,
+            tmp_path / "run",
+            steps=1,
+            cache_dir=tmp_path / "cache",
+            reporter=reporter,
+            engine_urls=("http://127.0.0.1:9",),
+            engine_ready_timeout_s=0.5,
+        )
+    assert reporter.docs == []
+
+
+def test_start_failure_document_and_rank_key(api: tuple[str, type[_Recorder]], tmp_path: Path) -> None:
+    from lockstep.api.progress import rank_key
+    from lockstep.driver.report import start_failure
+
+    doc = start_failure(FileNotFoundError("x" * 5000), "trainer rank 2")
+    assert doc.reason == "TrainerStartFailed" and doc.error is not None and len(doc.error) == 4096
+    assert doc.error.startswith("trainer rank 2 could not start: FileNotFoundError: xxx")
+    assert start_failure(ValueError("bad"), "driver").reason == "DriverStartFailed"
+    # a rank writes its own key: the driver's document is left alone
+    url, handler = api
+    (tmp_path / "token").write_text("t")
+    rep = ConfigMapReporter(
+        url, "ns", "j-progress", token_path=tmp_path / "token", ca_path=None, key=rank_key(2)
+    )
+    assert rep.report(doc)
+    body = handler.seen[0][3]
+    assert list(body["data"]) == ["rank-2.json"]
+    assert ProgressReport.model_validate_json(body["data"]["rank-2.json"]) == doc
+
+
+def test_a_rank_reporter_from_env_writes_its_key_and_probes_no_engine(tmp_path: Path) -> None:
+    from lockstep.api.progress import rank_key
+
+    (tmp_path / "token").write_text("t")
+    env = {
+        "LOCKSTEP_PROGRESS_CONFIGMAP": "j-progress",
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "LOCKSTEP_ENGINES_SERVICE": "j-rollout-engines",
+    }
+    driver = reporter_from_env(env, tmp_path)
+    rank = reporter_from_env(env, tmp_path, key=rank_key(3))
+    assert isinstance(driver, ConfigMapReporter) and isinstance(rank, ConfigMapReporter)
+    assert (driver.key, driver.probe is not None) == (PROGRESS_KEY, True)
+    assert (rank.key, rank.probe) == ("rank-3.json", None)
+
+
+def test_a_trainer_rank_that_cannot_start_exits_2_naming_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Outside a pod there is no channel (NullReporter); e2e/test_operator_startup.py runs it in one."""
+    from lockstep.cli import main
+
+    job = _tiny_job(tmp_path, model={"checkpoint": "/nonexistent/ckpt"})
+    argv = ["trainer", "--config", str(job), "--serve", "--out", str(tmp_path / "out")]
+    assert main([*argv, "--engine-url", "http://127.0.0.1:9"]) == 2
+    assert "/nonexistent/ckpt" in capsys.readouterr().err

@@ -97,7 +97,7 @@ def _trainer_state(out: Path) -> dict[str, object]:
 
 
 def _engine_version(url: str) -> str:
-    return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+    return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
 
 
 class Group:

@@ -93,6 +93,35 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
     }  # fmt: skip
 
 
+def test_sft_target_lr_schedule_and_dynamic_sampling_through_the_loop(tmp_path: Path, cache: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = _manifest(
+        tmp_path,
+        {
+            # the untrained loss (~4) is below this target: the warm start ends after its 5-step window
+            "spec.algorithm.sftWarmStart": {"steps": 50, "learningRate": 0.003, "stopAtLoss": 50.0},
+            "spec.algorithm.lrSchedule": {"warmupSteps": 1, "decay": "linear", "minLearningRate": 1e-5},
+            "spec.algorithm.dynamicSampling": {"maxGroupsPerStep": 6},
+        },
+    )
+    assert main(["run", str(job), "--run-dir", str(run_dir), "--cache-dir", str(cache)]) == 0
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert sum(r["kind"] == "sft" for r in rows) == 5
+    train = [r for r in rows if r["kind"] == "train"]
+    # spec.schedule.steps 3: warmup step 1 at the peak / 1, then linear from the peak towards 1e-5
+    assert [r["learning_rate"] for r in train] == pytest.approx([3e-4, 3e-4, 1e-5 + (3e-4 - 1e-5) / 2])
+    for r in train:
+        generated, dropped = r["groups_generated"], r["groups_dropped"]
+        assert 2 <= generated <= 6 and 0 <= dropped <= generated
+        kept = generated - dropped
+        # rounds go on until a batch (2) has a reward spread or the cap (6) is reached, never past either
+        assert kept <= 2 and (kept == 2 or generated == 6)
+        assert r["generated_zero_variance_groups_frac"] == pytest.approx(dropped / generated)
+        if kept == 2:
+            assert r["zero_variance_groups_frac"] == 0.0  # the trained groups all have a spread
+    assert _state(run_dir)["extra"]["prompts_consumed"] == sum(r["groups_generated"] for r in train)  # type: ignore[index]
+
+
 def test_sigint_finishes_the_step_and_leaves_a_checkpoint(tmp_path: Path, cache: Path) -> None:
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"
@@ -176,7 +205,8 @@ def test_unsupported_settings_are_refused_before_start(
 ) -> None:
     bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}})
     assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
-    assert "spec.model.lora: LoRA is not built yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "spec.model.lora: " in err and "LoRA is not built yet" in err and "remove model.lora" in err
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])

@@ -9,6 +9,7 @@ import yaml
 from lockstep.api import ManifestError, load_manifest
 from lockstep.driver.settings import RunSettings, Schedule, settings_from_job
 from lockstep.train.common.losses import PolicyLossConfig
+from lockstep.train.common.lr_schedule import LRSchedule
 from lockstep.train.common.mismatch import MismatchConfig
 from lockstep.trainer.settings import TrainerSettings
 
@@ -39,6 +40,7 @@ def test_golden_settings_of_the_fixture() -> None:
             sft_steps=2,
             sft_learning_rate=0.003,
             sft_rows=8,
+            sft_stop_at_loss=None,
             loss=PolicyLossConfig(
                 estimator="grpo",
                 eps_clip_low=0.2,
@@ -47,7 +49,9 @@ def test_golden_settings_of_the_fixture() -> None:
                 kl_estimator="k3",
                 mismatch=MismatchConfig("off", 0.0, 2.0),
             ),
+            lr_schedule=LRSchedule(learning_rate=0.0003, total_steps=3),
         ),
+        max_groups_per_step=None,
     )
 
 
@@ -61,12 +65,46 @@ def test_local_knobs_come_from_typed_fields() -> None:
     assert (s.trainer.grad_clip, s.trainer.micro_batch_size, s.eval_temperature) == (0.5, 8, 0.7)
 
 
+def test_lr_schedule_and_dynamic_sampling_come_from_the_manifest() -> None:
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["algorithm"] |= {
+        "lrSchedule": {"warmupSteps": 1, "decay": "cosine", "minLearningRate": 1e-5},
+        "dynamicSampling": {"maxGroupsPerStep": 6},
+    }
+    s = settings_from_job(load_manifest(yaml.safe_dump(doc)), steps=2)
+    # --steps stops the run early; the schedule still spans spec.schedule.steps (3)
+    assert s.trainer.lr_schedule == LRSchedule(
+        learning_rate=0.0003, total_steps=3, warmup_steps=1, decay="cosine", min_learning_rate=1e-5
+    )
+    assert s.max_groups_per_step == 6
+
+
 @pytest.mark.parametrize(
     ("section", "value", "field"),
     [
         ("trainer", {"gradClip": 0}, "spec.trainer.gradClip"),
         ("trainer", {"microBatchSize": 0}, "spec.trainer.microBatchSize"),
         ("algorithm", {"sftWarmStart": {"steps": -1}}, "spec.algorithm.sftWarmStart.steps"),
+        ("algorithm", {"lrSchedule": {"decay": "step"}}, "spec.algorithm.lrSchedule.decay"),
+        ("algorithm", {"lrSchedule": {"warmupSteps": -1}}, "spec.algorithm.lrSchedule.warmupSteps"),
+        ("algorithm", {"lrSchedule": {"warmupSteps": 3}}, "spec.algorithm.lrSchedule.warmupSteps"),
+        (
+            "algorithm",
+            {"lrSchedule": {"minLearningRate": 0.001}},
+            "spec.algorithm.lrSchedule.minLearningRate",
+        ),
+        ("algorithm", {"sftWarmStart": {"stopAtLoss": 0}}, "spec.algorithm.sftWarmStart.stopAtLoss"),
+        (
+            "algorithm",
+            {"sftWarmStart": {"steps": 0, "stopAtLoss": 0.5}},
+            "spec.algorithm.sftWarmStart.stopAtLoss",
+        ),
+        ("algorithm", {"dynamicSampling": {}}, "spec.algorithm.dynamicSampling.maxGroupsPerStep"),
+        (
+            "algorithm",
+            {"dynamicSampling": {"maxGroupsPerStep": 1}},
+            "spec.algorithm.dynamicSampling.maxGroupsPerStep",
+        ),
     ],
 )
 def test_bad_knobs_are_refused_naming_the_field(section: str, value: dict[str, object], field: str) -> None:

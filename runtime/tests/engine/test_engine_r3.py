@@ -20,7 +20,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
-from lockstep.models.tiny import TinyTokenizer, materialize_builtin
+from lockstep.models.tiny import chat_tokenizer, materialize_builtin
 from lockstep.rollout.generate import RoutedExpertsClient, RoutedExpertsError, single_turn
 from lockstep.rollout.plugins import RolloutContext
 from lockstep.serving import EngineClient, EngineError, GenerateResult, SamplingParams
@@ -28,7 +28,7 @@ from lockstep.train.common.r3 import decode_routed_experts
 from lockstep.types import Sample
 from transformers import Qwen3MoeForCausalLM
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 LAYERS, TOP_K, EXPERTS = 2, 2, 8
 
 

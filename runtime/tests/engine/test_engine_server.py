@@ -22,7 +22,8 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
+from lockstep.rollout.staleness import measure_staleness
 from lockstep.serving import (
     EngineClient,
     EngineError,
@@ -35,7 +36,7 @@ from lockstep.serving.weight_group import open_weight_update_group
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 
 
 @dataclass
@@ -45,9 +46,12 @@ class Served:
     url: str
 
 
-async def _serve(path: Path, allow_tensor_updates: bool = False) -> AsyncIterator[Served]:
+async def _serve(
+    path: Path, allow_tensor_updates: bool = False, stock: bool = False
+) -> AsyncIterator[Served]:
     engine = ReferenceEngine.load(path, max_running_requests=8, context_length=256, seed=0)
-    server = TestServer(create_app(engine, allow_tensor_updates=allow_tensor_updates), host="127.0.0.1")
+    app = create_app(engine, allow_tensor_updates=allow_tensor_updates, stock=stock)
+    server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     client = EngineClient(url, retries=2, backoff_s=0.01)
@@ -61,6 +65,13 @@ async def _serve(path: Path, allow_tensor_updates: bool = False) -> AsyncIterato
 @pytest.fixture
 async def served(tiny_dir: Path) -> AsyncIterator[Served]:
     async for s in _serve(tiny_dir):
+        yield s
+
+
+@pytest.fixture
+async def served_stock(tiny_dir: Path) -> AsyncIterator[Served]:
+    """Only what stock SGLang serves (no extension route or reply field)."""
+    async for s in _serve(tiny_dir, stock=True):
         yield s
 
 
@@ -152,6 +163,31 @@ async def test_retract_keeps_tokens_and_records_new_version(served: Served, tiny
     # Tokens after the switch were sampled by the new weights over the whole (recomputed) prefix.
     ref = _reference_logprobs(tiny_dir_b, prompt, res.output_ids, 1.0)
     assert res.output_logprobs[switch:] == pytest.approx(ref[switch:], abs=1e-5)
+
+
+async def test_stock_mode_reports_per_token_versions_as_sglang_does(
+    served_stock: Served, tiny_dir_b: Path
+) -> None:
+    """Stock SGLang's meta_info.weight_versions spans carry the versions: a request retracted across an
+    update counts every token in the coverage metric, with the switch where it happened."""
+    prompt = _prompt("a long answer please")
+    sp = SamplingParams(max_new_tokens=60, temperature=1.0, ignore_eos=True, sampling_seed=1)
+    task = asyncio.create_task(served_stock.client.generate(prompt, sp))
+    await _wait_tokens(served_stock, 3)
+    await served_stock.client.pause_generation("retract")
+    await served_stock.client.update_weights_from_disk(str(tiny_dir_b), weight_version=1)
+    await served_stock.client.continue_generation()
+    res: GenerateResult = await task
+    switch = res.token_versions.index(1)
+    assert res.token_versions == [0] * switch + [1] * (60 - switch)
+    measured = measure_staleness(res.token_versions, current_version=1)
+    assert measured.coverage == 1.0 and measured.mixed and measured.s_old == 1
+    async with httpx.AsyncClient(base_url=served_stock.url) as http:
+        raw = (
+            await http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+        ).json()
+    assert raw["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 2}]
+    assert set(raw["meta_info"]) >= {"weight_version", "weight_versions"}
 
 
 async def test_update_from_disk_changes_outputs_and_version(served: Served, tiny_dir_b: Path) -> None:

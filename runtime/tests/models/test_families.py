@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from lockstep.models.families import get_family, names
 from lockstep.models.registry import Message, ToolCall
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer, save_tokenizer
 
 CONVERSATION = [
     Message("system", "You are a calculator agent."),
@@ -42,19 +42,19 @@ def sampled_row(family_name: str, canonical: list[int], next_role: str) -> list[
     if family_name == "qwen3":
         assert fam.codec.decode(canonical[-2:]) == "<|im_end|>\n"
         return canonical[:-1]  # the model stops at <|im_end|>; it never samples the "\n"
-    if family_name == "glm47":
+    if family_name in ("glm47", "glm5"):
         stop = "<|observation|>" if next_role == "tool" else "<|user|>"
         return canonical + fam.codec.encode(stop)  # the stop token is also the next opener
     return canonical  # tiny: the assistant turn ends with the sampled <|eos|>
 
 
-def test_registry_lists_the_three_families() -> None:
-    assert {"qwen3", "glm47", "tiny"} <= set(names())
+def test_registry_lists_the_families() -> None:
+    assert {"qwen3", "glm47", "glm5", "tiny"} <= set(names())
     with pytest.raises(KeyError, match="registered families"):
         get_family("llama")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "glm5", "tiny"])
 def test_render_is_append_only(name: str) -> None:
     fam = get_family(name)
     full = fam.encode_messages(CONVERSATION, add_generation_prompt=False)
@@ -63,7 +63,7 @@ def test_render_is_append_only(name: str) -> None:
         assert full[: len(shorter)] == shorter, f"{name}: rendering after message {k} rewrote earlier tokens"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "glm5", "tiny"])
 def test_sampled_row_plus_merged_suffix_equals_canonical(name: str) -> None:
     fam = get_family(name)
     for a, b in itertools.pairwise(ASSISTANT_AT):
@@ -98,7 +98,7 @@ def test_tiny_merge_needs_no_repair_after_eos() -> None:
     assert fam.merge([7, 8], [4, 9]).bridge == (1,)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "glm47", "tiny"])
+@pytest.mark.parametrize("name", ["qwen3", "glm47", "glm5", "tiny"])
 def test_parse_reply_round_trips_a_rendered_assistant_turn(name: str) -> None:
     fam = get_family(name)
     turn = CONVERSATION[6]
@@ -141,6 +141,12 @@ def test_qwen3_keeps_the_models_own_argument_bytes() -> None:
             "<tool_call>calc<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
             "<|user|>",
         ),
+        (
+            "glm5",
+            "<tool_call><arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<tool_call>calc<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+            "<|observation|>",
+        ),
     ],
 )
 def test_malformed_tool_call_stays_visible_text(name: str, bad: str, good: str, end: str) -> None:
@@ -178,6 +184,6 @@ def test_a_real_tokenizer_json_is_loaded_and_checked(tmp_path: Path) -> None:
         get_family("glm47", str(tmp_path / "missing"))
 
 
-def test_tiny_verifies_a_checkpoint_vocabulary(tmp_path: Path) -> None:
-    TinyTokenizer().save(tmp_path)
-    assert get_family("tiny", str(tmp_path)).codec.encode("<|user|>hi") == [2, *TinyTokenizer().encode("hi")]
+def test_tiny_reads_a_checkpoint_vocabulary(tmp_path: Path) -> None:
+    save_tokenizer(tmp_path)
+    assert get_family("tiny", str(tmp_path)).codec.encode("<|user|>hi") == [2, *chat_tokenizer().encode("hi")]

@@ -17,8 +17,6 @@ import pytest
 from lockstep.driver.fully_async import (
     AsyncLoop,
     AsyncSettings,
-    ColocateRefused,
-    check_schedule,
 )
 from lockstep.driver.settings import Schedule
 from lockstep.driver.steps import EvalOutcome
@@ -195,16 +193,6 @@ async def test_resume_continues_from_state() -> None:
     assert min(i for b in hooks.trained for i in b) >= 40
     assert [s for s, _ in hooks.logged] == [4, 5, 6]
     assert [s.step for s in hooks.saved] == [6]  # always saved at the end
-
-
-def test_colocate_refused_at_start() -> None:
-    with pytest.raises(ColocateRefused, match="colocate"):
-        check_schedule("fully-async", colocate=True)
-    check_schedule("fully-async", colocate=False)
-    check_schedule("sync", colocate=True)
-    with pytest.raises(ValueError, match="pauseMode"):
-        check_schedule("fully-async", colocate=False, pause_mode="abort")
-    check_schedule("fully-async", colocate=False, pause_mode="in_place")
 
 
 def test_settings_checked() -> None:

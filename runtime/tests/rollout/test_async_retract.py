@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from lockstep.driver.engines import EngineServer, start_reference_engine
-from lockstep.models.tiny import resolve_checkpoint
+from lockstep.models import resolve_checkpoint
 from lockstep.rollout.async_worker import AsyncRolloutWorker, Prompt
 from lockstep.rollout.buffer import GroupBuffer
 from lockstep.rollout.generate import single_turn

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from lockstep.driver.engines import EngineServer, PoolClient, start_reference_engine
-from lockstep.models import TinyTokenizer, resolve_checkpoint
+from lockstep.models import ChatTokenizer, resolve_checkpoint
 from lockstep.rollout.generate import Rollout, single_turn
 from lockstep.rollout.plugins import AgentContext, PluginError, RolloutContext, load_plugins
 from lockstep.serving.client import EngineClient
@@ -95,7 +95,7 @@ async def _run(
     engine: tuple[EngineServer, Path], plugins_kw: dict[str, str], max_turns: int | None = None
 ) -> Sample:
     server, model = engine
-    tok = TinyTokenizer.load(model)
+    tok = ChatTokenizer.load(model)
     async with EngineClient(server.url) as client:
         ctx = RolloutContext(
             client=PoolClient([client]),
@@ -140,7 +140,7 @@ def test_agent_function_contract(engine: tuple[EngineServer, Path], user_module:
     s = asyncio.run(_run(engine, {"agent_path": f"{user_module}:agent_two_turns"}, max_turns=2))
     s.check()
     eq = s.metadata["env_at"]
-    assert s.response_ids[eq] == TinyTokenizer().encode("=")[0]
+    assert s.response_ids[eq] == ChatTokenizer.load(engine[1]).encode("=")[0]
     assert s.loss_mask[eq] == 0 and s.token_versions[eq] is None  # the environment token never trains
     assert s.metadata["turns"] == 2
 

@@ -33,11 +33,11 @@ def conversations() -> tuple[str, ...]:
 def trained_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint that greedily reproduces TRAINED_CONVERSATIONS (trained once per test run)."""
     import torch
-    from lockstep.models.tiny import TinyTokenizer, materialize_builtin
+    from lockstep.models.tiny import chat_tokenizer, materialize_builtin, save_tokenizer
     from transformers import Qwen3ForCausalLM
 
     base = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny-base"), seed=0)
-    tok = TinyTokenizer()
+    tok = chat_tokenizer()
     model = Qwen3ForCausalLM.from_pretrained(base)
     enc = [tok.encode(c) for c in TRAINED_CONVERSATIONS]
     width = max(map(len, enc))
@@ -57,7 +57,7 @@ def trained_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("tiny-tools")
     model.save_pretrained(out)
-    tok.save(out)
+    save_tokenizer(out)
     return out
 
 

@@ -15,12 +15,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.rollout.session.engine import ReplicaPool
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import EngineClient, SamplingParams
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 USER = {"role": "user", "content": "add 2 and 3"}
 
 
@@ -249,3 +249,19 @@ async def test_engine_failure_is_a_502_and_metrics_are_exported(server: SessionS
     assert 'tito_session_mismatch_total{type="special_token_count"} 0.0' in text
     assert "tito_session_checks_total 1.0" in text
     assert "tito_turn_overhead_seconds_count 1.0" in text
+
+
+async def test_a_session_that_names_no_mode_takes_the_servers_default(engine_url: str) -> None:
+    """In a job the default is spec.rollout.session (lockstep.rollout.session.local); a body still wins."""
+    config = SessionServerConfig(family="tiny", mode="branching", matcher="loose_tool_call", max_nodes=3)
+    srv = SessionServer(config, ReplicaPool([engine_url]))
+    await srv.start()
+    try:
+        async with httpx.AsyncClient() as h:
+            default, linear = await new_session(srv), await new_session(srv, mode="linear")
+            assert (await h.get(f"{srv.url}/sessions/{default}")).json()["mode"] == "branching"
+            assert (await h.get(f"{srv.url}/sessions/{linear}")).json()["mode"] == "linear"
+        tree = srv.sessions[default].tree
+        assert tree.max_nodes == 3 and srv.sessions[linear].tree.max_nodes == 3
+    finally:
+        await srv.stop()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.rollout.plugins import AgentContext, check_generate, check_reward, load_function
 from lockstep.rollout.session.local import toolcalc_agent
 from lockstep.serving import EngineClient, SamplingParams
@@ -25,7 +25,7 @@ def test_items_are_deterministic_and_answers_correct() -> None:
     assert a == b
     assert a.answer == calc({"expression": a.metadata["expression"]})
     assert task.item(5, "eval") != a
-    TinyTokenizer().encode(a.messages[0]["content"])  # every prompt is in the tiny vocabulary
+    chat_tokenizer().encode(a.messages[0]["content"])  # every prompt is in the tiny vocabulary
 
 
 def test_score_rewards_the_tool_path() -> None:
@@ -44,7 +44,7 @@ def test_plugins_load_through_the_manifest_contract() -> None:
 async def test_episode_yields_the_token_exact_sample_and_full_reward(
     engine_url: str, conversations: tuple[str, ...]
 ) -> None:
-    tok = TinyTokenizer()
+    tok = chat_tokenizer()
     item = TaskItem(0, ({"role": "user", "content": "calc 2+3"},), "5", {"expression": "2+3"})
     async with EngineClient(engine_url) as client:
         ctx = AgentContext(

@@ -187,7 +187,7 @@ def test_trainer_serve_updates_weights_by_the_operators_transport(
         metrics = updated.json()["metrics"]
         # Only the broadcast transport reports wire bytes (from-disk, the local rule, reports none).
         assert metrics["update_weights_wire_bytes"] > 0 and metrics["update_weights_engines"] == 1.0, metrics
-        assert str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]) == "1"
+        assert str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"]) == "1"
         assert httpx.post(f"{base}/shutdown", json={}, timeout=30).status_code == 200
         assert proc.wait(60) == 0, log.read_text()[-3000:]
     finally:

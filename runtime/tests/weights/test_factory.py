@@ -33,7 +33,6 @@ def test_other_transports_always_start(transport: str, external: bool) -> None:
     [
         ("cpu", 1, False, False, None),  # host shared memory with the in-process engine
         ("cpu", 1, True, False, "host memory with an engine of this process only"),
-        ("cpu", 2, False, False, "set spec.rollout.replicas to 1"),
         ("cuda", 1, False, False, "needs a CUDA device"),
         ("cuda", 1, False, True, "needs the engine in another process"),
         ("cuda", 1, True, True, None),
@@ -50,3 +49,20 @@ def test_cuda_ipc_refusals_name_the_field(
     with pytest.raises(ValueError, match=r"spec\.weightSync\.transport: cuda-ipc") as e:
         check_transport(job, external_engines=external, cuda_available=cuda)
     assert refusal in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("engine", "declared", "refused"),
+    [("sglang", False, True), ("sglang", True, False), ("reference", False, False)],
+)
+def test_p2p_into_stock_sglang_is_refused_with_the_fix(engine: str, declared: bool, refused: bool) -> None:
+    """Stock SGLang has no P2P receive side: p2p needs an engine image that declares it (docs/sglang.md)."""
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["weightSync"] = {"transport": "p2p"}
+    doc["spec"]["rollout"].update(engine=engine, p2pReceiver=declared)
+    job = load_manifest(yaml.safe_dump(doc))
+    if refused:
+        with pytest.raises(ValueError, match=r"spec\.rollout\.p2pReceiver"):
+            check_transport(job, external_engines=True, cuda_available=False)
+    else:
+        check_transport(job, external_engines=True, cuda_available=False)

@@ -22,11 +22,14 @@ from lockstep.weights.transport import TransferReport
 from weights_engine import EngineServer
 
 
-def trainer_model(tiny_dir: Path, seed: int = 1) -> Any:
-    """The trainer's copy: the same checkpoint after a fake step (every weight moved)."""
+def trainer_model(tiny_dir: Path, seed: int | None = 1) -> Any:
+    """The trainer's copy: the same checkpoint after a fake step (every weight moved); seed None: the
+    checkpoint as loaded (a fresh job's first update, what the pre-flight's `compare` assumes)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    if seed is None:
+        return model
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -129,10 +132,10 @@ def broadcast(engine_server: EngineServer) -> Iterator[BroadcastTransport]:
 
 
 def test_preflight_passes(engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport) -> None:
-    model = trainer_model(tiny_dir)
+    model = trainer_model(tiny_dir, seed=None)
     probe = preflight.LogprobProbe(PROMPT, trainer_logprobs(model), tolerance=1e-3)
     result = preflight.check_weight_update_equal(
-        [engine_server.url], broadcast, lambda: export(model), probe=probe
+        [engine_server.url], broadcast, lambda: export(model), probe=probe, trainer_checksums=True
     )
     assert result.passed, result.message
     assert result.checked_tensors == len(export(model)) and result.logprob_max_abs_diff is not None
@@ -141,18 +144,56 @@ def test_preflight_passes(engine_server: EngineServer, tiny_dir: Path, broadcast
     assert preflight.PreflightResult.model_validate_json(result.model_dump_json()) == result
 
 
+def test_preflight_passes_against_the_stock_engine(tiny_dir: Path) -> None:
+    """Stock mode serves only what stock SGLang serves: the pre-flight needs nothing more."""
+    server = EngineServer(tiny_dir, stock=True)
+    transport = BroadcastTransport([EngineTarget(server.url)], backend="gloo")
+    try:
+        model = trainer_model(tiny_dir, seed=None)
+        probe = preflight.LogprobProbe(PROMPT, trainer_logprobs(model), tolerance=1e-3)
+        result = preflight.check_weight_update_equal(
+            [server.url], transport, lambda: export(model), probe=probe
+        )
+        assert result.passed, result.message
+        assert result.checked_tensors == len(export(model))  # every engine tensor checksummed
+        dropped = DroppingTransport(transport, "model.norm.weight")
+        again = preflight.check_weight_update_equal([server.url], dropped, lambda: export(model), version=1)
+        assert [(m.name, m.reason) for m in again.mismatches] == [("model.norm.weight", "differs")]
+    finally:
+        transport.close()
+        server.close()
+
+
 def test_preflight_catches_a_dropped_tensor(
     engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport
 ) -> None:
-    model = trainer_model(tiny_dir)
+    model = trainer_model(tiny_dir, seed=None)
     dropped = "model.layers.1.mlp.up_proj.weight"
     result = preflight.check_weight_update_equal(
         [engine_server.url], DroppingTransport(broadcast, dropped), lambda: export(model)
     )
     assert not result.passed
-    assert [(m.name, m.reason) for m in result.mismatches] == [(dropped, "checksum")]  # it still holds noise
+    # SGLang's /weights_checker compare names it: it still holds the reset's noise, not the checkpoint.
+    assert [(m.name, m.reason) for m in result.mismatches] == [(dropped, "differs")]
+    assert "max_abs_err=" in result.mismatches[0].detail
     cond = result.condition(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
     assert cond.status == "False" and cond.reason == "TensorsDiffer" and dropped in cond.message
+
+
+def test_preflight_checksums_catch_a_dropped_tensor_after_a_warm_start(
+    engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport
+) -> None:
+    """Without `compare` (the trainer no longer holds the loaded checkpoint) the trainer's checksums decide."""
+    model = trainer_model(tiny_dir)
+    dropped = "model.norm.weight"
+    result = preflight.check_weight_update_equal(
+        [engine_server.url],
+        DroppingTransport(broadcast, dropped),
+        lambda: export(model),
+        trainer_checksums=True,
+        compare_loaded=False,
+    )
+    assert [(m.name, m.reason) for m in result.mismatches] == [(dropped, "checksum")]
 
 
 class DroppingTransport:
@@ -175,10 +216,10 @@ class DroppingTransport:
 def test_preflight_probe_catches_a_skipped_post_load_step(
     engine_server: EngineServer, tiny_dir: Path, broadcast: BroadcastTransport
 ) -> None:
-    model = trainer_model(tiny_dir)
+    model = trainer_model(tiny_dir, seed=None)
     # The trainer's forward sees a layout the engine never got (as if a post-load shuffle were skipped
     # on one side): checksums of the transferred tensors agree, logprobs do not.
-    shuffled = trainer_model(tiny_dir)
+    shuffled = trainer_model(tiny_dir, seed=None)
     with torch.no_grad():
         w = shuffled.model.layers[0].self_attn.q_proj.weight
         w.copy_(w.flip(0))

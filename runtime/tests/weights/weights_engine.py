@@ -10,7 +10,9 @@ from pathlib import Path
 class EngineServer:
     """A ReferenceEngine behind its aiohttp app on 127.0.0.1, on a private loop thread."""
 
-    def __init__(self, model_dir: Path, *, device: str = "cpu", allow_tensor_updates: bool = False) -> None:
+    def __init__(
+        self, model_dir: Path, *, device: str = "cpu", allow_tensor_updates: bool = False, stock: bool = False
+    ) -> None:
         from aiohttp import web
         from lockstep.engine import ReferenceEngine, create_app
 
@@ -18,7 +20,7 @@ class EngineServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        app = create_app(self.engine, allow_tensor_updates=allow_tensor_updates)
+        app = create_app(self.engine, allow_tensor_updates=allow_tensor_updates, stock=stock)
         self._runner = web.AppRunner(app)
 
         async def start() -> int:

@@ -1,4 +1,4 @@
-"""The registered model families, one module each (qwen3, glm47, tiny), and the lookup by name.
+"""The registered model families, one module each (qwen3, glm47, glm5, tiny), and the lookup by name.
 
 Why it exists: importing this package registers every built-in family with lockstep.models.registry,
 so `get_family("qwen3")` works without the caller knowing module paths. The lookup lives here, above
@@ -9,10 +9,10 @@ Who calls it: lockstep.rollout.session (the session server), lockstep.cli.sessio
 
 from __future__ import annotations
 
-from lockstep.models.families import glm47, qwen3, tiny
+from lockstep.models.families import glm5, glm47, qwen3, tiny
 from lockstep.models.registry import FACTORIES, ModelFamily
 
-__all__ = ["get_family", "glm47", "names", "qwen3", "tiny"]
+__all__ = ["get_family", "glm5", "glm47", "names", "qwen3", "tiny"]
 
 _CACHE: dict[tuple[str, str | None], ModelFamily] = {}
 

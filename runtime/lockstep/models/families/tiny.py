@@ -1,7 +1,7 @@
-"""The tiny family: lockstep.models.tiny's character tokenizer and chat format, plus tool calls.
+"""The tiny family: what the tiny chat template cannot say (the TITO seam, tool-call parsing).
 
-Format (lockstep.models.tiny): [<|system|>text] <|user|>text <|assistant|>text<|eos|> <|tool|>text,
-generation prompt <|assistant|>. The tiny tokenizer has no tool-call tokens, so a tool call is
+Format (lockstep.models.tiny's chat template, checked against it in the tests): [<|system|>text]
+<|user|>text <|assistant|>text<|eos|> <|tool|>text, generation prompt <|assistant|>. The tiny tokenizer has no tool-call tokens, so a tool call is
 written in the assistant text as <call>{"name": ..., "arguments": {...}}</call> (every character is
 in the tiny vocabulary). The tiny format has no reasoning block; reasoning is not rendered.
 
@@ -19,24 +19,11 @@ import re
 from collections.abc import Sequence
 
 from lockstep.models import tiny
+from lockstep.models.families._bpe import BpeCodec
 from lockstep.models.families._parse import parse_json_call, split_calls
 from lockstep.models.registry import Merge, Message, ModelFamily, ParsedReply, Tool, ToolCall, register
 
 _CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)
-
-
-class TinyCodec:
-    """Adapts lockstep.models.tiny.TinyTokenizer to the registry's Codec surface."""
-
-    def __init__(self) -> None:
-        self.tokenizer = tiny.TinyTokenizer()
-        """The tiny character tokenizer (IDs fixed forever)."""
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 class Tiny(ModelFamily):
@@ -52,9 +39,10 @@ class Tiny(ModelFamily):
         return _render(messages, add_generation_prompt)
 
     def merge(self, row_tail: Sequence[int], suffix: Sequence[int]) -> Merge:
-        if row_tail and row_tail[-1] == tiny.EOS_ID:
+        eos = next(iter(self.stop_ids))  # the one stop token, <|eos|>
+        if row_tail and row_tail[-1] == eos:
             return Merge(trim=0, bridge=(), suffix=tuple(suffix))
-        return Merge(trim=0, bridge=(tiny.EOS_ID,), suffix=tuple(suffix))
+        return Merge(trim=0, bridge=(eos,), suffix=tuple(suffix))
 
     def parse_reply(self, text: str) -> ParsedReply:
         text = text.removesuffix("<|eos|>")
@@ -84,20 +72,24 @@ def _render(messages: Sequence[Message], add_generation_prompt: bool) -> str:
 
 
 def build(tokenizer_dir: str | None = None) -> Tiny:
-    """Build the tiny family around lockstep.models.tiny's tokenizer (a checkpoint dir is verified)."""
+    """Build the tiny family with the checkpoint's tokenizer.json from `tokenizer_dir`, or the tiny
+    tokenizer built in code (the same vocabulary) when None."""
+    specials = tiny.SPECIAL_TOKENS
     if tokenizer_dir:
-        tiny.TinyTokenizer.load(tokenizer_dir)  # raises when that checkpoint's vocabulary differs
-    codec = TinyCodec()
+        codec = BpeCodec.from_dir(tokenizer_dir, specials)
+    else:
+        codec = BpeCodec(tiny.tiny_tokenizer(), specials, "builtin:tiny")
+    ids = codec.special_to_id
     return Tiny(
         name="tiny",
         codec=codec,
-        special_ids=codec.tokenizer.special_ids,
-        stop_ids=frozenset({tiny.EOS_ID}),
+        special_ids=frozenset(ids.values()),
+        stop_ids=frozenset({ids["<|eos|>"]}),
         role_openers={
-            tiny.SYSTEM_ID: "system",
-            tiny.USER_ID: "user",
-            tiny.ASSISTANT_ID: "assistant",
-            tiny.TOOL_ID: "tool",
+            ids["<|system|>"]: "system",
+            ids["<|user|>"]: "user",
+            ids["<|assistant|>"]: "assistant",
+            ids["<|tool|>"]: "tool",
         },
     )
 

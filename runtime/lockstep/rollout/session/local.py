@@ -8,7 +8,8 @@ session sticks to one of them), and reuse it afterwards.
 
 Manifest: spec.agent.agentFunction: lockstep.rollout.session.local:toolcalc_agent
           spec.agent.rewardFunction: lockstep.tasks.toolcalc:reward
-The family comes from AgentContext.extra["family"] (default "tiny").
+The family comes from AgentContext.extra["family"] (default "tiny"), the tokenizer from
+AgentContext.extra["tokenizer_dir"] (the run's checkpoint dir; the driver sets both).
 
 Who calls it: lockstep.rollout.generate (as the configured agent function), tests.
 """
@@ -67,7 +68,16 @@ async def session_url_for(ctx: Any) -> str:
         entry = servers.by_client.get(id(ctx.client))
         if entry is None:
             family = str(ctx.extra.get("family", "tiny"))
-            config = SessionServerConfig(family=family, max_new_tokens=ctx.sampling.max_new_tokens)
+            session = ctx.extra.get("session") or {}  # spec.rollout.session: defaults of new sessions
+            tokenizer_dir = ctx.extra.get("tokenizer_dir")  # the served checkpoint's tokenizer.json
+            config = SessionServerConfig(
+                family=family,
+                tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                max_new_tokens=ctx.sampling.max_new_tokens,
+                mode=session.get("mode", "linear"),
+                matcher=session.get("matcher", "strict"),
+                max_nodes=session.get("maxNodes", 256),
+            )
             srv = SessionServer(config, turn_engine(ctx.client))
             await srv.start("127.0.0.1", 0)
             entry = servers.by_client[id(ctx.client)] = (ctx.client, srv)

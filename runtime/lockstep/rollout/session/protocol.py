@@ -54,13 +54,14 @@ class _Wire(BaseModel):
 
 
 class CreateSession(_Wire):
-    """POST /sessions body (all optional)."""
+    """POST /sessions body (all optional: an unset field takes the server's default, which in a job is
+    spec.rollout.session)."""
 
-    mode: Literal["linear", "branching"] = "linear"
+    mode: Literal["linear", "branching"] | None = None
     """linear: one trajectory, one assistant-turn rollback; branching: append-only tree, one per leaf."""
-    matcher: Literal["strict", "loose_tool_call", "role_content_only"] = "strict"
+    matcher: Literal["strict", "loose_tool_call", "role_content_only"] | None = None
     """How replayed messages are compared with stored ones (see lockstep.rollout.session.matcher)."""
-    max_nodes: int = Field(default=256, ge=1, le=65536)
+    max_nodes: int | None = Field(default=None, ge=1, le=65536)
     """Cap on stored turns of a branching session."""
 
 

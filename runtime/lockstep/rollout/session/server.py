@@ -71,6 +71,12 @@ class SessionServerConfig:
     """Open sessions beyond this are refused (503) until some are deleted."""
     idle_ttl_s: float = 3600.0
     """A session untouched this long is dropped (agents that crash never DELETE); swept on create."""
+    mode: str = "linear"
+    """Mode of a session whose POST /sessions names none (in a job: spec.rollout.session.mode)."""
+    matcher: str = "strict"
+    """Matcher of a session whose POST /sessions names none (spec.rollout.session.matcher)."""
+    max_nodes: int = 256
+    """Node cap of a session whose POST /sessions names none (spec.rollout.session.maxNodes)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -196,7 +202,13 @@ class SessionServer:
         if len(self.sessions) >= self.config.max_sessions:
             return _error(503, f"{len(self.sessions)} sessions open (max_sessions); delete finished sessions")
         sid = uuid.uuid4().hex
-        tree = TokenTree(self.family, SessionMode(opts.mode), get_matcher(opts.matcher), opts.max_nodes)
+        c = self.config
+        tree = TokenTree(
+            self.family,
+            SessionMode(opts.mode or c.mode),
+            get_matcher(opts.matcher or c.matcher),
+            opts.max_nodes or c.max_nodes,
+        )
         now = self._clock()
         self.sessions[sid] = Session(id=sid, tree=tree, created=now, last_used=now)
         return web.json_response({"session_id": sid})

@@ -12,20 +12,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lockstep.numerics import kernels
+
 if TYPE_CHECKING:
     import torch
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    tiles: kernels.Tiles | None = None,
+) -> torch.Tensor:
     """Logprob of input_ids[:, t+1] under logits[:, t]; returns [B, T-1] float32.
 
     logits: [B, T, V]; input_ids: [B, T]. Uses logsumexp instead of a full log_softmax tensor to keep
-    peak memory at one [B, T-1, V] float32 buffer.
+    peak memory at one [B, T-1, V] float32 buffer. With `tiles` (true on-policy) the logprobs are
+    lockstep.numerics.kernels.token_logprobs, the engine's own computation.
     """
     import torch
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
+    if tiles is not None:
+        b, t, v = logits.shape
+        flat = logits[:, :-1].reshape(-1, v)  # [B*(T-1), V]
+        temp = torch.full((flat.shape[0],), temperature, dtype=torch.float32, device=logits.device)
+        ids = input_ids[:, 1:].reshape(-1)
+        return kernels.token_logprobs(flat, ids, temp, tiles).view(b, t - 1)
     scaled = logits[:, :-1].float() / temperature  # [B, T-1, V]
     target = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     picked = torch.gather(scaled, -1, target).squeeze(-1)  # [B, T-1]

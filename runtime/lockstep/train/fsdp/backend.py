@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lockstep.models.checkpoint import copy_model_files
+from lockstep.numerics import exact
+from lockstep.numerics.recipe import Recipe
 from lockstep.train.backend import StepResult
 from lockstep.train.common.dist import init_distributed
 from lockstep.train.common.logprobs import token_logprobs
@@ -63,6 +66,12 @@ class FSDPConfig:
     r3_replay: bool = True
     """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
     measures r3_routing_mismatch (what replay would fix)."""
+    train_recipe: Recipe | None = None
+    """Low-precision training forward (spec.trainer.precision, seed §6 stage 2): the recipe's
+    quantized linear layers compute with fake_quantize(weight), gradients straight through."""
+    true_on_policy: bool = False
+    """Run the batch-invariant kernels of lockstep.numerics.exact (the engine runs the same), so
+    the trainer's logprobs equal the rollout's bit for bit (spec.algorithm.trueOnPolicy)."""
     offload: str = "none"
     """trainer.offload: `cpu` keeps parameters, gradients and optimizer state in host memory with
     FSDP2's CPUOffloadPolicy (moved to the GPU layer by layer for compute, the optimizer step runs on
@@ -121,6 +130,10 @@ class FSDPBackend:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
         model.to(self.device)
+        if self.config.true_on_policy:
+            exact.apply(model, self.device)
+        if self.config.train_recipe is not None:
+            self.config.train_recipe.install_training(model)
         # An explicit mesh of the trainer's own device type: the default mesh follows the machine (CUDA
         # when present) and would move a CPU trainer's parameters onto the GPU.
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -157,7 +170,7 @@ class FSDPBackend:
         if plan is not None:
             self.last_routing.pairs += record.pairs
             self.last_routing.mismatched += record.mismatched
-        return token_logprobs(logits, ids, batch.temperature)  # [B, T-1]
+        return token_logprobs(logits, ids, batch.temperature, exact.tiles_of(model))  # [B, T-1]
 
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
         import torch
@@ -260,6 +273,8 @@ class FSDPBackend:
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         ckpt.save(self, Path(directory), extra or {})
+        if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
+            copy_model_files(self.config.model_path, directory)
 
     def load(self, directory: Path) -> dict[str, Any]:
         return ckpt.load(self, Path(directory))

@@ -10,6 +10,9 @@ optimizer state, step and RNG. Layout of a checkpoint directory:
     rng_rank{R}.pt         each rank's torch RNG state (and CUDA RNG when present)
     trainer_state.json     {"step": ..., "extra": {...}} (the driver's resume data lives in extra)
 
+Every file is written durably (temp name, fsync, rename: lockstep.train.common.durable) and read
+back with torch.load(weights_only=True): a checkpoint holds tensors and plain data, never code.
+
 Who calls it: lockstep.train.fsdp.backend (save / load).
 """
 
@@ -19,6 +22,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from lockstep.train.common.durable import atomic_path, atomic_write_text
 
 if TYPE_CHECKING:
     import torch
@@ -64,12 +69,15 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if backend.device_type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(backend.device)
-    torch.save(rng, directory / f"rng_rank{backend.rank}.pt")
+    with atomic_path(directory / f"rng_rank{backend.rank}.pt") as tmp:
+        torch.save(rng, tmp)
     if backend.rank == 0:
-        save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
-        backend.model.config.save_pretrained(directory)
-        torch.save(optim_state, directory / "optimizer.pt")
-        (directory / STATE).write_text(json.dumps({"step": backend.step, "extra": extra}, indent=1))
+        with atomic_path(directory / WEIGHTS) as tmp:
+            save_file(weights, str(tmp), metadata={"format": "pt"})
+        atomic_write_text(directory / "config.json", backend.model.config.to_json_string())
+        with atomic_path(directory / "optimizer.pt") as tmp:
+            torch.save(optim_state, tmp)
+        atomic_write_text(directory / STATE, json.dumps({"step": backend.step, "extra": extra}, indent=1))
     dist.barrier()
 
 
@@ -89,11 +97,11 @@ def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, strict=False)
     weights: dict[str, Any] = dict(load_file(str(directory / WEIGHTS)))
     set_model_state_dict(backend.model, weights, options=options)
-    optim_state = torch.load(directory / "optimizer.pt", weights_only=False)
+    optim_state = torch.load(directory / "optimizer.pt", weights_only=True)
     set_optimizer_state_dict(backend.model, backend.optimizer, optim_state_dict=optim_state, options=options)
     rng_file = directory / f"rng_rank{backend.rank}.pt"
     if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and backend.device_type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], backend.device)

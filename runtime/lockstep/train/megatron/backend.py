@@ -37,6 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lockstep.models.checkpoint import copy_model_files
 from lockstep.train.backend import StepResult
 from lockstep.train.common.logprobs import token_logprobs
 from lockstep.train.common.r3 import ReplayPlan, RoutingRecord, build_replay
@@ -479,6 +480,8 @@ class MegatronBackend:
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         self.onload()
         ckpt.save(self, Path(directory), extra or {})
+        if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
+            copy_model_files(self.config.model_path, directory)
 
     def load(self, directory: Path) -> dict[str, Any]:
         self.onload()

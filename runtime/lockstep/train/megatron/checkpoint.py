@@ -13,6 +13,9 @@ differs. Layout of a checkpoint directory:
     rng_rank{R}.pt           each rank's torch and CUDA RNG state
     trainer_state.json       {"step": ..., "extra": {...}} (the driver's resume data lives in extra)
 
+Every file is written durably (temp name, fsync, rename: lockstep.train.common.durable) and read
+back with torch.load(weights_only=True).
+
 Who calls it: lockstep.train.megatron.backend (save / load).
 """
 
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lockstep.train.common.durable import atomic_path, atomic_write_text
 from lockstep.train.megatron.model import load_into, local_weights
 from lockstep.train.megatron.state import MOMENTS, optimizer_params, resident
 
@@ -61,13 +65,17 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     weights = {name: t.to("cpu").contiguous() for name, t in backend.export_weights()}
-    torch.save(_optimizer_shard(backend), directory / f"optimizer_rank{backend.rank}.pt")
+    with atomic_path(directory / f"optimizer_rank{backend.rank}.pt") as tmp:
+        torch.save(_optimizer_shard(backend), tmp)
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(backend.device)}
-    torch.save(rng, directory / f"rng_rank{backend.rank}.pt")
+    with atomic_path(directory / f"rng_rank{backend.rank}.pt") as tmp:
+        torch.save(rng, tmp)
     if backend.rank == 0:
-        save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(Path(backend.config.model_path) / "config.json", directory / "config.json")
-        (directory / STATE).write_text(json.dumps({"step": backend.step, "extra": extra}, indent=1))
+        with atomic_path(directory / WEIGHTS) as tmp:
+            save_file(weights, str(tmp), metadata={"format": "pt"})
+        with atomic_path(directory / "config.json") as tmp:
+            shutil.copyfile(Path(backend.config.model_path) / "config.json", tmp)
+        atomic_write_text(directory / STATE, json.dumps({"step": backend.step, "extra": extra}, indent=1))
     dist.barrier()
 
 
@@ -112,7 +120,7 @@ def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     missing = [f.name for f in (directory / WEIGHTS, directory / STATE, shard_file) if not f.exists()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
-    shard = torch.load(shard_file, weights_only=False)
+    shard = torch.load(shard_file, weights_only=True)
     if shard["layout"] != _layout(backend):
         raise ValueError(
             f"checkpoint {directory} was written by a trainer of layout {shard['layout']}; this one is "
@@ -122,7 +130,7 @@ def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     _restore_optimizer(backend, shard)
     rng_file = directory / f"rng_rank{backend.rank}.pt"
     if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         torch.cuda.set_rng_state(rng["cuda"], backend.device)
     state = json.loads((directory / STATE).read_text())

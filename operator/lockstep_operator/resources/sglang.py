@@ -1,0 +1,82 @@
+"""The SGLang server command of an engine pod: every flag the spec asks for, in SGLang's spelling.
+
+Why it exists: stock SGLang is the production engine, and a flag it does not know stops the pod at
+start-up. The flags are written here once, for the pinned SGLang (scripts/setup.sh installs it for
+the tests only), and runtime/tests/sglang/test_engine_flags.py parses every rendering with SGLang's
+own ServerArgs parser and checks the parsed values against the spec. Called by resources.commands.
+
+Spec -> flags: tensorParallel -> --tp-size; dataParallelAttention > 1 -> --attn-dp-size (SGLang's
+spelling since `--enable-dp-attention --dp-size` was deprecated); precision fp8 | mxfp8 | nvfp4 ->
+--quantization fp8 | mxfp8 | nvfp4_online (online quantization of the bf16 checkpoint and of every
+update); kvCacheDtype -> --kv-cache-dtype; R3 -> --enable-return-routed-experts; true-on-policy ->
+--enable-deterministic-inference --rl-on-policy-target fsdp (plus TRUE_ON_POLICY_ENV); a
+prefill-decode role -> --disaggregation-mode; multiTokenPrediction -> EAGLE speculative decoding over
+the model's MTP head; --weight-version 0 (the loaded checkpoint is version 0, as the reference
+engine reports); --api-key from the job's Secret through the container env (never in the pod spec).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
+
+from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release these flags and the runtime's HTTP contract are checked against (the engine
+image's SGLang must match; scripts/setup.sh installs the same for the contract tests)."""
+
+QUANTIZATION = {Precision.FP8: "fp8", Precision.MXFP8: "mxfp8", Precision.NVFP4: "nvfp4_online"}
+"""Serving precision -> SGLang --quantization (bf16 serves the checkpoint as it is)."""
+
+MTP_FLAGS = (
+    "--speculative-algorithm", "EAGLE",
+    "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "4",
+)  # fmt: skip
+"""Speculative decoding with the model's own MTP layers as the draft (SGLang's DeepSeek/GLM recipe)."""
+
+TRUE_ON_POLICY_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+"""Environment of true-on-policy engines: a fixed NCCL reduction order and deterministic cuBLAS."""
+
+Disaggregation = Literal["prefill", "decode"]
+"""The role of one server of a prefill-decode pair."""
+
+
+def sglang_command(
+    engine: EngineSpec,
+    model: ModelSpec,
+    *,
+    r3: bool = False,
+    true_on_policy: bool = False,
+    disaggregation: Disaggregation | None = None,
+) -> list[str]:
+    """`python3 -m sglang.launch_server ...` for one engine replica (pure)."""
+    cmd = [
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", model.checkpoint,
+        "--host", f"$({POD_IP_ENV})",  # the pod IP, never all interfaces
+        "--port", str(ENGINE_PORT),
+        "--tp-size", str(engine.tensor_parallel),
+        "--weight-version", "0",
+        "--api-key", f"$({API_KEY_ENV})",  # the kubelet expands it from the Secret-backed env var
+    ]  # fmt: skip
+    if model.tokenizer:
+        cmd += ["--tokenizer-path", model.tokenizer]
+    if engine.data_parallel_attention > 1:
+        cmd += ["--attn-dp-size", str(engine.data_parallel_attention)]
+    if engine.precision in QUANTIZATION:
+        cmd += ["--quantization", QUANTIZATION[engine.precision]]
+    if engine.kv_cache_dtype is not KVCacheDtype.AUTO:
+        cmd += ["--kv-cache-dtype", engine.kv_cache_dtype.value]
+    if r3:
+        cmd += ["--enable-return-routed-experts"]
+    if true_on_policy:
+        cmd += ["--enable-deterministic-inference", "--rl-on-policy-target", "fsdp"]
+    if disaggregation is not None:
+        cmd += ["--disaggregation-mode", disaggregation]
+    if engine.multi_token_prediction:
+        cmd += list(MTP_FLAGS)
+    return cmd + list(engine.extra_args)

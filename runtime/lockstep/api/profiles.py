@@ -1,0 +1,81 @@
+"""The registry of true-on-policy profiles: which models get the exact-logprob guarantee, and how.
+
+Why it exists: true on-policy (seed §4.3) is a narrow, strict kernel contract, proved per model: the
+rollout engine and the trainer must run one computation, so a model is admitted only once its layers
+are all covered by the batch-invariant kernels (lockstep.numerics). Like Miles, Lockstep refuses the
+mode at apply for any model without a registered profile rather than run with a weaker promise
+(the `true-on-policy-profile` rule in lockstep.api.rules reads `TRUE_ON_POLICY_PROFILES`).
+
+A profile names the model (`family`, and the `variant`s it covers; `None` covers the whole family),
+the kernel settings both sides need, and the SGLang server arguments that turn them on in an engine
+pod (`sglang_args`; the operator renders them, the reference engine takes the same switches).
+
+Who calls it: lockstep.api.rules (apply-time refusal), the runtime (`profile_for`), the operator's
+engine rendering (`sglang_args`), docs/true-on-policy.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+SGLANG_TRUE_ON_POLICY_ARGS: Final[tuple[str, ...]] = (
+    "--enable-deterministic-inference",
+    "--rl-on-policy-target",
+    "fsdp",
+    "--attention-backend",
+    "fa3",
+)
+"""SGLang's switches for true on-policy against an FSDP trainer (batch-invariant kernels,
+deterministic sampling, the trainer's numerics for norms/rope/activations, FlashAttention-3)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One registered true-on-policy profile."""
+
+    name: str
+    """Stable id (docs, logs)."""
+    family: str
+    """spec.model.family it covers."""
+    variants: tuple[str, ...] | None
+    """spec.model.variant values it covers; None covers every variant (and none)."""
+    attention: str
+    """The attention both sides run: `lockstep_exact` (lockstep.numerics.kernels.attention)."""
+    matmul: str
+    """The matmul both sides run: fixed tiles, fp32 accumulation, inner tiles added in order."""
+    sglang_args: tuple[str, ...] = SGLANG_TRUE_ON_POLICY_ARGS
+    """Arguments appended to `python -m sglang.launch_server` for this profile."""
+    dense_only: bool = True
+    """MoE checkpoints of the family are refused at start (no batch-invariant expert dispatch)."""
+
+    def covers(self, family: str, variant: str | None) -> bool:
+        return family == self.family and (self.variants is None or variant in self.variants)
+
+
+EXACT_ATTENTION: Final = "lockstep_exact"
+ORDERED_MATMUL: Final = "tiled-fp32-ordered"
+
+PROFILES: Final[tuple[Profile, ...]] = (
+    Profile("tiny", "tiny", None, EXACT_ATTENTION, ORDERED_MATMUL),
+    Profile("qwen3-dense-small", "qwen3", ("0.6b", "1.7b", "4b"), EXACT_ATTENTION, ORDERED_MATMUL),
+)
+"""Registered profiles: the tiny family (CPU runs and tests) and dense Qwen3 0.6B / 1.7B / 4B."""
+
+TRUE_ON_POLICY_FAMILIES: Final[tuple[str, ...]] = tuple(p.family for p in PROFILES if p.variants is None)
+"""Families registered whole (any variant)."""
+
+TRUE_ON_POLICY_PROFILES: Final[tuple[str, ...]] = tuple(
+    f"{p.family}-{v}" for p in PROFILES for v in (p.variants or ())
+)
+"""`family-variant` pairs registered one by one."""
+
+
+def profile_for(family: str, variant: str | None) -> Profile | None:
+    """The profile covering this model, or None (true on-policy is then refused)."""
+    return next((p for p in PROFILES if p.covers(family, variant)), None)
+
+
+def registered_names() -> str:
+    """The registered models, for messages: `tiny (any variant), qwen3-0.6b, ...`."""
+    return ", ".join([f"{f} (any variant)" for f in TRUE_ON_POLICY_FAMILIES] + list(TRUE_ON_POLICY_PROFILES))

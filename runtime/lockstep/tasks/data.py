@@ -1,0 +1,145 @@
+"""Prompt data from JSON-lines files and local Hugging Face datasets, read into validated rows.
+
+Why it exists: users bring their prompts as JSON lines or as datasets saved with the `datasets`
+library; both become the same rows, checked once at start with errors naming the file, the row and
+the field, so a bad row never surfaces mid-run.
+
+Row schema (a JSON object per line, or a dataset's columns):
+- the prompt: `messages`, a list of chat messages ({"role": "system" | "user" | "assistant" |
+  "tool", "content": str}), or `prompt`, a string (one user message); `question` is read as
+  `prompt` (GSM8K's column name);
+- the label the reward reads: `answer` (a string or a number); `label` is read as `answer`;
+- every other column goes to the item's metadata, for custom reward functions.
+
+Sources (`data.prompts`, `data.evalPrompts`):
+- a JSON-lines file;
+- a directory of `*.jsonl` files, read in name order;
+- a directory saved by `datasets` (`save_to_disk` of a Dataset or a DatasetDict);
+- a directory of `*.parquet`, `*.arrow`, `*.csv` or `*.json` files (`datasets.load_dataset`).
+A `:split` suffix picks a split of a dataset (`/data/gsm8k:test`); the default is `train`.
+
+Who calls it: lockstep.tasks.registry (load_task for every non-builtin source).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lockstep.tasks.base import Row
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+_PROMPT_KEYS = ("messages", "prompt", "question")
+_LABEL_KEYS = ("answer", "label")
+_FILE_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
+
+
+def read_rows(source: str) -> list[Row]:
+    """The validated rows of a prompt source (see the module doc); raises naming the file and fix."""
+    path, split = _split(source)
+    if path.is_file():
+        rows = list(_jsonl_rows(path))
+    elif path.is_dir():
+        rows = list(_dir_rows(path, split))
+    else:
+        raise FileNotFoundError(
+            f"prompt source {source!r} does not exist; give a JSON-lines file, a directory of them, a "
+            "directory saved by the datasets library, or builtin:<task>"
+        )
+    if not rows:
+        raise ValueError(f"prompt source {source!r} holds no rows")
+    return rows
+
+
+def row_from(obj: Any, where: str) -> Row:
+    """One row object -> Row; ValueError names `where` (file:line or dataset[index]) and the field."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
+    label_key = next((k for k in _LABEL_KEYS if obj.get(k) is not None), None)
+    prompt_key = next((k for k in _PROMPT_KEYS if obj.get(k) is not None), None)
+    if label_key is None or prompt_key is None:
+        raise ValueError(
+            f'{where}: each row needs "messages" (chat messages) or "prompt" (a string), and "answer" '
+            f"(the label the reward reads); this row has {sorted(obj)}"
+        )
+    label = obj[label_key]
+    if not isinstance(label, str | int | float) or isinstance(label, bool):
+        raise ValueError(f'{where}: "{label_key}" must be a string or a number, got {type(label).__name__}')
+    if prompt_key == "messages":
+        messages = _messages(obj["messages"], where)
+    elif isinstance(obj[prompt_key], str):
+        messages = ({"role": "user", "content": obj[prompt_key]},)
+    else:
+        raise ValueError(f'{where}: "{prompt_key}" must be a string; use "messages" for a chat')
+    meta = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
+    return Row(messages, str(label), meta)
+
+
+def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(
+                f'{where}: messages[{i}] must be {{"role": one of {sorted(ROLES)}, "content": a string}}'
+            )
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    return tuple(out)
+
+
+def _split(source: str) -> tuple[Path, str]:
+    path = Path(source).expanduser()
+    if not path.exists() and ":" in source:
+        head, _, split = source.rpartition(":")
+        if Path(head).expanduser().exists() and split:
+            return Path(head).expanduser(), split
+    return path, "train"
+
+
+def _jsonl_rows(path: Path) -> Iterable[Row]:
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+        yield row_from(obj, f"{path}:{n}")
+
+
+def _dir_rows(path: Path, split: str) -> Iterable[Row]:
+    jsonl = sorted(path.glob("*.jsonl"))
+    if jsonl:
+        for f in jsonl:
+            yield from _jsonl_rows(f)
+        return
+    dataset = _load_dataset(path, split)
+    for i, obj in enumerate(dataset):
+        yield row_from(obj, f"{path}[{split}][{i}]")
+
+
+def _load_dataset(path: Path, split: str) -> Any:
+    """A local dataset's split through the `datasets` library (saved to disk, or data files)."""
+    import datasets
+
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(
+                    f"{path}: no split {split!r}; it has {sorted(loaded)} (pick one with :SPLIT)"
+                )
+            return loaded[split]
+        return loaded
+    files = {fmt: sorted(str(f) for f in path.glob(f"*{ext}")) for ext, fmt in _FILE_FORMATS.items()}
+    found = {fmt: fs for fmt, fs in files.items() if fs}
+    if len(found) != 1:
+        raise ValueError(
+            f"{path}: expected *.jsonl files, a dataset saved by datasets.save_to_disk, or data files of one "
+            f"format (parquet, arrow, csv, json); found {sorted(found) or 'none'}"
+        )
+    ((fmt, data_files),) = found.items()
+    return datasets.load_dataset(fmt, data_files={split: data_files}, split=split)

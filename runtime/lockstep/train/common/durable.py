@@ -1,0 +1,68 @@
+"""Durable files for checkpoints: temp name, fsync, rename, fsync the directory.
+
+Why it exists: a checkpoint must survive a crash or a power loss at any instant; a resume must
+then find either the old complete checkpoint or the new complete one, never a torn file. POSIX gives
+that only through a write to a temporary name, fsync of the file, an atomic rename, and fsync of
+the directory that holds the name (without the last step the rename itself may be lost). Every
+checkpoint file and the `latest` pointer go through `atomic_path`.
+
+Who calls it: lockstep.train.fsdp.checkpoint, lockstep.train.megatron.checkpoint,
+lockstep.trainer.state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in directory `path` (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Make the bytes of file `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp:` write the file at `tmp`; on success it is fsynced, renamed to
+    `p` and the directory fsynced, so `p` is either its old content or the whole new one. On an
+    exception the temporary file is removed and `p` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` durably and atomically (see atomic_path)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, deepest first, then `root` itself."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))

@@ -1,0 +1,199 @@
+"""SGLang's own code as the oracle of the contract tests: its ServerArgs parser, routes and request structs.
+
+Why it exists: the operator renders SGLang commands and the runtime speaks SGLang's HTTP API without
+ever importing SGLang (an import-linter contract), so drift shows only against the real thing. The
+pinned wheel (scripts/setup.sh, --no-deps) is read here three ways: `parse_server_args` runs SGLang's
+own argument parser; `served_routes` reads the routes and methods from the installed
+entrypoints/http_server.py; `request_struct` rebuilds, from the installed managers/io_struct.py, the
+request struct a route's handler takes, as a msgspec Struct that refuses unknown fields, so a body
+the runtime sends is converted exactly as SGLang's server would check it. io_struct.py itself cannot
+be imported here (its imports reach torchvision and CUDA kernels), so it is read as source.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.metadata
+import importlib.util
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from lockstep_operator.resources.sglang import SGLANG_VERSION
+
+
+def require_pinned_sglang() -> None:
+    """Skip when SGLang is not installed (an operator-only install); fail on another version than the pin."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed: run scripts/setup.sh (it installs the pinned wheel for tests)")
+    installed = importlib.metadata.version("sglang")
+    assert installed == SGLANG_VERSION, (
+        f"sglang {installed} is installed but the contract is pinned to {SGLANG_VERSION}: "
+        "run scripts/setup.sh, or move the pin (resources/sglang.py, scripts/setup.sh) and re-check"
+    )
+
+
+def source(relative: str) -> Path:
+    """A file of the installed sglang package, e.g. `srt/entrypoints/http_server.py`."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations))) / relative
+
+
+class FlagError(AssertionError):
+    """SGLang's parser refused a rendered command; the message is argparse's."""
+
+
+def parse_server_args(argv: list[str]) -> Any:
+    """SGLang's ServerArgs for a `sglang.launch_server` argument list, parsed by SGLang's own parser."""
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        return prepare_server_args(argv)
+    except SystemExit as e:  # argparse reports to stderr and exits 2
+        raise FlagError(
+            f"SGLang {SGLANG_VERSION} refuses the command {argv}: exit {e.code} (see stderr)"
+        ) from e
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _http_server() -> ast.Module:
+    return ast.parse(source("srt/entrypoints/http_server.py").read_text())
+
+
+def _route(decorator: ast.expr) -> tuple[str, set[str]] | None:
+    """(path, methods) of `@app.get("/x")`, `@app.post(...)`, `@app.api_route("/x", methods=[...])`."""
+    if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)):
+        return None
+    if not (isinstance(decorator.func.value, ast.Name) and decorator.func.value.id == "app"):
+        return None
+    if not decorator.args or not isinstance(decorator.args[0], ast.Constant):
+        return None
+    path, kind = str(decorator.args[0].value), decorator.func.attr
+    if kind in ("get", "post", "put", "delete"):
+        return path, {kind.upper()}
+    if kind == "api_route":
+        methods = next((k.value for k in decorator.keywords if k.arg == "methods"), None)
+        if isinstance(methods, ast.List):
+            return path, {str(m.value) for m in methods.elts if isinstance(m, ast.Constant)}
+    return None
+
+
+@functools.cache
+def served_routes() -> dict[str, tuple[set[str], ast.AsyncFunctionDef | ast.FunctionDef]]:
+    """path -> (methods, handler) of every route SGLang's HTTP server declares."""
+    out: dict[str, tuple[set[str], ast.AsyncFunctionDef | ast.FunctionDef]] = {}
+    for node in ast.walk(_http_server()):
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            for dec in node.decorator_list:
+                found = _route(dec)
+                if found:
+                    path, methods = found
+                    out.setdefault(path, (set(), node))[0].update(methods)
+    return out
+
+
+def _annotation_names(node: ast.expr | None) -> list[str]:
+    return [n.id for n in ast.walk(node) if isinstance(n, ast.Name)] if node is not None else []
+
+
+def handler_struct(path: str) -> str | None:
+    """The io_struct class the handler of `path` takes as its body (`obj: X`), None when it takes none."""
+    _, handler = served_routes()[path]
+    for arg in handler.args.args:
+        if arg.arg == "obj":
+            names = [
+                n for n in _annotation_names(arg.annotation) if n not in ("Annotated", "Optional", "Body")
+            ]
+            return names[0] if names else None
+    return None
+
+
+# -- request structs -----------------------------------------------------------------------------
+
+
+@functools.cache
+def _io_struct_classes() -> dict[str, ast.ClassDef]:
+    tree = ast.parse(source("srt/managers/io_struct.py").read_text())
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+class _Marker:
+    """Stands for SGLang-internal annotation markers (Base64Bytes(), PlainValidator(...))."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+_NAMESPACE: dict[str, Any] = {
+    **{
+        name: getattr(typing, name)
+        for name in ("Any", "Dict", "List", "Literal", "Optional", "Tuple", "Union")
+    },
+    "Annotated": typing.Annotated,
+    "Base64Bytes": _Marker,
+    "PlainValidator": _Marker,
+}
+
+
+def _annotation(node: ast.expr) -> Any:
+    """The annotation as a type; names SGLang defines elsewhere (its own structs) become Any."""
+    try:
+        value = eval(compile(ast.Expression(node), "<io_struct>", "eval"), dict(_NAMESPACE))
+    except NameError:
+        return Any
+    return value if not isinstance(value, _Marker) else Any
+
+
+def _fields(cls: ast.ClassDef) -> list[tuple[str, Any, bool]]:
+    """(name, type, required) of a class's annotated fields, its io_struct bases' first."""
+    classes = _io_struct_classes()
+    out: list[tuple[str, Any, bool]] = []
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            out += _fields(classes[base.id])
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            out.append((stmt.target.id, _annotation(stmt.annotation), stmt.value is None))
+    return out
+
+
+def _checkable(t: Any) -> Any:
+    """`t`, or Any where msgspec cannot check it (a union of several list types: the name is still checked)."""
+    try:
+        msgspec.json.Decoder(t)
+    except TypeError:
+        return Any
+    return t
+
+
+@functools.cache
+def request_struct(name: str) -> type[msgspec.Struct]:
+    """io_struct class `name` rebuilt as a msgspec Struct with the same field names, types and
+    required fields, refusing unknown fields."""
+    fields = [(f, _checkable(t), required) for f, t, required in _fields(_io_struct_classes()[name])]
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        (f, t) if required else (f, t, None) for f, t, required in fields
+    ]
+    return msgspec.defstruct(name, spec, kw_only=True, forbid_unknown_fields=True)
+
+
+def check_body(name: str, body: Mapping[str, Any] | None) -> None:
+    """Convert `body` to io_struct `name` as SGLang's server would; raises msgspec.ValidationError
+    naming an unknown, missing or mistyped field."""
+    msgspec.convert(dict(body or {}), request_struct(name), strict=False)
+
+
+def generate_contract_error(body: Mapping[str, Any]) -> str | None:
+    """SGLang's own /generate contract gate (sglang.srt.entrypoints.api_contract)."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error as gate
+
+    result: str | None = gate(dict(body))
+    return result

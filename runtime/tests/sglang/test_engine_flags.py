@@ -1,0 +1,164 @@
+"""Every SGLang command the operator renders parses with SGLang's own ServerArgs parser, as the spec asked.
+
+The expected values are written here from the spec, independently of the renderer: a renamed flag
+fails in SGLang's parser, a flag rendered with the wrong value fails the comparison.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lockstep.api import load_manifest
+from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
+from lockstep.api.rolloutpool import RolloutPoolSpec
+from lockstep_operator.resources.children import child_manifests
+from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, Owner
+from lockstep_operator.resources.engines import engine_manifest
+from lockstep_operator.resources.sglang import Disaggregation, sglang_command
+from sglang_oracle import FlagError, parse_server_args, require_pinned_sglang
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
+LAUNCH = ["python3", "-m", "sglang.launch_server"]
+OWNER = Owner(
+    api_version="rl.lockstep.dev/v1alpha1", kind="RolloutPool", name="job-rollout", uid="u", namespace="ns"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pinned() -> None:
+    require_pinned_sglang()
+
+
+def expected(
+    engine: EngineSpec, model: ModelSpec, *, r3: bool, top: bool, pd: Disaggregation | None
+) -> dict[str, Any]:
+    """What SGLang must have parsed for this spec (ServerArgs field -> value)."""
+    quant = {
+        Precision.BF16: None,
+        Precision.FP8: "fp8",
+        Precision.MXFP8: "mxfp8",
+        Precision.NVFP4: "nvfp4_online",
+    }
+    return {
+        "model_path": model.checkpoint,
+        "tokenizer_path": model.tokenizer,
+        "host": "0.0.0.0",
+        "port": ENGINE_PORT,
+        "tp_size": engine.tensor_parallel,
+        "attn_dp_size": engine.data_parallel_attention,
+        "dp_size": 1,  # replicas are pods, never SGLang's in-process data parallelism
+        "quantization": quant[engine.precision],
+        "kv_cache_dtype": engine.kv_cache_dtype.value,
+        "enable_return_routed_experts": r3,
+        "enable_deterministic_inference": top,
+        "rl_on_policy_target": "fsdp" if top else None,
+        "disaggregation_mode": pd or "null",
+        "speculative_algorithm": "EAGLE" if engine.multi_token_prediction else None,
+        "weight_version": "0",
+        "api_key": f"$({API_KEY_ENV})",
+    }
+
+
+def assert_parses_as_asked(
+    cmd: list[str],
+    engine: EngineSpec,
+    model: ModelSpec,
+    *,
+    r3: bool = False,
+    top: bool = False,
+    pd: Disaggregation | None = None,
+) -> None:
+    assert cmd[:3] == LAUNCH, cmd
+    parsed = parse_server_args(cmd[3:])
+    want = expected(engine, model, r3=r3, top=top, pd=pd)
+    got = {k: getattr(parsed, k) for k in want}
+    if got["tokenizer_path"] == model.checkpoint and want["tokenizer_path"] is None:
+        got["tokenizer_path"] = None  # SGLang may default the tokenizer to the model path
+    assert got == want, f"{cmd}: SGLang parsed {got}, the spec asked {want}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_each_example_engine_pod_command_parses(path: Path) -> None:
+    """Each example as the operator runs it: RLJob -> RolloutPool child -> engine pod -> its command."""
+    job = load_manifest(path)
+    if job.spec.rollout.engine.value != "sglang":
+        pytest.skip("reference engine: runtime/tests/test_pod_commands.py parses it with our CLI")
+    job_owner = Owner(
+        api_version=OWNER.api_version, kind="RLJob", name=job.metadata.name, uid="u", namespace="ns"
+    )
+    pool_doc = next(
+        m
+        for m in child_manifests(job_owner, job.spec, suspended=False, stopped="")
+        if m["kind"] == "RolloutPool"
+    )
+    pool = RolloutPoolSpec.model_validate(pool_doc["spec"])
+    pod = engine_manifest(OWNER, pool, 0, gang_min=1, image="img")
+    cmd = pod["spec"]["containers"][0]["command"]
+    assert_parses_as_asked(
+        cmd, job.spec.rollout, job.spec.model, r3=job.spec.algorithm.r3, top=job.spec.algorithm.true_on_policy
+    )
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{job.metadata.name}-api-key",
+        "key": "api-key",
+    }
+
+
+MODEL = ModelSpec(checkpoint="/models/glm", family="glm5", tokenizer="/models/glm-tok")
+
+# One case per value of every knob the API offers, each next to rotating values of the others, plus
+# everything on at once: every flag is rendered and parsed at least once, alone and combined.
+KNOBS: dict[str, list[Any]] = {
+    "tensor_parallel": [1, 4, 8],
+    "data_parallel_attention": [1, 2, 8],
+    "precision": list(Precision),
+    "kv_cache_dtype": list(KVCacheDtype),
+    "multi_token_prediction": [False, True],
+    "r3": [False, True],
+    "top": [False, True],
+    "pd": [None, "prefill", "decode"],
+}
+
+
+def _cases() -> list[dict[str, Any]]:
+    cases = []
+    for knob, values in KNOBS.items():
+        for i, value in enumerate(values):
+            case = {k: v[(i + j) % len(v)] for j, (k, v) in enumerate(KNOBS.items())}
+            case[knob] = value
+            cases.append(case)
+    cases.append({k: v[-1] for k, v in KNOBS.items()})
+    for case in cases:  # DP attention must divide tensor parallel (rule engine-dpa-divides-tp)
+        case["tensor_parallel"] = max(case["tensor_parallel"], case["data_parallel_attention"])
+    return cases
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_every_combination_the_api_offers_parses(case: dict[str, Any]) -> None:
+    engine = EngineSpec(
+        engine="sglang",
+        gpus_per_engine=case["tensor_parallel"],
+        tensor_parallel=case["tensor_parallel"],
+        data_parallel_attention=case["data_parallel_attention"],
+        precision=case["precision"],
+        kv_cache_dtype=case["kv_cache_dtype"],
+        multi_token_prediction=case["multi_token_prediction"],
+        prefill_decode=case["pd"] is not None,
+    )
+    cmd = sglang_command(engine, MODEL, r3=case["r3"], true_on_policy=case["top"], disaggregation=case["pd"])
+    assert_parses_as_asked(cmd, engine, MODEL, r3=case["r3"], top=case["top"], pd=case["pd"])
+
+
+def test_extra_args_reach_sglang_verbatim() -> None:
+    engine = EngineSpec(engine="sglang", extra_args=["--mem-fraction-static", "0.7"])
+    parsed = parse_server_args(sglang_command(engine, MODEL)[3:])
+    assert parsed.mem_fraction_static == 0.7
+
+
+def test_a_flag_sglang_does_not_know_fails_here() -> None:
+    """The oracle can fail: a misspelt flag is refused by SGLang's parser, not by us."""
+    engine = EngineSpec(engine="sglang", extra_args=["--enable-return-routed-expertz"])
+    with pytest.raises(FlagError, match="refuses the command"):
+        parse_server_args(sglang_command(engine, MODEL)[3:])
