@@ -30,7 +30,9 @@ def first_pod_seconds(cp: ControlPlane) -> float:
     """apply -> Succeeded of a one-line busybox pod on the real node (image already imported)."""
     assert cp.node is not None
     cp.kubectl("create", "namespace", "bench")
-    cp.wait_for(lambda: cp.kubectl("get", "sa", "default", "-n", "bench", check=False).returncode == 0, timeout=60)
+    cp.wait_for(
+        lambda: cp.kubectl("get", "sa", "default", "-n", "bench", check=False).returncode == 0, timeout=60
+    )
     t0 = time.monotonic()
     cp.apply(pod_manifest("first", cp.node.images["busybox"], ["echo", "hello"]), namespace="bench")
     cp.wait_for(
@@ -43,9 +45,13 @@ def first_pod_seconds(cp: ControlPlane) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3, help="warm starts of each kind (default 3)")
-    parser.add_argument("--build-log", type=Path, help="log of a cold `time bash e2e/controlplane/node/build.sh`")
+    parser.add_argument(
+        "--build-log", type=Path, help="log of a cold `time bash e2e/controlplane/node/build.sh`"
+    )
     args = parser.parse_args()
 
     if args.build_log:
