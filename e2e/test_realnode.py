@@ -25,7 +25,12 @@ def _finished(cluster: ControlPlane, ns: str, name: str, timeout: float = 120) -
         pod: dict[str, Any] = cluster.get("pod", name, "-n", ns)
         return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
 
-    return cluster.wait_for(done, timeout=timeout, what=f"pod {ns}/{name} finished")
+    try:
+        return cluster.wait_for(done, timeout=timeout, what=f"pod {ns}/{name} finished")
+    except TimeoutError as exc:  # say why: the pod's status and the namespace's events
+        status = cluster.get("pod", name, "-n", ns)["status"]
+        events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+        raise TimeoutError(f"{exc}\nstatus: {status}\nevents:\n{events}") from None
 
 
 def _logs(cluster: ControlPlane, ns: str, name: str) -> str:

@@ -473,16 +473,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def runtime_image(self) -> str:
         """Build (if its inputs changed) and import the runtime image (node/runtime_image.py); its ref."""
-        from e2e.controlplane.node.runtime_image import runtime_archive
+        from e2e.controlplane.node.runtime_image import runtime_archive, runtime_ref
 
         if "runtime" not in self.images:
-            ref, archive = runtime_archive()
-            if self.import_image(ref, archive):
-                # Earlier builds are 5 GiB each: keep only the current one in this containerd.
+            ref = runtime_ref()
+            if ref not in self.ctr("images", "list", "--quiet").stdout.split():
+                have = frozenset(self.ctr("content", "list", "--quiet").stdout.split())
+                ref, archive = runtime_archive(self.work_dir / "images", have=have)
+                try:
+                    self.import_image(ref, archive)
+                finally:
+                    archive.unlink(missing_ok=True)
+                # Earlier builds hold gigabytes: keep only the current one in this containerd.
                 old = [
                     r
                     for r in self.ctr("images", "list", "--quiet").stdout.split()
-                    if r.startswith(ref.split(":")[0] + ":")
+                    if r.startswith("lockstep.local/runtime:")
                 ]
                 old = [r for r in old if r != ref]
                 if old:

@@ -76,6 +76,16 @@ def write_layer(entries: Iterable[Entry], path: Path) -> None:
                     tar.addfile(info, f)
 
 
+def layer_digest(path: Path) -> str:
+    """sha256 of a layer file, remembered next to it (a 5 GiB layer takes long to hash)."""
+    memo = path.with_name(path.name + ".sha256")
+    if memo.exists() and memo.stat().st_mtime >= path.stat().st_mtime:
+        return memo.read_text().strip()
+    digest = _digest_file(path)
+    memo.write_text(digest)
+    return digest
+
+
 def _digest_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -84,18 +94,21 @@ def _digest_file(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def build_archive(spec: ImageSpec, out_dir: Path, tag: str | None = None) -> tuple[str, Path]:
+def build_archive(
+    spec: ImageSpec, out_dir: Path, tag: str | None = None, omit: frozenset[str] = frozenset()
+) -> tuple[str, Path]:
     """Write the image as an OCI image-layout tar under out_dir; returns (reference, path).
 
     The reference is `lockstep.local/<name>:<tag>`; without `tag`, 12 hex of the manifest digest, so
-    equal inputs give the same reference and any change a new one.
+    equal inputs give the same reference and any change a new one. Layers whose digest is in `omit`
+    (already in the target containerd's content store) are named by the manifest but not written.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     top = out_dir / f".{spec.name}-top.{os.getpid()}.tar"
     layers: list[tuple[str, int, Path]] = []
     try:
         for layer in spec.layer_files:
-            layers.append((_digest_file(layer), layer.stat().st_size, layer))
+            layers.append((layer_digest(layer), layer.stat().st_size, layer))
         if spec.entries or not layers:
             write_layer(spec.entries, top)
             layers.append((_digest_file(top), top.stat().st_size, top))
@@ -161,7 +174,8 @@ def build_archive(spec: ImageSpec, out_dir: Path, tag: str | None = None) -> tup
                 info.size, info.mode = len(data), 0o644
                 tar.addfile(info, io.BytesIO(data))
             for digest, _, layer_path in layers:
-                tar.add(layer_path, arcname="blobs/sha256/" + digest.split(":")[1])
+                if digest not in omit:
+                    tar.add(layer_path, arcname="blobs/sha256/" + digest.split(":")[1])
         tmp.rename(path)
         return ref, path
     finally:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from e2e.controlplane.node.images import Entry, ImageSpec, build_archive
+from e2e.controlplane.node.images import Entry, ImageSpec, build_archive, write_layer
 
 REPO = Path(__file__).resolve().parents[3]
 CACHE = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "node"
@@ -77,17 +77,22 @@ def _wanted(name: str) -> bool:
     return not (name in SKIP_TOP or editable or "mypyc" in name)
 
 
-def inputs_key(venv: Path, base: Path) -> str:
-    """Digest of everything the image is made of (not of the bytes: cheap to compute every run)."""
-    h = hashlib.sha256(base.name.encode())
-    sp = site_packages(venv)
-    for dist in sorted(sp.glob("*.dist-info")):
+def site_key(venv: Path) -> str:
+    """Digest of the installed distributions (names, versions, RECORD files): the big layer's key."""
+    h = hashlib.sha256(" ".join(sorted(SKIP_TOP)).encode())
+    for dist in sorted(site_packages(venv).glob("*.dist-info")):
         if not _wanted(dist.name):
             continue
-        record = dist / "RECORD"
         h.update(dist.name.encode())
+        record = dist / "RECORD"
         if record.exists():
             h.update(hashlib.sha256(record.read_bytes()).digest())
+    return h.hexdigest()[:12]
+
+
+def project_key() -> str:
+    """Digest of this checkout's package sources: the small top layer's key."""
+    h = hashlib.sha256()
     for path in sorted(_project_files()):
         h.update(str(path.relative_to(REPO)).encode())
         h.update(path.read_bytes())
@@ -134,8 +139,37 @@ def _passwd_entries(base: Path) -> list[Entry]:
     return out
 
 
+def site_layer(venv: Path) -> Path:
+    """The third-party site-packages as a layer tar (~5 GiB), rebuilt only when a distribution changes."""
+    target = f"{PREFIX}/lib/{PY}/site-packages"
+    path = CACHE / "layers" / f"site-packages-{site_key(venv)}.tar"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob("site-packages-*"):  # one at a time: each is gigabytes
+        old.unlink()
+    entries = [
+        Entry("opt"),
+        Entry(PREFIX),
+        Entry(f"{PREFIX}/lib"),
+        Entry(f"{PREFIX}/lib/{PY}"),
+        Entry(target),
+    ]
+    for child in sorted(site_packages(venv).iterdir()):
+        if not _wanted(child.name):
+            continue
+        if child.is_dir() and not child.is_symlink():
+            entries += _tree(child, f"{target}/{child.name}")
+        else:
+            entries.append(Entry(f"{target}/{child.name}", source=child, mode=child.stat().st_mode & 0o777))
+    tmp = path.with_suffix(f".tmp.{os.getpid()}")
+    write_layer(entries, tmp)
+    tmp.rename(path)
+    return path
+
+
 def runtime_spec(venv: Path, base: Path) -> ImageSpec:
-    sp = site_packages(venv)
+    """Base rootfs, then the site-packages layer, then this checkout's packages and the venv's shell."""
     target = f"{PREFIX}/lib/{PY}/site-packages"
     entries = [
         Entry("opt"),
@@ -158,18 +192,11 @@ def runtime_spec(venv: Path, base: Path) -> ImageSpec:
     for script, imp in SCRIPTS.items():
         body = f"#!/{PREFIX}/bin/python\nimport sys\n{imp}\nsys.exit(main())\n"
         entries.append(Entry(f"{PREFIX}/bin/{script}", data=body.encode(), mode=0o755))
-    for child in sorted(sp.iterdir()):
-        if not _wanted(child.name):
-            continue
-        if child.is_dir() and not child.is_symlink():
-            entries += _tree(child, f"{target}/{child.name}")
-        else:
-            entries.append(Entry(f"{target}/{child.name}", source=child, mode=child.stat().st_mode & 0o777))
     entries += _tree(REPO / "runtime" / "lockstep", f"{target}/lockstep")
     entries += _tree(REPO / "operator" / "lockstep_operator", f"{target}/lockstep_operator")
     return ImageSpec(
         name="runtime",
-        layer_files=[base],
+        layer_files=[base, site_layer(venv)],
         entries=entries,
         env={
             "PATH": f"/{PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -189,25 +216,31 @@ def default_venv() -> Path:
     return local if (local / "bin" / "python").exists() else Path(sys.prefix)
 
 
-def runtime_archive(venv: Path | None = None) -> tuple[str, Path]:
-    """(reference, OCI archive path) of the runtime image; builds the archive only if missing."""
+def runtime_ref(venv: Path | None = None) -> str:
+    """The image's reference: a digest of its three inputs (cheap: no layer is read)."""
     venv = venv or default_venv()
-    base = base_layer()
-    key = inputs_key(venv, base)
-    path = CACHE / "images" / f"runtime-{key}.tar"
-    ref = f"lockstep.local/runtime:{key}"
-    if not path.exists():
-        # Older archives of this image are stale inputs: keep one, not one per change.
-        for old in (CACHE / "images").glob("runtime-*.tar"):
-            old.unlink()
-        built_ref, built = build_archive(runtime_spec(venv, base), CACHE / "images", tag=key)
-        assert built_ref == ref and built == path, (built_ref, built)
+    key = hashlib.sha256(f"{base_layer().name} {site_key(venv)} {project_key()}".encode()).hexdigest()[:12]
+    return f"lockstep.local/runtime:{key}"
+
+
+def runtime_archive(
+    out_dir: Path, venv: Path | None = None, have: frozenset[str] = frozenset()
+) -> tuple[str, Path]:
+    """Write the runtime image's OCI archive under out_dir; (reference, path). Layers whose digests are
+    in `have` (already imported into the target containerd) are left out of the archive, so a change
+    to this checkout's code writes and imports only the small top layer."""
+    venv = venv or default_venv()
+    ref = runtime_ref(venv)
+    built_ref, path = build_archive(
+        runtime_spec(venv, base_layer()), out_dir, tag=ref.rsplit(":", 1)[1], omit=have
+    )
+    assert built_ref == ref, (built_ref, ref)
     return ref, path
 
 
 def main() -> int:
     t0 = time.monotonic()
-    ref, path = runtime_archive()
+    ref, path = runtime_archive(CACHE / "images")
     print(f"{ref}: {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.monotonic() - t0:.0f} s")
     return 0
 
