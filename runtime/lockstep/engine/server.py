@@ -616,7 +616,7 @@ async def _input_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
 
 
-OPEN_READS = frozenset({"/health", "/health_generate", "/get_weight_version", "/model_info", "/engine_stats"})
+OPEN_READS = frozenset({"/health", "/health_generate", "/model_info", "/engine_stats"})
 """GET routes served without the key (probes and monitoring); every other route needs it."""
 MAX_BODY_BYTES = 32 << 20
 """Default request body cap: a batch of 1024 prompts of 4K tokens fits; beyond it, HTTP 413."""

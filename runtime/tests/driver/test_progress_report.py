@@ -275,7 +275,7 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
 
 @pytest.mark.parametrize(
     ("checkpoint", "error"),
-    [("/nonexistent/qwen3", "FileNotFoundError"), ("builtin:no-such-model", None)],
+    [("/nonexistent/qwen3", "CheckpointError"), ("builtin:no-such-model", None)],
     ids=["missing-directory", "unknown-builtin"],
 )
 def test_a_driver_that_cannot_start_reports_why_once(

@@ -26,12 +26,12 @@ import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.engine.server import OPEN_READS
-from lockstep.models.tiny import TinyTokenizer
+from lockstep.models.tiny import chat_tokenizer
 from lockstep.serving import EngineClient, SamplingParams, dumps_named_tensors
 from lockstep.serving.weight_group import open_weight_update_group
 from safetensors.torch import load_file, save_file
 
-TOK = TinyTokenizer()
+TOK = chat_tokenizer()
 KEY = "k3y-for-tests"
 
 
@@ -247,7 +247,7 @@ async def test_bad_versions_are_refused(served: Served, version: str) -> None:
     reply = await served.http.post("/update_weight_version", json={"new_version": version})
     assert reply.status_code == 400 and reply.json()["success"] is False
     assert served.engine.weight_version == 0
-    assert (await served.http.get("/get_weight_version")).json()["weight_version"] == "0"
+    assert (await served.http.get("/model_info")).json()["weight_version"] == "0"
 
 
 async def test_versions_only_move_forward(served: Served) -> None:

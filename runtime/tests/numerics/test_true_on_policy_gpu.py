@@ -116,4 +116,8 @@ def test_exact_zero_on_cuda(model_dir: Path, slots: int, micro: int) -> None:
 
 
 def test_mode_off_is_not_exact_on_cuda(model_dir: Path) -> None:
+    if model_dir.name.startswith("tiny"):
+        # Seen on an H200 (2026-12-03): the tiny shapes are too small for cuBLAS to pick a different
+        # reduction order per batch, so even the default kernels agree; the Qwen3-0.6B shape shows it.
+        pytest.skip("tiny shapes agree on CUDA even without the exact kernels; the bigger profile fails here")
     assert _max_diff(model_dir, _rollout(model_dir, False, 8), False, 4) > 0.0

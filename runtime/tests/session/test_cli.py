@@ -17,7 +17,7 @@ def test_sessions_subcommand_parses_replicas() -> None:
 def test_unknown_family_exits_2_and_lists_the_families(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sessions", "--engine", "http://127.0.0.1:1", "--family", "llama"]) == 2
     out = capsys.readouterr().out
-    assert "glm47, qwen3, tiny" in out
+    assert "glm47, glm5, qwen3, tiny" in out
 
 
 def test_dp_size_below_one_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

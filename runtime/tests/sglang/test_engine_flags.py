@@ -16,6 +16,7 @@ from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, Owner
 from lockstep_operator.resources.engines import engine_manifest
+from lockstep_operator.resources.model import local_model
 from lockstep_operator.resources.sglang import Disaggregation, sglang_command
 from sglang_oracle import FlagError, parse_server_args, require_pinned_sglang
 
@@ -44,7 +45,7 @@ def expected(
     return {
         "model_path": model.checkpoint,
         "tokenizer_path": model.tokenizer,
-        "host": "0.0.0.0",
+        "host": "$(POD_IP)",  # the pod IP from the downward API, expanded by the kubelet
         "port": ENGINE_PORT,
         "tp_size": engine.tensor_parallel,
         "attn_dp_size": engine.data_parallel_attention,
@@ -96,8 +97,12 @@ def test_each_example_engine_pod_command_parses(path: Path) -> None:
     pool = RolloutPoolSpec.model_validate(pool_doc["spec"])
     pod = engine_manifest(OWNER, pool, 0, gang_min=1, image="img")
     cmd = pod["spec"]["containers"][0]["command"]
-    assert_parses_as_asked(
-        cmd, job.spec.rollout, job.spec.model, r3=job.spec.algorithm.r3, top=job.spec.algorithm.true_on_policy
+    assert_parses_as_asked(  # a hub id is served from the model volume the init step fills
+        cmd,
+        job.spec.rollout,
+        local_model(job.spec.model),
+        r3=job.spec.algorithm.r3,
+        top=job.spec.algorithm.true_on_policy,
     )
     env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
     assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {
