@@ -493,8 +493,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 old = [r for r in old if r != ref]
                 if old:
                     self.ctr("images", "remove", "--sync", *old)
+                self._prune_image_ids()
             self.images["runtime"] = ref
         return self.images["runtime"]
+
+    def _prune_image_ids(self) -> None:
+        """Remove the CRI's `sha256:<config>` references of images no name points at any more (each
+        keeps a removed image's gigabytes alive)."""
+        rows = [line.split() for line in self.ctr("images", "list").stdout.splitlines()[1:]]
+        keep = set()
+        for row in rows:
+            if len(row) > 2 and not row[0].startswith("sha256:"):
+                manifest = json.loads(self.ctr("content", "get", row[2]).stdout)
+                keep.add(manifest.get("config", {}).get("digest", ""))
+        stale = [row[0] for row in rows if row and row[0].startswith("sha256:") and row[0] not in keep]
+        if stale:
+            self.ctr("images", "remove", "--sync", *stale)
 
     def _import_images(self) -> None:
         for name, ref in self.images_wanted().items():
@@ -722,7 +736,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if hasattr(self, "addr"):
             if not _remove_cgroups(self.addr.cgroup_root):
                 left.append(f"cgroup {self.addr.cgroup_root}")
-            if Path(f"/sys/class/net/{self.addr.host_veth}").exists():
+            # The kernel frees a dead namespace's devices asynchronously: delete our end, then wait.
+            veth = Path(f"/sys/class/net/{self.addr.host_veth}")
+            if veth.exists():
+                subprocess.run(["ip", "link", "del", self.addr.host_veth], capture_output=True, check=False)
+            deadline = time.monotonic() + 10
+            while veth.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if veth.exists():
                 left.append(f"veth {self.addr.host_veth}")
             new = set(_iptables_rules().splitlines()) - set(self._iptables_before.splitlines())
             ours = sorted(
