@@ -13,6 +13,7 @@ run: setup
 
 controlplane:
 	bash e2e/controlplane/build.sh
+	bash e2e/controlplane/node/build.sh
 
 lint:
 	.venv/bin/ruff check .

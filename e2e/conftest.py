@@ -10,6 +10,9 @@ Fixtures (documented in docs/controlplane.md):
   .kubectl(*args, input=None, check=True), .get(...), .apply(manifest), .wait_for(pred, timeout, what),
   .add_nodes(pools), .api_get(path). KUBECONFIG points at its kubeconfig for the whole session.
 - `namespace` (function): the name of a fresh namespace, deleted after the test.
+- `real_cluster` (session): a second control plane with one real worker node (kubelet, containerd,
+  kube-proxy, CoreDNS; e2e/controlplane/realnode.py) where pods run for real; `real_namespace`
+  (function) is `namespace` on it. Only the tests that ask for it pay for it.
 Every test under e2e/ is marked `e2e`.
 """
 
@@ -64,3 +67,34 @@ def namespace(cluster: ControlPlane) -> Iterator[str]:
     )
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[ControlPlane]:
+    """A control plane with one real node (no kwok nodes unless a test adds them). Needs root.
+
+    Its stop fails the session if a process, port, veth, cgroup or host iptables change is left.
+    """
+    keep = os.environ.get("LOCKSTEP_E2E_KEEP") == "1"
+    cp = ControlPlane(bin_dir=find_binaries(), keep_work_dir=keep, nodes_file=None, real_node=True)
+    cp.start()
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture
+def real_namespace(real_cluster: ControlPlane) -> Iterator[str]:
+    """A fresh namespace on the real-node cluster; deleted (without waiting) after the test."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    real_cluster.kubectl("create", "namespace", name)
+    real_cluster.wait_for(
+        lambda: (
+            real_cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0
+        ),
+        timeout=30,
+        what=f"ServiceAccount default in namespace {name}",
+    )
+    yield name
+    real_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

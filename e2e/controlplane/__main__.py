@@ -28,7 +28,9 @@ def _start(args: argparse.Namespace) -> int:
         print(f"already running (state {state}); run stop first", file=sys.stderr)
         return 1
     nodes = None if args.no_nodes else Path(args.nodes)
-    cp = ControlPlane(bin_dir=find_binaries(), nodes_file=nodes, die_with_parent=False)
+    cp = ControlPlane(
+        bin_dir=find_binaries(), nodes_file=nodes, die_with_parent=False, real_node=args.real_node
+    )
     cp.start()
     cp.save_state(state)
     print(
@@ -37,6 +39,9 @@ def _start(args: argparse.Namespace) -> int:
     )
     print(f"export KUBECONFIG={cp.kubeconfig}")
     print(f"export PATH={cp.bin_dir}:$PATH")
+    if cp.node is not None:
+        # The images built here for the real node (pods use them with imagePullPolicy: Never).
+        print(f"export LOCKSTEP_BUSYBOX_IMAGE={cp.node.images['busybox']}")
     return 0
 
 
@@ -79,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     start = sub.add_parser("start", parents=[common], help="start and print `export KUBECONFIG=...`")
     start.add_argument("--nodes", default=str(DEFAULT_NODES), help="node pools YAML (default e2e/nodes.yaml)")
     start.add_argument("--no-nodes", action="store_true", help="start without simulated nodes")
+    start.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also run a real worker node (kubelet, containerd; needs root)",
+    )
     start.set_defaults(func=_start)
     sub.add_parser("stop", parents=[common], help="stop what start started").set_defaults(func=_stop)
     sub.add_parser("status", parents=[common], help="is it running?").set_defaults(func=_status)

@@ -37,6 +37,7 @@ from e2e.controlplane import ports as portutil
 
 if TYPE_CHECKING:
     from e2e.controlplane.nodes import NodePool
+    from e2e.controlplane.realnode import RealNode
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
@@ -129,6 +130,11 @@ class ControlPlane:
     sets False so that they outlive it. Linux ties this to the *thread* that called start(): start
     from a thread that lives as long as the control plane (the main thread), or set False."""
 
+    real_node: bool = False
+    """Also run one real worker node (kubelet, containerd, kube-proxy, CoreDNS; e2e/controlplane/
+    realnode.py) next to the kwok nodes. Needs root; the apiserver then listens on the node's veth
+    address (10.86.<slot>.1) instead of 127.0.0.1, so that pods reach it."""
+
     clock: Callable[[], float] = time.monotonic
     """Monotonic clock (seconds) for timeouts and `milestones`; injected for tests of the timings."""
 
@@ -144,6 +150,8 @@ class ControlPlane:
     _t0: float = field(default=0.0, init=False, repr=False)
     _owns_work_dir: bool = field(default=False, init=False)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, init=False, repr=False)
+    node: RealNode | None = field(default=None, init=False, repr=False)
+    """The real node when real_node=True (its .addr, .images, .ctr(), milestones)."""
 
     # ------------------------------------------------------------------ paths and addresses
     @property
@@ -151,7 +159,12 @@ class ControlPlane:
         """https://127.0.0.1:<port> of the apiserver."""
         if self.ports is None:
             raise ControlPlaneError("not started: call start() first")
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.api_host}:{self.ports.apiserver}"
+
+    @property
+    def api_host(self) -> str:
+        """The apiserver's address: 127.0.0.1, or the real node's veth host address."""
+        return self.node.addr.host_ip if self.node is not None else "127.0.0.1"
 
     @property
     def kubeconfig(self) -> Path:
@@ -216,6 +229,11 @@ class ControlPlane:
 
     def _start_all(self) -> None:
         ports = self.ports = Ports(*portutil.free_ports(5))
+        if self.real_node:
+            from e2e.controlplane.realnode import RealNode
+
+            self.node = RealNode(work_dir=self._dir / "node", die_with_parent=self.die_with_parent)
+            self.node.prepare()  # the veth whose host address the apiserver binds
         self._spawn("etcd", self._etcd_args())
         self._write_credentials()  # the RSA key is made while etcd starts
         self._wait(lambda: self._http_ok(f"http://127.0.0.1:{ports.etcd_client}/health"), "etcd", "/health")
@@ -235,6 +253,9 @@ class ControlPlane:
             # Created while the controllers start: kwok picks them up as soon as it watches.
             node_names = create_nodes(self, load_pools(self.nodes_file))
         self._wait_components_ready(node_names)
+        if self.node is not None:
+            self.node.start(self)
+            self._mark("real node")
 
     def _wait_components_ready(self, node_names: list[str]) -> None:
         assert self.ports is not None
@@ -264,6 +285,14 @@ class ControlPlane:
 
         check=True raises ControlPlaneError if a process or a listening port survived.
         """
+        node_left = ""
+        if self.node is not None:
+            if "kubelet" in self.node.milestones:
+                self.node.drain(self)  # while the apiserver still answers
+            try:
+                self.node.stop(check=check)
+            except ControlPlaneError as exc:
+                node_left = str(exc)
         for name in reversed(COMPONENTS):
             pid = self.pids.get(name)
             if pid is not None:
@@ -274,13 +303,19 @@ class ControlPlane:
         self._procs.clear()
         if self._owns_work_dir and not self.keep_work_dir and self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
-        if check and (leftovers or listening):
-            raise ControlPlaneError(f"stop left processes {leftovers} and listening ports {listening}")
+        self.node = None
+        if check and (leftovers or listening or node_left):
+            raise ControlPlaneError(
+                f"stop left processes {leftovers} and listening ports {listening} {node_left}".strip()
+            )
 
     # ------------------------------------------------------------------ files
     def _write_credentials(self) -> None:
         self.admin_token = secrets.token_hex(24)
-        (self._dir / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
+        node_tokens = self.node.token_lines() if self.node is not None else ""
+        (self._dir / "tokens.csv").write_text(
+            f'{self.admin_token},admin,admin,"system:masters"\n{node_tokens}'
+        )
         os.chmod(self._dir / "tokens.csv", 0o600)
         key = self._dir / "sa.key"
         # One RSA key signs (private) and verifies (public) ServiceAccount tokens.
@@ -335,11 +370,12 @@ class ControlPlane:
         return [
             self._bin("kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
-            "--bind-address=127.0.0.1",
+            f"--bind-address={self.api_host}",
             f"--secure-port={self.ports.apiserver}",
-            # Loopback advertise address needs the `none` reconciler (the lease one refuses loopback).
-            "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none",
+            # Loopback advertise address needs the `none` reconciler (the lease one refuses loopback);
+            # with a real node the `kubernetes` Service's endpoint is the veth address pods reach.
+            f"--advertise-address={self.api_host}",
+            *(["--endpoint-reconciler-type=none"] if self.node is None else self.node.apiserver_args()),
             f"--cert-dir={self._dir / 'apiserver-certs'}",
             f"--token-auth-file={self._dir / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
@@ -390,7 +426,10 @@ class ControlPlane:
         return [
             self._bin("kwok"),
             f"--kubeconfig={self.kubeconfig}",
-            "--manage-all-nodes=true",
+            # With a real node, kwok must leave it (and its pods) to the kubelet.
+            "--manage-all-nodes=true"
+            if self.node is None
+            else "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
             "--node-ip=127.0.0.1",
             f"--cidr={POD_CIDR}",
             *[f"--config={s}" for s in stages],
@@ -548,6 +587,7 @@ class ControlPlane:
             "pids": self.pids,
             "ports": self.ports.all(),
             "owns_work_dir": self._owns_work_dir,
+            "node": self.node.to_state() if self.node is not None else None,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=2))
@@ -560,6 +600,10 @@ class ControlPlane:
         cp.ports = Ports(*state["ports"])
         cp.pids = {k: int(v) for k, v in state["pids"].items()}
         cp._owns_work_dir = bool(state["owns_work_dir"])
+        if state.get("node"):
+            from e2e.controlplane.realnode import RealNode
+
+            cp.node = RealNode.from_state(state["node"])
         token_line = (cp._dir / "tokens.csv").read_text().split(",", 1)
         cp.admin_token = token_line[0]
         return cp

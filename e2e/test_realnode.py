@@ -1,0 +1,196 @@
+"""The real worker node: pods run real processes through kubelet -> containerd -> runc, get an IP on
+the CNI bridge, resolve Service names through CoreDNS, reach Services through kube-proxy, and the
+node leaves nothing behind when it stops. (docs/controlplane.md, "A real node".)"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.controlplane.cluster import ControlPlane
+from e2e.controlplane.nodes import NodePool
+from e2e.controlplane.realnode import REAL_NODE_LABEL, pod_manifest
+
+
+def _busybox(cluster: ControlPlane) -> str:
+    assert cluster.node is not None
+    return cluster.node.images["busybox"]
+
+
+def _finished(cluster: ControlPlane, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        pod: dict[str, Any] = cluster.get("pod", name, "-n", ns)
+        return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    try:
+        return cluster.wait_for(done, timeout=timeout, what=f"pod {ns}/{name} finished")
+    except TimeoutError as exc:  # say why: the pod's status and the namespace's events
+        status = cluster.get("pod", name, "-n", ns)["status"]
+        events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+        raise TimeoutError(f"{exc}\nstatus: {status}\nevents:\n{events}") from None
+
+
+def _logs(cluster: ControlPlane, ns: str, name: str) -> str:
+    return cluster.kubectl("logs", "-n", ns, name).stdout
+
+
+def test_a_real_pod_runs_its_command_and_succeeds(real_cluster: ControlPlane, real_namespace: str) -> None:
+    ns = real_namespace
+    script = "echo hello from $(hostname) in $(cat /var/run/secrets/kubernetes.io/serviceaccount/namespace)"
+    real_cluster.apply(pod_manifest("hello", _busybox(real_cluster), ["sh", "-c", script]), namespace=ns)
+    pod = _finished(real_cluster, ns, "hello")
+    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    assert real_cluster.node is not None
+    assert pod["spec"]["nodeName"] == real_cluster.node.addr.node_name
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(
+        real_cluster.node.addr.pod_cidr
+    )
+    # The log went container -> containerd -> kubelet -> apiserver (client cert) -> kubectl.
+    assert _logs(real_cluster, ns, "hello").strip() == f"hello from hello in {ns}"
+
+
+def test_a_failing_command_fails_the_pod_with_its_exit_code(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    ns = real_namespace
+    real_cluster.apply(pod_manifest("fails", _busybox(real_cluster), ["sh", "-c", "exit 3"]), namespace=ns)
+    pod = _finished(real_cluster, ns, "fails")
+    assert pod["status"]["phase"] == "Failed"
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+
+
+def test_a_pod_resolves_a_service_name_and_reaches_it(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    ns = real_namespace
+    image = _busybox(real_cluster)
+    server = pod_manifest(
+        "web",
+        image,
+        ["sh", "-c", "mkdir -p /www && echo served-by-web > /www/index.html && httpd -f -p 8080 -h /www"],
+    )
+    server["metadata"]["labels"] = {"app": "web"}
+    server["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    real_cluster.apply([server, service], namespace=ns)
+    real_cluster.wait_for(
+        lambda: real_cluster.get("endpointslices", "-n", ns, "-l", "kubernetes.io/service-name=web")["items"][
+            0
+        ]["endpoints"][0]["conditions"]["ready"],
+        timeout=120,
+        what="the web Service's endpoint ready",
+    )
+    # The name resolves through CoreDNS (busybox's nslookup: static binaries have no NSS resolver);
+    # the ClusterIP it answers reaches the server through kube-proxy's rules (nc: Debian's static
+    # busybox wget crashes).
+    script = (
+        f"nslookup web.{ns}.svc.cluster.local > /tmp/dns && cat /tmp/dns && "
+        "ip=$(awk '/^Address: /{print $2}' /tmp/dns | tail -n1) && "
+        r"printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 10 $ip 80"
+    )
+    client = pod_manifest("client", image, ["sh", "-c", script])
+    real_cluster.apply(client, namespace=ns)
+    pod = _finished(real_cluster, ns, "client")
+    out = _logs(real_cluster, ns, "client")
+    assert pod["status"]["phase"] == "Succeeded", out
+    cluster_ip = real_cluster.get("service", "web", "-n", ns)["spec"]["clusterIP"]
+    assert cluster_ip in out  # nslookup's answer
+    assert out.strip().endswith("served-by-web")
+
+
+def test_a_pod_reaches_the_apiserver_through_the_kubernetes_service(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    """$KUBERNETES_SERVICE_HOST:PORT (the `kubernetes` Service, which every in-cluster client uses)
+    leads through kube-proxy to the apiserver on the veth; the TLS + token path is exercised by
+    test_the_runtime_image_runs_lockstep_in_a_pod."""
+    ns = real_namespace
+    script = "nc -w 10 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT </dev/null && echo reachable"
+    real_cluster.apply(pod_manifest("api", _busybox(real_cluster), ["sh", "-c", script]), namespace=ns)
+    pod = _finished(real_cluster, ns, "api")
+    out = _logs(real_cluster, ns, "api")
+    assert pod["status"]["phase"] == "Succeeded", out
+    assert out.strip() == "reachable"
+
+
+def test_pods_without_the_toleration_stay_on_kwok_nodes(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    ns = real_namespace
+    real_cluster.add_nodes(
+        [NodePool(prefix="kwok-cpu", count=1, capacity={"cpu": "8", "memory": "32Gi", "pods": "110"})]
+    )
+    plain = pod_manifest("plain", _busybox(real_cluster), ["sleep", "1"])
+    del plain["spec"]["nodeSelector"], plain["spec"]["tolerations"]
+    real_cluster.apply(plain, namespace=ns)
+    node = real_cluster.wait_for(
+        lambda: real_cluster.get("pod", "plain", "-n", ns)["spec"].get("nodeName"),
+        timeout=60,
+        what="plain scheduled",
+    )
+    assert node == "kwok-cpu-0"
+    real_node = real_cluster.get("node", "-l", f"{REAL_NODE_LABEL}=real")["items"]
+    assert [n["spec"]["taints"][0]["key"] for n in real_node] == [REAL_NODE_LABEL]
+
+
+def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path) -> None:
+    """A second, short-lived cluster with a real node (it takes the next slot) runs a pod, stops, and
+    nothing of it is left on the host (stop() itself also raises on leftovers)."""
+    cp = ControlPlane(nodes_file=None, real_node=True)
+    cp.start()
+    try:
+        assert cp.node is not None
+        addr, work = cp.node.addr, cp.work_dir
+        cp.kubectl("create", "namespace", "t")
+        cp.wait_for(
+            lambda: cp.kubectl("get", "sa", "default", "-n", "t", check=False).returncode == 0, timeout=30
+        )
+        cp.apply(pod_manifest("p", cp.node.images["busybox"], ["sleep", "3600"]), namespace="t")
+        cp.wait_for(
+            lambda: cp.get("pod", "p", "-n", "t")["status"].get("phase") == "Running",
+            timeout=120,
+            what="p Running",
+        )
+    finally:
+        cp.stop()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(work) not in mounts
+    assert not Path(f"/sys/class/net/{addr.host_veth}").exists()
+    assert not any(Path("/sys/fs/cgroup").glob(f"*/{addr.cgroup_root.lstrip('/')}"))
+
+
+@pytest.mark.timeout(2400)  # cold: Debian rootfs, a 5 GiB layer (CUDA torch from PyPI), its import
+def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, real_namespace: str) -> None:
+    """The image built here from a Debian rootfs and this checkout (node/runtime_image.py) runs the
+    CLI and imports torch as user 1000, as images/runtime.Dockerfile's image does."""
+    assert real_cluster.node is not None
+    image = real_cluster.node.runtime_image()
+    # The in-cluster path of the driver's progress reports: the `kubernetes` Service, the apiserver's
+    # certificate verified against the mounted CA, the projected ServiceAccount token.
+    check_api = (
+        "import os, ssl, urllib.request as u; d = '/var/run/secrets/kubernetes.io/serviceaccount'; "
+        "url = 'https://%s:%s/version' % (os.environ['KUBERNETES_SERVICE_HOST'], os.environ['KUBERNETES_SERVICE_PORT']); "
+        "req = u.Request(url, headers={'Authorization': 'Bearer ' + open(d + '/token').read()}); "
+        "print(u.urlopen(req, context=ssl.create_default_context(cafile=d + '/ca.crt')).read().decode())"
+    )
+    script = (
+        "id -u && python -c 'import torch, lockstep.cli; print(\"torch\", torch.__version__)' && "
+        f'python -c "{check_api}" && lockstep --help'
+    )
+    real_cluster.apply(pod_manifest("rt", image, ["sh", "-c", script]), namespace=real_namespace)
+    pod = _finished(real_cluster, real_namespace, "rt", timeout=600)
+    out = _logs(real_cluster, real_namespace, "rt")
+    assert pod["status"]["phase"] == "Succeeded", out
+    lines = out.splitlines()
+    assert lines[0] == "1000"
+    assert lines[1].startswith("torch 2.")
+    assert '"gitVersion": "v1.36.3"' in out
+    assert "usage: lockstep" in out
