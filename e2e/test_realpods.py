@@ -366,3 +366,127 @@ def test_delete_leaves_nothing(real_cluster: ControlPlane, real_namespace: str, 
         return not left
 
     wait(cluster, ns, gone, f"nothing of {job} left", timeout=600)
+
+
+def kill_main_process(cluster: ControlPlane, pod: dict[str, Any]) -> None:
+    """SIGKILL the pod's main container process from the host, as an OOM kill or a crash would."""
+    os.kill(container_pid(cluster, pod), signal.SIGKILL)
+
+
+def running_at_step(cluster: ControlPlane, ns: str, job: str, step: int) -> dict[str, Any]:
+    st: dict[str, Any] = wait(
+        cluster,
+        ns,
+        lambda: (
+            (s := job_status(cluster, ns, job)).get("phase") == "Running"
+            and (s.get("step") or 0) >= step
+            and s
+        ),
+        f"rljob {job} Running at step >= {step}",
+    )
+    return st
+
+
+def test_scale_the_pool_mid_run_and_restart_the_operator(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    """`kubectl scale rolloutpool <job>-rollout --replicas=2` mid-run: the new engine is Ready only once
+    it holds the current version; back to 1, then the operator restarted: the job completes with
+    the exact step count and no duplicate pod."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-scale"
+    manifest = example(job)
+    steps = manifest["spec"]["schedule"]["steps"]
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 3)
+    cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", ns, "--replicas=2")
+
+    def two_current() -> dict[str, Any] | None:
+        pool = cluster.get("rolloutpool", f"{job}-rollout", "-n", ns).get("status") or {}
+        st = job_status(cluster, ns, job)
+        engines = pool.get("engines") or []
+        ok = len(engines) == 2 and all(e.get("ready") for e in engines)
+        return {"pool": pool, "job": st} if ok else None
+
+    both = wait(cluster, ns, two_current, "two engines ready", timeout=600)
+    versions = {e["weightVersion"] for e in both["pool"]["engines"]}
+    assert len(versions) == 1, both  # a Ready engine holds the current version, the new one too
+    gate = next(
+        c
+        for c in cluster.get("pod", f"{job}-rollout-1", "-n", ns)["status"]["conditions"]
+        if c["type"] == "rl.lockstep.dev/weights-current"
+    )
+    assert gate["status"] == "True", gate
+    step_at_scale = job_status(cluster, ns, job).get("step") or 0
+    cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", ns, "--replicas=1")
+    wait(cluster, ns, lambda: len(pods(cluster, ns, job, "engine")) == 1, "back to one engine", timeout=900)
+    operator.stop()
+    time.sleep(5)
+    operator.start()
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == steps and step_at_scale < steps, (st, step_at_scale)
+    names = [p["metadata"]["name"] for p in pods(cluster, ns, job)]
+    assert len(names) == len(set(names)), names
+
+
+def test_a_killed_engine_is_replaced_and_the_job_completes(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    cluster, ns, job = real_cluster, real_namespace, "tiny-engine"
+    manifest = example(job)
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 3)
+    engine = cluster.get("pod", f"{job}-rollout-0", "-n", ns)
+    kill_main_process(cluster, engine)
+    wait(
+        cluster,
+        ns,
+        lambda: any(
+            p["metadata"]["uid"] != engine["metadata"]["uid"] for p in pods(cluster, ns, job, "engine")
+        ),
+        "a new engine pod",
+        timeout=300,
+    )
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == manifest["spec"]["schedule"]["steps"], st
+
+
+def test_a_killed_trainer_rank_restarts_the_gang_from_the_shared_checkpoint(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    """A rank killed after the first checkpoint (saveInterval 10): the TrainerGroup restarts the gang,
+    the new ranks load the checkpoint from the shared volume and the job ends at exactly spec steps."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-rank"
+    manifest = example(job)
+    steps = manifest["spec"]["schedule"]["steps"]
+    host = shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 12)
+    rank = cluster.get("pod", f"{job}-trainer-1", "-n", ns)
+    kill_main_process(cluster, rank)
+    with Watch(cluster, ns, job) as watch:
+        st = finished(cluster, ns, job)
+        time.sleep(2)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == steps and (st.get("restarts") or 0) >= 1, st
+    seen = [s.step for s in watch.samples if s.step is not None]
+    assert min(seen) >= 10, seen  # resumed from the checkpoint at step 10 (or later), not from 0
+    group = cluster.get("trainergroup", f"{job}-trainer", "-n", ns)
+    assert (group.get("status") or {}).get("restarts", 0) >= 1, group.get("status")
+    assert any((host / "lockstep" / job / "trainer").iterdir())
+
+
+def test_a_bad_checkpoint_path_fails_the_job_with_the_reason(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    cluster, ns, job = real_cluster, real_namespace, "tiny-bad"
+    manifest = example(job, model={"checkpoint": "/models/not-there"})
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Failed", fail_with(cluster, ns, f"status: {st}")
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert "/models/not-there" in failed["message"], failed
