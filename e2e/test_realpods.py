@@ -107,6 +107,7 @@ def operator(real_cluster: ControlPlane, runtime_image: str) -> Iterator[Operato
 def shared_volume(cluster: ControlPlane, ns: str, claim: str) -> Path:
     """A hostPath PersistentVolume (ReadWriteMany) bound to claim `claim` in `ns`; its host directory
     (writable by the pods' user 1000: hostPath volumes are not chowned to the fsGroup)."""
+    assert cluster.work_dir is not None
     host = cluster.work_dir / f"shared-{ns}"
     host.mkdir(parents=True, exist_ok=True)
     host.chmod(0o1777)
@@ -165,6 +166,7 @@ class Watch:
     _thread: threading.Thread | None = None
 
     def __enter__(self) -> Watch:
+        assert self.cluster.bin_dir is not None
         cmd = [str(self.cluster.bin_dir / "kubectl"), "--kubeconfig", str(self.cluster.kubeconfig)]
         cmd += ["get", "rljob", self.job, "-n", self.ns, "-w", "-o", "json"]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
