@@ -337,19 +337,18 @@ def test_the_example_trains_to_success_on_real_pods(
     run_dir = host / "lockstep" / job
     assert (run_dir / "driver" / "metrics.jsonl").exists(), sorted(p.name for p in run_dir.rglob("*"))[:50]
     assert any((run_dir / "trainer").iterdir()), sorted(str(p) for p in run_dir.rglob("*"))[:50]
-    # Every pod ended: ranks and driver Succeeded; engines removed once the job stopped.
+    # The job ended: ranks and engines are removed (their resources freed), the driver pod stays
+    # Succeeded with its logs.
     final = wait(
         cluster,
         ns,
-        lambda: (ps := pods(cluster, ns, job)) and not pods(cluster, ns, job, "engine") and ps,
-        "the engines removed after success",
-        timeout=120,
+        lambda: [p for p in pods(cluster, ns, job) if p["metadata"]["name"] != f"{job}-driver"] == [],
+        "the ranks and engines removed after success",
+        timeout=300,
     )
-    assert {p["metadata"]["name"]: p["status"]["phase"] for p in final} == {
-        f"{job}-driver": "Succeeded",
-        f"{job}-trainer-0": "Succeeded",
-        f"{job}-trainer-1": "Succeeded",
-    }
+    assert final
+    driver = cluster.get("pod", f"{job}-driver", "-n", ns)
+    assert driver["status"]["phase"] == "Succeeded", driver["status"]
 
 
 def test_delete_leaves_nothing(real_cluster: ControlPlane, real_namespace: str, operator: Operator) -> None:

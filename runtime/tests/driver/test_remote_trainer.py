@@ -252,3 +252,21 @@ def test_a_trainer_that_is_down_fails_clearly(
     assert main([*args, "--trainer-url", url, "--trainer-timeout", "1"]) == 3
     err = capsys.readouterr().err
     assert f"trainer at {url} not ready within 1 s" in err and "lockstep trainer --serve" in err
+
+
+def test_a_trainer_gone_at_the_shutdown_after_the_last_step_is_no_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found on the real node: the operator stops the trainer group once the driver reported `done`,
+    so the ranks may be gone before the driver's shutdown call; the finished driver must exit 0
+    (raising there made its pod, restartPolicy OnFailure, start the finished run again)."""
+    from lockstep.driver.loop import shutdown_trainer
+    from lockstep.driver.remote import RemoteTrainer
+
+    trainer = RemoteTrainer(f"http://127.0.0.1:{_free_port()}", retries=1)  # nothing listens there
+    try:
+        with caplog.at_level("WARNING"):
+            shutdown_trainer(trainer)
+    finally:
+        trainer.close()
+    assert "the trainer was gone before its shutdown" in caplog.text
