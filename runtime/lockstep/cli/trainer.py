@@ -40,7 +40,7 @@ from lockstep.train.common.losses import sft_loss
 from lockstep.train.common.packing import pack_sft
 from lockstep.train.factory import build_backend
 from lockstep.trainer.local import SFT_ITEM_BASE
-from lockstep.trainer.server import serve
+from lockstep.trainer.server import DRAIN_TIMEOUT_S, serve
 from lockstep.trainer.settings import TrainerSettings
 
 DEFAULT_PORT = 29600
@@ -91,6 +91,13 @@ def register(subparsers: Any) -> None:
         "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help=f"on SIGTERM (--serve): seconds the running command may take before rank 0 exits without it "
+        f"(default {DRAIN_TIMEOUT_S:.0f})",
+    )
     p.add_argument(
         "--transport-file",
         type=Path,
@@ -145,6 +152,7 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             in_pod=os.environ.get("LOCKSTEP_ROLE") == "trainer",
             api_key=args.api_key or api_key_from_env(),
             max_body_bytes=args.max_body_bytes,
+            drain_timeout_s=args.drain_timeout,
             on_listening=lambda port: _listening(listening, args.host, port),
         )
     except (EngineUnreachable, TimeoutError) as e:
