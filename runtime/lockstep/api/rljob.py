@@ -609,7 +609,8 @@ class DataSpec(ApiModel):
     eval_prompts: str | None = Field(default=None, max_length=1024)
     """Held-out prompt source for evaluation (same forms)."""
     shuffle: bool = True
-    """Shuffle prompts each epoch."""
+    """Shuffle user prompts (files, datasets) in a new seeded order every epoch; a resumed run draws
+    the same prompts as an uninterrupted one. Built-in tasks draw each prompt from the seed already."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     """Seed of the shuffle and of sampling."""
 

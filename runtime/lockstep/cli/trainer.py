@@ -35,7 +35,7 @@ from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.observability.logs import configure_logging
 from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.membership import members_from
-from lockstep.tasks import load_task
+from lockstep.tasks import data_task
 from lockstep.train.common.losses import sft_loss
 from lockstep.train.common.packing import pack_sft
 from lockstep.train.factory import build_backend
@@ -184,7 +184,7 @@ def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
-    task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
+    task = data_task(job.spec.data)
     lr = s.sft_learning_rate or s.learning_rate
     backend = build_backend(
         job, model_dir, lr=lr, grad_clip=s.grad_clip, micro_batch_size=s.micro_batch_size, seed=s.seed
