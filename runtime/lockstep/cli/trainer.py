@@ -32,6 +32,7 @@ from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
 from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
 from lockstep.models import load_tokenizer, resolve_checkpoint
+from lockstep.models.hub_data import resolve_data
 from lockstep.observability.logs import configure_logging
 from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.membership import members_from
@@ -184,7 +185,7 @@ def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
-    task = data_task(job.spec.data)
+    task = data_task(resolve_data(job.spec.data))
     lr = s.sft_learning_rate or s.learning_rate
     backend = build_backend(
         job, model_dir, lr=lr, grad_clip=s.grad_clip, micro_batch_size=s.micro_batch_size, seed=s.seed

@@ -30,6 +30,7 @@ from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
 from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
+from lockstep.models.hub_data import resolve_data
 from lockstep.models.moe import routing_shape
 from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
@@ -144,7 +145,7 @@ def build_components(
         check_r3_model(job, model_dir)
         model = job.spec.model
         tokenizer = load_tokenizer(model_dir, model.tokenizer, model.chat_template, cache_dir)
-        task = data_task(job.spec.data)
+        task = data_task(resolve_data(job.spec.data))
         runner = LoopThread()
         closers.append(runner.close)
         engines = (

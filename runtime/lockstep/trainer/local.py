@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Engine, Offload, Precision
 from lockstep.models import load_tokenizer
+from lockstep.models.hub_data import resolve_data
 from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, data_task
@@ -315,7 +316,7 @@ def build_trainer_parts(
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
     tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
-    task = data_task(job.spec.data)
+    task = data_task(resolve_data(job.spec.data))
     device = str(getattr(backend, "device_type", "cpu"))
     urls = sorted(u.rstrip("/") for u in engine_urls)
     transport = build_transport(job, run_dir, model_dir, urls, device, master_address)
