@@ -119,7 +119,9 @@ def test_a_missing_dataset_names_the_dataset_and_the_cache(offline_hub: Path) ->
         resolve_prompts("org/absent@v2:main:train")
     msg = str(err.value)
     assert msg.startswith("dataset org/absent@v2:") and str(offline_hub / "hub") in msg
-    assert "HF_HUB_OFFLINE=1" in msg and "pull-model --dataset" in msg and "hf_secret_never_printed" not in msg
+    assert (
+        "HF_HUB_OFFLINE=1" in msg and "pull-model --dataset" in msg and "hf_secret_never_printed" not in msg
+    )
 
 
 def _job(tmp_path: Path, prompts: str) -> Path:
