@@ -604,8 +604,9 @@ class DataSpec(ApiModel):
     """Where prompts come from."""
 
     prompts: str = Field(min_length=1, max_length=1024)
-    """Prompt source: a JSON-lines file or directory, a local Hugging Face dataset directory (`DIR` or
-    `DIR:split`), or `builtin:<task>` for a task that ships with Lockstep."""
+    """Prompt source: a JSON-lines file or directory, a local Hugging Face dataset directory (`DIR`,
+    `DIR:split` or `DIR:config:split`), a hub dataset id (`org/name[@rev][:config][:split]`), or
+    `builtin:<task>` for a task that ships with Lockstep."""
     eval_prompts: str | None = Field(default=None, max_length=1024)
     """Held-out prompt source for evaluation (same forms)."""
     shuffle: bool = True
