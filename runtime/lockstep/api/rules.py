@@ -393,6 +393,17 @@ RULES: Final[tuple[Rule, ...]] = (
         "cuda-ipc hands weights to the one colocated engine: set rollout.replicas to 1 or use "
         "transport broadcast or auto",
     ),
+    Rule(
+        "p2p-needs-a-receiver",
+        RLJobSpec,
+        (_transport.eq("p2p") & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.p2pReceiver").eq(True)
+        ),
+        "rollout.p2pReceiver",
+        "p2p writes into the engines through Lockstep's P2P receive extension, which stock SGLang does "
+        "not serve (docs/sglang.md): set weightSync.transport to broadcast or auto, or set "
+        "rollout.p2pReceiver to true for an engine image that serves it",
+    ),
     # Not built yet: the API keeps these fields, the runtime does not build them, so a manifest that
     # asks for one is refused at apply, never at pod start. Each rule goes when its feature is built.
     Rule(
