@@ -291,9 +291,14 @@ class ReferenceEngine:
         if scheme is None:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
+            # transformers loads every tensor kept in BF16 (and maps checkpoint names onto its modules,
+            # e.g. per-expert weights onto fused experts); the quantized ones are then overwritten
+            # with their exact dequantization (their raw bytes never serve)
             del config.quantization_config
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
-            layout = _load_quantized(model, path, scheme, dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
+            )
+            layout = _load_quantized(model, path, scheme, dtype, info)
         model = model.to(dev)
         if true_on_policy:
             exact.apply(model, dev)
@@ -911,28 +916,31 @@ def _check_sampling(p: SamplingParams) -> None:
 
 
 def _load_quantized(
-    model: Any, path: Path, scheme: Scheme, dtype: torch.dtype
+    model: Any, path: Path, scheme: Scheme, dtype: torch.dtype, info: dict[str, Any]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Fill `model` from the quantized checkpoint at `path` (every parameter must be there); returns
-    the layout of its quantized weights and their scales (ReferenceEngine.quantized_layout)."""
+    """Overwrite `model`'s quantized weights (loaded by transformers from their raw bytes) with the
+    exact dequantization of the checkpoint at `path`; returns the layout of the quantized weights and
+    their scales (ReferenceEngine.quantized_layout). Raises naming what the checkpoint lacks."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
-    layout = {}
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    units: list[tuple[str, quant.Quantized]] = []
     for name in tensors:
-        _, used = quant.from_checkpoint(name, tensors, scheme) if name.endswith(".weight") else (None, [])
-        layout.update({n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in used})
+        q, used = quant.from_checkpoint(name, tensors, scheme) if name.endswith(".weight") else (None, [])
+        if q is not None:
+            units.append((name, q))
+            layout.update({n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in used})
     params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
-    loaded = set()
     with torch.no_grad():
-        for name, t in recipe.receive(tensors.items(), scheme, dtype):
+        for name, q in units:
             if name not in params:
                 raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
-            params[name].copy_(t)
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join(missing[:5])}")
+            params[name].copy_(quant.dequantize(q, dtype))
+    missing = sorted(set(info.get("missing_keys") or ()) - {n for n, _ in units})
+    mismatched = sorted({str(m[0]) for m in info.get("mismatched_keys") or ()} - {n for n, _ in units})
+    if missing or mismatched:
+        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join((missing + mismatched)[:5])}")
     return layout
