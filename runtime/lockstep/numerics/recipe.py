@@ -37,7 +37,6 @@ from lockstep.api import Precision, RLJob
 from lockstep.numerics import exact, quant
 from lockstep.numerics.quant import Format, Scheme
 
-
 ROUTED_EXPERT = ".experts."
 """Routed experts stay BF16: on disk they are 2-D per-expert weights (`...mlp.experts.3.up_proj`),
 in the trainer (transformers) one 3-D tensor per layer (`...mlp.experts.gate_up_proj`) that the
