@@ -40,6 +40,9 @@ from lockstep.api.rljob import (
 from lockstep.api.rolloutpool import RolloutPoolSpec
 
 WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
+MEGATRON_FAMILIES: Final[tuple[str, ...]] = ("tiny", "qwen3")
+"""spec.model.family values the megatron backend builds (lockstep.train.megatron.config: Qwen3 and
+Qwen3-MoE architectures; the tiny family is a Qwen3)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,6 +409,16 @@ RULES: Final[tuple[Rule, ...]] = (
     ),
     # Not built yet: the API keeps these fields, the runtime does not build them, so a manifest that
     # asks for one is refused at apply, never at pod start. Each rule goes when its feature is built.
+    Rule(
+        "megatron-families-built",
+        RLJobSpec,
+        field("trainer.backend").eq("megatron").implies(field("model.family").in_(list(MEGATRON_FAMILIES))),
+        "model.family",
+        "the megatron backend builds the Qwen3 and Qwen3-MoE architectures only (families "
+        + ", ".join(MEGATRON_FAMILIES)
+        + "); GLM's MLA/DSA attention is not built in it (docs/megatron.md): set trainer.backend to fsdp, "
+        "which builds every family through transformers",
+    ),
     Rule(
         "lora-not-built",
         ModelSpec,
