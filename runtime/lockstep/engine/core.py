@@ -295,9 +295,10 @@ class ReferenceEngine:
             # e.g. per-expert weights onto fused experts); the quantized ones are then overwritten
             # with their exact dequantization (their raw bytes never serve)
             del config.quantization_config
-            model, info = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
             )
+            model, info = loaded
             layout = _load_quantized(model, path, scheme, dtype, info)
         model = model.to(dev)
         if true_on_policy:
