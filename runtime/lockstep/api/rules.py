@@ -276,6 +276,14 @@ RULES: Final[tuple[Rule, ...]] = (
         "trainer.parallelism's sizes to 1, or trainer.backend to megatron",
     ),
     Rule(
+        "megatron-trains-bf16",
+        TrainerSpec,
+        field("backend").eq("megatron").implies(field("precision").eq("bf16")),
+        "precision",
+        "the megatron backend trains bf16 (with fp32 master weights); low-precision training needs "
+        "Transformer Engine, which is not built in: set trainer.precision to bf16 or trainer.backend to fsdp",
+    ),
+    Rule(
         "stream-optimizer-state-megatron",
         TrainerSpec,
         field("streamOptimizerStateToDisk").eq(True).implies(field("backend").eq("megatron")),
