@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.cli.commands import HELP
+from lockstep.numerics.quant import Format, Scheme
+from lockstep.numerics.recipe import Recipe, convert_checkpoint
 
 
 def register(sub: Any) -> None:
@@ -46,9 +48,6 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from lockstep.numerics.quant import Format, Scheme
-    from lockstep.numerics.recipe import Recipe, convert_checkpoint
-
     src, dest = Path(args.src), Path(args.dest)
     if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         print(
