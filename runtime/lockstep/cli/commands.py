@@ -10,6 +10,7 @@ Who calls it: lockstep.cli (the parser), each subcommand module (its help line).
 from __future__ import annotations
 
 HELP: dict[str, str] = {
+    "convert-model": "write a checkpoint's low-precision serving copy (fp8, mxfp8, nvfp4; SGLang layout)",
     "delta": "publish, apply and verify disk-delta weight versions",
     "driver": "run the RL loop of a rendered job (driver pod)",
     "engine": "serve the reference rollout engine (SGLang HTTP API subset)",

@@ -19,6 +19,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def on_the_wire(tensor: Any) -> Any:
+    """What a broadcast carries for `tensor`: its bytes as uint8 for the 1-byte float dtypes (FP8
+    weights, E8M0 scales), which gloo refuses and NCCL moves as bytes anyway, else the tensor itself.
+
+    Both ends apply it to contiguous tensors of the announced dtype, so the bytes that arrive are
+    exactly the bytes sent (SGLang's receiver, posting the FP8 dtype on NCCL, gets the same bytes).
+    """
+    import torch
+
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 @dataclass(slots=True)
 class WeightUpdateGroup:
     """A standalone process group for weight broadcasts."""

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from lockstep.api import Precision
 from lockstep.models import resolve_checkpoint
 from lockstep.serving.guard import bearer_middleware
 from lockstep.serving.membership import probe_health
@@ -296,12 +295,6 @@ def serve(
     (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
     shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
-    if job.spec.rollout.precision is not Precision.BF16:
-        raise ValueError(
-            f"spec.rollout.precision {job.spec.rollout.precision}: low-precision serving runs with `lockstep run` "
-            "on one machine so far (its engines load the converted checkpoint); the engine pods of a cluster "
-            "do not get one yet: set spec.rollout.precision to bf16"
-        )
     settings = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)
