@@ -21,11 +21,15 @@ EXAMPLES_BY_NAME = {p.stem: p for p in EXAMPLES}
 
 
 def _lockstep_args(cmd: list[str]) -> list[str]:
-    """The arguments after `lockstep` (directly or through `torchrun -m lockstep`)."""
-    if cmd[0] == "lockstep":
-        return cmd[1:]
-    assert cmd[:3] == ["torchrun", "-m", "lockstep"], cmd
-    return cmd[3:]
+    """The arguments after `lockstep` (directly or through `lockstep launch [torchrun args] -m lockstep`)."""
+    if cmd[:2] == ["lockstep", "launch"]:
+        launch = build_parser().parse_args(cmd[1:])
+        assert launch.torchrun_args == cmd[2:], cmd  # torchrun gets every argument unchanged
+        i = cmd.index("-m")
+        assert cmd[i : i + 2] == ["-m", "lockstep"], cmd
+        return cmd[i + 2 :]
+    assert cmd[0] == "lockstep", cmd
+    return cmd[1:]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -58,10 +58,11 @@ def engine_command(
 def trainer_command() -> list[str]:
     """torchrun over the rank pod's GPUs (rendezvous from the PET_* env of the pod), serving the driver.
 
-    `--serve`: the ranks take the RL steps; rank 0 listens for the driver's commands on the control
+    `lockstep launch` is torchrun with its rendezvous store bound to the pod IP (plain torchrun's
+    listens on every interface; lockstep.trainer.rendezvous says why). `--serve`: the ranks take the RL steps; rank 0 listens for the driver's commands on the control
     port (the CLI's default, 29600 = resources.common.CONTROL_PORT).
     """
-    return ["torchrun", "-m", "lockstep", "trainer", "--config", CONFIG_PATH, "--serve"]
+    return ["lockstep", "launch", "-m", "lockstep", "trainer", "--config", CONFIG_PATH, "--serve"]
 
 
 def driver_command() -> list[str]:

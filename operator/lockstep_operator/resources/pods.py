@@ -450,6 +450,13 @@ def rank_pod(
     }
 
 
+def driver_run_dir(job: str, *, shared: bool) -> str:
+    """The driver pod's LOCKSTEP_RUN_DIR (metrics.jsonl, the mirrored pre-flight result): `driver/`
+    beside the ranks' run dir on the shared volume, else the pod's emptyDir `run` (pure). Never the
+    image's filesystem: the image's user 1000 cannot create /var/lib/lockstep there."""
+    return f"{run_dir(job, shared=True)}/driver" if shared else RUN_MOUNT
+
+
 def driver_pod(
     owner: Owner,
     *,
@@ -460,14 +467,18 @@ def driver_pod(
     trainer_url: str,
     progress_config_map: str,
     engines_service: str,
+    placement: Placement | None = None,
 ) -> Manifest:
     """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
 
     It sends the RL steps to trainer rank 0 at LOCKSTEP_TRAINER_URL (the only pod the trainer's
     NetworkPolicy lets reach that port) and runs as ServiceAccount `<job>-driver`, whose Role only
-    allows get/patch on that ConfigMap.
+    allows get/patch on that ConfigMap. `placement`: the job's node selector and tolerations (a job
+    pinned to some nodes pins its driver too); it requests one CPU and no GPU.
+    Its run dir is `driver_run_dir` (a writable volume).
     restartPolicy OnFailure: a crashed driver resumes from its last checkpoint.
     """
+    shared = bool(container.shared_volume_claim)
     env = {
         **_base_env(job),
         "LOCKSTEP_ROLE": "driver",
@@ -476,8 +487,14 @@ def driver_pod(
         "LOCKSTEP_TRAINER_URL": trainer_url,
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
+        "LOCKSTEP_RUN_DIR": driver_run_dir(job, shared=shared),
     }
-    spec = _with_api_key(_pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure"), job)
+    place = placement or Placement()
+    cpu_only = Placement(cpu="1", node_selector=place.node_selector, tolerations=place.tolerations)
+    spec = _with_api_key(_pod_spec(container, cpu_only, Gang(), env=env, restart="OnFailure"), job)
+    if not shared:
+        spec["volumes"].append({"name": "run", "emptyDir": {}})
+        spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
     spec["serviceAccountName"] = driver_name(job)
     return {
         "apiVersion": "v1",

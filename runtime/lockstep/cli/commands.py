@@ -14,6 +14,7 @@ HELP: dict[str, str] = {
     "delta": "publish, apply and verify disk-delta weight versions",
     "driver": "run the RL loop of a rendered job (driver pod)",
     "engine": "serve the reference rollout engine (SGLang HTTP API subset)",
+    "launch": "torchrun with the rendezvous store bound to this pod's address (trainer rank pods)",
     "pull-model": "download a Hugging Face model (org/name[@rev]) into a directory",
     "precision-check": "validate a job's low-precision recipe in the seed's order (quantizer .. ratio)",
     "run": "run an RLJob manifest on this machine",
