@@ -14,9 +14,10 @@ spec.model.bf16Modules) decides, by tensor name and shape, and every stage asks 
 compares checksums against it (the quantization error is allowed, but only the quantizer's own).
 
 What is quantized: 2-D linear projection weights (`*_proj.weight`); embeddings, norms and lm_head
-stay in the checkpoint dtype, as in SGLang's FP8 checkpoints, and so do routed experts (ROUTED_EXPERT). A projection is an exception when a
-bf16Modules pattern matches its module name (fnmatch), or when its contraction axis is not a whole
-number of blocks (MXFP8: 32, NVFP4: 16).
+stay in the checkpoint dtype, as in SGLang's FP8 checkpoints, and so do routed experts
+(ROUTED_EXPERT). A projection is an exception when a bf16Modules pattern matches its module name
+(fnmatch) or that of a projection SGLang fuses it with (q/k/v, gate/up: FUSED_SHARDS), or when its
+contraction axis is not a whole number of blocks (MXFP8: 32, NVFP4: 16).
 
 Who calls it: lockstep.weights.quantizing (3), lockstep.engine (4), lockstep.train.fsdp (2),
 lockstep.driver (1), `lockstep precision-check`.
@@ -37,6 +38,11 @@ from lockstep.api import Precision, RLJob
 from lockstep.numerics import exact, quant
 from lockstep.numerics.quant import Format, Scheme
 
+FUSED_SHARDS: dict[str, tuple[str, ...]] = {
+    p: group for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) for p in group
+}
+"""Projections SGLang loads as one layer (qkv_proj, gate_up_proj): all shards must share a precision
+(its loader refuses a checkpoint that quantizes some), so an exception on one covers its group."""
 ROUTED_EXPERT = ".experts."
 """Routed experts stay BF16: on disk they are 2-D per-expert weights (`...mlp.experts.3.up_proj`),
 in the trainer (transformers) one 3-D tensor per layer (`...mlp.experts.gate_up_proj`) that the
@@ -68,9 +74,13 @@ class Recipe:
         if ROUTED_EXPERT in name:
             return Decision(False, ROUTED_EXPERT_REASON)
         module = name.removesuffix(".weight")
-        for pattern in self.bf16_modules:
-            if fnmatch.fnmatchcase(module, pattern):
-                return Decision(False, f"configured bf16 exception ({pattern})")
+        parent, _, proj = module.rpartition(".")
+        for sibling in FUSED_SHARDS.get(proj, (proj,)):
+            other = f"{parent}.{sibling}" if parent else sibling
+            for pattern in self.bf16_modules:
+                if fnmatch.fnmatchcase(other, pattern):
+                    fused = "" if other == module else f", fused with {sibling} in SGLang"
+                    return Decision(False, f"configured bf16 exception ({pattern}{fused})")
         if not self.scheme.aligned(shape):
             return Decision(
                 False,
