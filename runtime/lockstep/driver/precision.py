@@ -30,7 +30,7 @@ from lockstep.driver.engines import start_reference_engine
 from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.models.hub_data import resolve_data
 from lockstep.numerics import quant
-from lockstep.numerics.recipe import Recipe, convert_checkpoint, recipe_of, training_recipe
+from lockstep.numerics.recipe import Recipe, convert_checkpoint, is_linear, recipe_of, training_recipe
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
@@ -132,8 +132,7 @@ def _exceptions(ctx: _Ctx) -> Check:
     if train is not None and train != r:  # stage 2 exists when the trainer trains in the format
         problems.append("training forward (trainer.precision must equal rollout.precision)")
     reasons = sorted(
-        {r.decide(n, s).reason for n, s in shapes if n.endswith("_proj.weight") and len(s) == 2}
-        - {"quantized"}
+        {r.decide(n, s).reason for n, s in shapes if is_linear(n) and len(s) == 2} - {"quantized"}
     )
     detail = f"{len(quantized)} quantized, {len(kept)} BF16 exceptions ({'; '.join(reasons) or 'none'})"
     return Check(2, "exception alignment", not problems, ("differs at " + ", ".join(problems)) if problems else detail,
