@@ -114,7 +114,7 @@ def test_model_and_backend_cannot_change(crds: ControlPlane, namespace: str) -> 
     proc = crds.apply(changed, namespace=namespace, check=False)
     assert proc.returncode != 0 and "the model cannot change after creation" in proc.stderr, proc.stderr
     changed = json.loads(json.dumps(doc))
-    changed["spec"]["trainer"]["backend"] = "fsdp"
+    changed["spec"]["trainer"]["backend"] = "megatron"
     proc = crds.apply(changed, namespace=namespace, check=False)
     assert proc.returncode != 0 and "the trainer backend cannot change after creation" in proc.stderr, (
         proc.stderr

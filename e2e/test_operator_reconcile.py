@@ -306,6 +306,15 @@ def test_gb300_example_packs_trainer_into_one_nvlink_domain(
         assert node_labels(cluster, pod["spec"]["nodeName"])["nvidia.com/gpu.product"] == "NVIDIA-GB300"
     cmd = engines[0]["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--attn-dp-size" in cmd
+    # FP8 serving: each engine pod pulls the hub checkpoint, converts it, and serves the conversion
+    inits = engines[0]["spec"]["initContainers"]
+    assert [c["name"] for c in inits] == ["pull-model", "convert-model"]
+    convert = inits[1]["command"]
+    assert convert[:2] == ["lockstep", "convert-model"] and convert[convert.index("--precision") + 1] == "fp8"
+    served = convert[convert.index("--dest") + 1]
+    assert cmd[cmd.index("--model-path") + 1] == served and cmd[cmd.index("--quantization") + 1] == "fp8"
+    for rank in ranks:  # the trainer keeps (and trains) the BF16 checkpoint
+        assert [c["name"] for c in rank["spec"]["initContainers"]] == ["pull-model"]
     assert len({p["spec"]["nodeName"] for p in ranks}) == 8  # one rank pod per tray
     delete_and_wait(cluster, namespace, job)
 

@@ -42,6 +42,10 @@ def _start(args: argparse.Namespace) -> int:
     if cp.node is not None:
         # The images built here for the real node (pods use them with imagePullPolicy: Never).
         print(f"export LOCKSTEP_BUSYBOX_IMAGE={cp.node.images['busybox']}")
+        if args.runtime_image:
+            # The operator's runtime and engine image for the examples (built and imported when its
+            # inputs changed: cold about 5 GiB, node/runtime_image.py).
+            print(f"export LOCKSTEP_RUNTIME_IMAGE={cp.node.runtime_image()}")
     return 0
 
 
@@ -88,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         "--real-node",
         action="store_true",
         help="also run a real worker node (kubelet, containerd; needs root)",
+    )
+    start.add_argument(
+        "--runtime-image",
+        action="store_true",
+        help="with --real-node: build (when changed) and import the runtime image, print LOCKSTEP_RUNTIME_IMAGE",
     )
     start.set_defaults(func=_start)
     sub.add_parser("stop", parents=[common], help="stop what start started").set_defaults(func=_stop)

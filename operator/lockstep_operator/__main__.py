@@ -7,7 +7,7 @@ the handlers of lockstep_operator.handlers:
   manifests/kopf-peering.yaml) or standalone;
 - probes: kopf's liveness endpoint on settings.health_port at /healthz (used for both liveness and
   readiness by manifests/deployment.yaml);
-- metrics: prometheus_client on settings.metrics_port (/metrics).
+- metrics: prometheus_client on settings.metrics_port (/metrics), bound to $POD_IP (loopback outside a pod).
 Never imports torch (operator/tests/test_no_torch.py).
 """
 
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger().setLevel(settings.log_level)
     if settings.metrics_port:
-        start_http_server(settings.metrics_port)
+        # The pod IP (downward API) where Prometheus scrapes it, loopback elsewhere; never every interface.
+        start_http_server(settings.metrics_port, addr=os.environ.get("POD_IP") or "127.0.0.1")
     import lockstep_operator.handlers  # noqa: F401  (registers the handlers with kopf's default registry)
 
     kopf.run(**kopf_kwargs(settings, os.environ.get("POD_NAME")))  # type: ignore[arg-type]

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import yaml
 from lockstep.api import load_manifest
-from lockstep.api.rljob import RLJob, is_hub_id
+from lockstep.api.rljob import Precision, RLJob, is_hub_id
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep.api.trainergroup import TrainerGroupSpec
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import Owner
 from lockstep_operator.resources.driver import driver_manifest
 from lockstep_operator.resources.engines import engine_manifest
-from lockstep_operator.resources.model import local_dir, local_model
+from lockstep_operator.resources.model import local_dir, local_model, serving_dir
 from lockstep_operator.resources.ranks import rank_manifest
 
 IMAGE = "registry.example/lockstep-runtime:test"
@@ -171,3 +171,80 @@ def test_the_same_repo_as_tokenizer_is_pulled_once() -> None:
     j = job("Qwen/Qwen3-0.6B", tokenizer="Qwen/Qwen3-0.6B")
     [init] = pods(j)["rank"]["spec"]["initContainers"]
     assert init["command"][:3] == ["lockstep", "pull-model", "Qwen/Qwen3-0.6B"]
+
+
+# -- low-precision serving: the engine pods' conversion step (seed §6 stage 1) ----------------------
+
+
+def quantized(checkpoint: str, precision: str = "fp8", bf16: list[str] | None = None) -> RLJob:
+    j = job(checkpoint, bf16Modules=bf16 or [])
+    raw = j.model_dump(mode="json", by_alias=True, exclude_none=True)
+    raw["spec"]["rollout"]["precision"] = precision
+    if precision == "nvfp4":
+        raw["spec"]["trainer"]["precision"] = "nvfp4"  # rule nvfp4-serving-needs-nvfp4-training
+    return RLJob.model_validate(raw)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_a_quantized_engine_converts_then_serves_the_converted_checkpoint(precision: str) -> None:
+    j = quantized("Qwen/Qwen3-0.6B", precision, bf16=["model.layers.27.*"])
+    spec = pods(j)["engine"]["spec"]
+    pull, convert = spec["initContainers"]  # the pull first: the conversion reads its files
+    assert pull["name"] == "pull-model"
+    dest = serving_dir(j.spec.model, j.spec.rollout.precision)
+    assert dest.startswith("/serving/" + precision + "-")
+    assert convert["name"] == "convert-model" and convert["image"] == IMAGE
+    assert convert["command"] == [
+        "lockstep", "convert-model", "/models/Qwen--Qwen3-0.6B", "--dest", dest,
+        "--precision", precision, "--bf16-modules", "model.layers.27.*",
+    ]  # fmt: skip
+    assert convert["volumeMounts"] == [
+        {"name": "model", "mountPath": "/models"},
+        {"name": "serving", "mountPath": "/serving"},
+    ]
+    assert convert["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert "env" not in convert  # the hub token is the pull's alone
+    main = spec["containers"][0]
+    assert {"name": "serving", "mountPath": "/serving"} in main["volumeMounts"]
+    assert {"name": "serving", "emptyDir": {}} in spec["volumes"]
+    cmd = main["command"]  # the reference engine of tiny-local: it checks the flag against the files
+    assert cmd[cmd.index("--model") + 1] == dest
+    quant_flag = {"fp8": "fp8", "mxfp8": "mxfp8", "nvfp4": "modelopt_fp4"}[precision]
+    assert cmd[cmd.index("--quantization") + 1] == quant_flag
+
+
+@pytest.mark.parametrize("role", ["driver", "rank"])
+def test_the_driver_and_the_ranks_keep_the_bf16_checkpoint(role: str) -> None:
+    spec = pods(quantized("Qwen/Qwen3-0.6B"))[role]["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["pull-model"]
+    assert all(v["name"] != "serving" for v in spec["volumes"])
+
+
+def test_a_local_checkpoint_is_converted_from_where_it_is() -> None:
+    j = quantized("/models/qwen3-0.6b")
+    spec = pods(j)["engine"]["spec"]
+    [convert] = spec["initContainers"]
+    assert convert["command"][2:4] == ["/models/qwen3-0.6b", "--dest"]
+    assert convert["volumeMounts"] == [{"name": "serving", "mountPath": "/serving"}]  # /models untouched
+    assert all(v["name"] != "model" for v in spec["volumes"])
+
+
+def test_with_the_jobs_shared_claim_the_serving_checkpoint_is_converted_once_on_it() -> None:
+    spec = pods(quantized("Qwen/Qwen3-0.6B"), shared="rl-shared")["engine"]["spec"]
+    mount = {"name": "shared", "mountPath": "/serving", "subPath": "lockstep/serving"}
+    assert spec["initContainers"][1]["volumeMounts"][-1] == mount
+    assert mount in spec["containers"][0]["volumeMounts"]
+    assert all(v["name"] != "serving" for v in spec["volumes"])
+
+
+def test_a_different_recipe_never_reuses_another_conversion() -> None:
+    base = quantized("Qwen/Qwen3-0.6B").spec.model
+    dirs = {
+        serving_dir(base, Precision.FP8),
+        serving_dir(base, Precision.MXFP8),
+        serving_dir(base.model_copy(update={"bf16_modules": ["*.o_proj"]}), Precision.FP8),
+        serving_dir(base.model_copy(update={"checkpoint": "Qwen/Qwen3-4B"}), Precision.FP8),
+    }
+    assert len(dirs) == 4
+    assert serving_dir(base, Precision.FP8) == serving_dir(base.model_copy(), Precision.FP8)  # stable
+    assert "initContainers" not in pods(job("/models/qwen3-0.6b"))["engine"]["spec"]  # bf16: nothing

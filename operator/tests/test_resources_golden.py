@@ -309,3 +309,26 @@ def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
         "key": "api-key",
     }
     assert "s3cret" not in yaml.safe_dump(driver)
+
+
+def test_the_driver_follows_the_job_placement_and_writes_to_a_volume() -> None:
+    """Found on the real node: a driver without the job's node selector and tolerations never reached
+    the (tainted) nodes the job was pinned to, and its run dir /var/lib/lockstep/run was not writable
+    by the image's user 1000 (no volume there)."""
+    ROOT = Path(__file__).resolve().parents[2]
+    job = RLJob.model_validate(yaml.safe_load((ROOT / "examples" / "tiny-cluster.yaml").read_text()))
+    own = owner("RLJob", job.metadata.name)
+    spec = driver_manifest(own, job.spec, image=IMAGE)["spec"]
+    assert spec["nodeSelector"] == {"lockstep.dev/node": "real"}
+    assert spec["tolerations"] == [{"key": "lockstep.dev/node", "operator": "Exists", "effect": "NoSchedule"}]
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["LOCKSTEP_RUN_DIR"] == "/shared/lockstep/tiny-cluster/driver"
+    assert {"name": "shared", "persistentVolumeClaim": {"claimName": "tiny-cluster-shared"}} in spec[
+        "volumes"
+    ]
+    assert spec["containers"][0]["resources"] == {"requests": {"cpu": "1"}}  # never a GPU
+    plain = driver_manifest(own, load("tiny-local").spec, image=IMAGE)["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in plain["containers"][0]["volumeMounts"]}
+    assert mounts["/var/lib/lockstep/run"] == "run"
+    assert {"name": "run", "emptyDir": {}} in plain["volumes"]
+    assert "nodeSelector" not in plain and "tolerations" not in plain

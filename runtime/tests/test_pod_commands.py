@@ -17,14 +17,19 @@ from lockstep_operator.resources.common import CONTROL_PORT
 from lockstep_operator.resources.model import local_dir, model_pull, pull_command
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+EXAMPLES_BY_NAME = {p.stem: p for p in EXAMPLES}
 
 
 def _lockstep_args(cmd: list[str]) -> list[str]:
-    """The arguments after `lockstep` (directly or through `torchrun -m lockstep`)."""
-    if cmd[0] == "lockstep":
-        return cmd[1:]
-    assert cmd[:3] == ["torchrun", "-m", "lockstep"], cmd
-    return cmd[3:]
+    """The arguments after `lockstep` (directly or through `lockstep launch [torchrun args] -m lockstep`)."""
+    if cmd[:2] == ["lockstep", "launch"]:
+        launch = build_parser().parse_args(cmd[1:])
+        assert launch.torchrun_args == cmd[2:], cmd  # torchrun gets every argument unchanged
+        i = cmd.index("-m")
+        assert cmd[i : i + 2] == ["-m", "lockstep"], cmd
+        return cmd[i + 2 :]
+    assert cmd[0] == "lockstep", cmd
+    return cmd[1:]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -56,3 +61,42 @@ def test_the_model_volume_init_step_parses_with_the_runtime_cli(tokenizer: str |
     for step, ref in zip(steps, pull.refs, strict=True):
         args = parser.parse_args(_lockstep_args(step))
         assert callable(args.func) and args.ref == ref and str(args.dest) == local_dir(ref)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_the_engine_pods_conversion_step_and_engine_command_agree_with_the_runtime(
+    precision: str, tmp_path: Path
+) -> None:
+    """The operator's `lockstep convert-model ...` init step parses with the CLI and, run on a real
+    checkpoint, writes what the engine command it renders then serves: the reference engine loads
+    it and its --quantization matches the files (it exits otherwise)."""
+    from lockstep.cli import main
+    from lockstep.cli.engine import _check_quantization
+    from lockstep.engine import ReferenceEngine
+    from lockstep.models.tiny import materialize_builtin
+    from lockstep_operator.resources.model import convert_command, model_convert, serving_model
+
+    job = load_manifest(EXAMPLES_BY_NAME["tiny-local"])
+    model = job.spec.model.model_copy(update={"checkpoint": "/models/tiny", "bf16_modules": ["*.o_proj"]})
+    from lockstep.api import Precision
+
+    engine = job.spec.rollout.model_copy(update={"precision": Precision(precision)})
+    convert = model_convert(model, engine.precision, "runtime:test")
+    assert convert is not None
+    cmd = convert_command(convert)
+    args = build_parser().parse_args(_lockstep_args(cmd))
+    assert (str(args.src), str(args.dest), args.precision, args.bf16_modules) == (
+        "/models/tiny", convert.dest, precision, ["*.o_proj"],
+    )  # fmt: skip
+    served = serving_model(model, engine.precision)
+    rendered = engine_command(engine, served)
+    assert rendered[rendered.index("--model") + 1] == convert.dest
+    flag = rendered[rendered.index("--quantization") + 1]
+    # the same step on this machine's disk: /models/tiny and /serving rebased under tmp_path
+    src = materialize_builtin("builtin:tiny", tmp_path / "models", seed=0)
+    dest = tmp_path / convert.dest.lstrip("/")
+    dest.parent.mkdir(parents=True)
+    assert main(["convert-model", str(src), "--dest", str(dest), *cmd[5:]]) == 0
+    loaded = ReferenceEngine.load(dest, context_length=32)
+    _check_quantization(flag, loaded.scheme)  # SystemExit when the flag and the files disagree
+    assert loaded.scheme is not None and loaded.scheme.format.value == precision

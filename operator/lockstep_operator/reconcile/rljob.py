@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import ApiError, KubeClient, Manifest
 from lockstep_operator.policy.condition import set_condition
+from lockstep_operator.policy.driver_stop import delete_driver
 from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
@@ -91,7 +92,9 @@ async def reconcile_job(
     if gang_problem is None:
         stopped = previous.phase.value if terminal and previous and previous.phase else ""
         await _apply_children(kube, owner, spec, suspended=spec.suspend, stopped=stopped)
-        await _ensure_driver(kube, owner, spec, settings, run=not spec.suspend and not terminal)
+        await _ensure_driver(
+            kube, owner, spec, settings, run=not spec.suspend and not terminal, previous=previous, now=now
+        )
     observed = await _observe(kube, namespace, name, gang_problem, channel)
     status = job_status(spec, observed, previous, generation=generation, now=now)
     await write_status(kube, body, previous, status)
@@ -204,12 +207,22 @@ async def _placement_plan(kube: KubeClient, owner: Owner, spec: RLJobSpec) -> tu
 
 
 async def _ensure_driver(
-    kube: KubeClient, owner: Owner, spec: RLJobSpec, settings: OperatorSettings, *, run: bool
+    kube: KubeClient,
+    owner: Owner,
+    spec: RLJobSpec,
+    settings: OperatorSettings,
+    *,
+    run: bool,
+    previous: RLJobStatus | None = None,
+    now: dt.datetime | None = None,
 ) -> None:
     job = owner.name
     if not run:
         existing = await kube.get("v1", "Pod", owner.namespace, driver_name(job))
-        if existing is not None and existing.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+        phase = existing.get("status", {}).get("phase") if existing is not None else None
+        ended = previous.completion_time if previous is not None else None
+        completed_for = (now - ended).total_seconds() if ended is not None and now is not None else None
+        if existing is not None and delete_driver(previous.phase if previous else None, phase, completed_for):
             await kube.delete("v1", "Pod", owner.namespace, driver_name(job))
         return
     pod = driver_manifest(owner, spec, image=settings.runtime_image)

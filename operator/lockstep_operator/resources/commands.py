@@ -7,6 +7,7 @@ written in one place and tested against both parsers. Called by the RolloutPool,
 
 from __future__ import annotations
 
+from lockstep.api.profiles import SGLANG_QUANTIZATION
 from lockstep.api.rljob import EngineSpec, ModelSpec
 
 from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT, POD_IP_ENV
@@ -41,23 +42,27 @@ def engine_command(
     if engine.engine.value == "reference":
         # The flags of `lockstep engine` (runtime/lockstep/cli/engine.py); runtime/tests/test_pod_commands.py
         # parses every pod command with the runtime's own CLI.
-        return [
+        cmd = [
             "lockstep", "engine",
             "--model", model.checkpoint,
             "--device", "cuda" if engine.gpus_per_engine > 0 else "cpu",
             "--host", POD_IP,
             "--port", str(ENGINE_PORT),
         ]  # fmt: skip
+        if engine.precision in SGLANG_QUANTIZATION:  # checked against the converted checkpoint at start
+            cmd += ["--quantization", SGLANG_QUANTIZATION[engine.precision]]
+        return cmd
     return sglang_command(engine, model, r3=r3, true_on_policy=true_on_policy, disaggregation=disaggregation)
 
 
 def trainer_command() -> list[str]:
     """torchrun over the rank pod's GPUs (rendezvous from the PET_* env of the pod), serving the driver.
 
-    `--serve`: the ranks take the RL steps; rank 0 listens for the driver's commands on the control
+    `lockstep launch` is torchrun with its rendezvous store bound to the pod IP (plain torchrun's
+    listens on every interface; lockstep.trainer.rendezvous says why). `--serve`: the ranks take the RL steps; rank 0 listens for the driver's commands on the control
     port (the CLI's default, 29600 = resources.common.CONTROL_PORT).
     """
-    return ["torchrun", "-m", "lockstep", "trainer", "--config", CONFIG_PATH, "--serve"]
+    return ["lockstep", "launch", "-m", "lockstep", "trainer", "--config", CONFIG_PATH, "--serve"]
 
 
 def driver_command() -> list[str]:

@@ -22,11 +22,12 @@ from lockstep_operator.resources.common import (
     trainer_url,
 )
 from lockstep_operator.resources.model import model_pull
-from lockstep_operator.resources.pods import Container, driver_pod, with_template_hash
+from lockstep_operator.resources.pods import Container, Placement, driver_pod, with_template_hash
 
 
 def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
-    """The driver pod of the job (pure); `image` is used when spec.agent.image names none.
+    """The driver pod of the job (pure); `image` is used when spec.agent.image names none. It follows
+    the job's placement (node selector, tolerations) and mounts the job's shared claim, if any.
 
     Annotated with its pod-template hash over the pod spec and the run config (run_config_hash).
     """
@@ -35,12 +36,19 @@ def driver_manifest(owner: Owner, spec: RLJobSpec, *, image: str) -> Manifest:
         owner,
         job=job,
         container=Container(
-            image=spec.agent.image or image, command=driver_command(), model=model_pull(spec.model, image)
+            image=spec.agent.image or image,
+            command=driver_command(),
+            model=model_pull(spec.model, image),
+            shared_volume_claim=spec.weight_sync.disk_delta.volume_claim,
         ),
         router_url=router_url(job),
         trainer=trainer_name(job),
         trainer_url=trainer_url(trainer_name(job), owner.namespace),
         progress_config_map=progress_name(job),
         engines_service=engines_service_name(pool_name(job)),
+        placement=Placement(
+            node_selector=dict(spec.placement.node_selector),
+            tolerations=[t.wire() for t in spec.placement.tolerations],
+        ),
     )
     return with_template_hash(pod, {"config": run_config_hash(spec)})

@@ -25,7 +25,7 @@ from lockstep_operator.resources.common import (
     Owner,
     api_key_secret_name,
 )
-from lockstep_operator.resources.model import local_model, model_pull
+from lockstep_operator.resources.model import model_convert, model_pull, serving_model
 from lockstep_operator.resources.pods import Container, Placement, engine_pod, with_template_hash
 from lockstep_operator.resources.sglang import TRUE_ON_POLICY_ENV
 
@@ -37,18 +37,24 @@ CPU_SHM = "1Gi"
 
 def engine_container(spec: RolloutPoolSpec, image: str, shared_volume: str | None) -> Container:
     """What an engine replica runs: the command, a sized /dev/shm, the job's API key (from its
-    Secret; both engines require it) and, for SGLang, the true-on-policy environment."""
+    Secret; both engines require it), for SGLang the true-on-policy environment, and for a
+    low-precision engine the conversion step whose checkpoint the command serves."""
     sglang = spec.engine.engine is Engine.SGLANG
+    precision = spec.engine.precision
     return Container(
         image=spec.engine.image or image,
-        command=engine_command(  # the model volume's path, not the hub id
-            spec.engine, local_model(spec.model), r3=spec.r3, true_on_policy=spec.true_on_policy
+        command=engine_command(  # the model volume's path (the converted one for fp8 ...), not the hub id
+            spec.engine,
+            serving_model(spec.model, precision),
+            r3=spec.r3,
+            true_on_policy=spec.true_on_policy,
         ),
         env=dict(TRUE_ON_POLICY_ENV) if sglang and spec.true_on_policy else {},
         secret_env={API_KEY_ENV: (api_key_secret_name(spec.job), API_KEY_ITEM)},
         shared_volume_claim=shared_volume or None,
         shm_size=GPU_SHM if spec.engine.gpus_per_engine > 0 else CPU_SHM,
         model=model_pull(spec.model, image),
+        convert=model_convert(spec.model, precision, image),
     )
 
 

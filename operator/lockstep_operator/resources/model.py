@@ -10,17 +10,27 @@ the local directory: job.yaml and the engine command carry `local_model(model)`,
 The volume is the job's shared ReadWriteMany claim when it has one (filled once, later pods find the
 files in place), else an emptyDir per pod.
 
-Who calls it: resources.pods (the init container and the volume), the driver, rank and engine
+Low-precision serving (spec.rollout.precision fp8 | mxfp8 | nvfp4, seed §6 stage 1): engine pods
+serve the checkpoint converted by the job's recipe, never the BF16 one. Each engine pod gets a
+`serving` volume at SERVING_MOUNT and a second init step, `lockstep convert-model SRC --dest DIR`
+(after the pull when there is one), which writes the converted checkpoint atomically into
+`serving_dir(model, precision)`; the engine command then names that directory. On the job's shared
+claim the directory is converted once and later pods find it in place. Trainer ranks and the driver
+keep reading the BF16 checkpoint (they train it; every push is quantized by the same recipe).
+
+Who calls it: resources.pods (the init containers and the volumes), the driver, rank and engine
 builders and the RLJob reconcile (job.yaml); golden- and table-tested in operator/tests.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shlex
 from dataclasses import dataclass
 
-from lockstep.api.rljob import ModelSpec, SecretKeySelector, is_hub_id
+from lockstep.api.rljob import ModelSpec, Precision, SecretKeySelector, is_hub_id
 
 MODEL_MOUNT = "/models"
 """Where the model volume is mounted in every container of a pod."""
@@ -28,6 +38,12 @@ MODEL_VOLUME = "model"
 """The pod volume's name (an emptyDir when the job has no shared claim)."""
 SHARED_SUBPATH = "lockstep/models"
 """The model directory inside the job's shared claim."""
+SERVING_MOUNT = "/serving"
+"""Where the converted (low-precision) serving checkpoints are mounted in an engine pod."""
+SERVING_VOLUME = "serving"
+"""The engine pod's volume for them (an emptyDir when the job has no shared claim)."""
+SERVING_SUBPATH = "lockstep/serving"
+"""Their directory inside the job's shared claim."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +88,71 @@ def pull_command(pull: ModelPull) -> list[str]:
     first failure."""
     steps = [["lockstep", "pull-model", ref, "--dest", local_dir(ref)] for ref in pull.refs]
     return steps[0] if len(steps) == 1 else ["sh", "-c", " && ".join(shlex.join(s) for s in steps)]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConvert:
+    """What an engine pod's conversion step reads and writes (seed §6 stage 1)."""
+
+    src: str
+    """The BF16 checkpoint directory as the pod sees it (the model volume's, or a local path)."""
+    dest: str
+    """The serving checkpoint directory under SERVING_MOUNT (`serving_dir`)."""
+    precision: Precision
+    """spec.rollout.precision (not bf16)."""
+    bf16_modules: tuple[str, ...]
+    """spec.model.bf16Modules: the recipe's exceptions, kept in BF16."""
+    image: str
+    """Image with the `lockstep` CLI (the runtime image, which reads local checkpoints as the ranks do)."""
+
+
+def serving_dir(model: ModelSpec, precision: Precision) -> str:
+    """The directory holding `model` converted to `precision` (pure and stable: every engine pod of
+    the job agrees, and a different recipe never reuses another's files)."""
+    key = json.dumps(
+        {
+            "checkpoint": model.checkpoint,
+            "precision": precision.value,
+            "bf16Modules": list(model.bf16_modules),
+        },
+        sort_keys=True,
+    )
+    return f"{SERVING_MOUNT}/{precision.value}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def model_convert(model: ModelSpec, precision: Precision, image: str) -> ModelConvert | None:
+    """The conversion step an engine serving `precision` needs (None for bf16: the checkpoint as is)."""
+    if precision is Precision.BF16:
+        return None
+    return ModelConvert(
+        src=local_model(model).checkpoint,
+        dest=serving_dir(model, precision),
+        precision=precision,
+        bf16_modules=tuple(model.bf16_modules),
+        image=image,
+    )
+
+
+def serving_model(model: ModelSpec, precision: Precision) -> ModelSpec:
+    """`model` as an engine serving `precision` reads it: local directories, and the converted
+    checkpoint (its own copy of the tokenizer files) when the precision is not bf16."""
+    local = local_model(model)
+    if precision is Precision.BF16:
+        return local
+    return local.model_copy(update={"checkpoint": serving_dir(model, precision)})
+
+
+def convert_command(convert: ModelConvert) -> list[str]:
+    """`lockstep convert-model SRC --dest DIR --precision P [--bf16-modules ...]` (runtime/lockstep/cli)."""
+    cmd = [
+        "lockstep",
+        "convert-model",
+        convert.src,
+        "--dest",
+        convert.dest,
+        "--precision",
+        convert.precision.value,
+    ]
+    if convert.bf16_modules:
+        cmd += ["--bf16-modules", *convert.bf16_modules]
+    return cmd

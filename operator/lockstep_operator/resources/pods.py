@@ -48,8 +48,13 @@ from lockstep_operator.resources.common import (
 from lockstep_operator.resources.model import (
     MODEL_MOUNT,
     MODEL_VOLUME,
+    SERVING_MOUNT,
+    SERVING_SUBPATH,
+    SERVING_VOLUME,
     SHARED_SUBPATH,
+    ModelConvert,
     ModelPull,
+    convert_command,
     pull_command,
 )
 
@@ -122,6 +127,9 @@ class Container:
     model: ModelPull | None = None
     """The hub model the pod's init step downloads into the model volume (resources.model); None
     when the checkpoint is local."""
+    convert: ModelConvert | None = None
+    """The low-precision serving checkpoint an engine pod's init step writes into the serving
+    volume (resources.model); None for bf16 serving and for every other role."""
 
 
 def _resources(p: Placement) -> Manifest:
@@ -200,8 +208,18 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
     }
+    inits: list[Manifest] = []
     if c.model is not None and model_mount is not None:
-        spec["initContainers"] = [_pull_container(c.model, model_mount, c.image_pull_policy)]
+        inits.append(_pull_container(c.model, model_mount, c.image_pull_policy))
+    if c.convert is not None:
+        serving_mount = _serving_mount(c)
+        mounts.append(serving_mount)
+        if serving_mount["name"] == SERVING_VOLUME:
+            volumes.append({"name": SERVING_VOLUME, "emptyDir": {}})
+        reads = [model_mount] if model_mount is not None else []
+        inits.append(_convert_container(c.convert, [*reads, serving_mount], c.image_pull_policy))
+    if inits:
+        spec["initContainers"] = inits
     if selector:
         spec["nodeSelector"] = selector
     if tolerations:
@@ -237,6 +255,28 @@ def _model_mount(c: Container) -> Manifest:
     if c.shared_volume_claim:
         return {"name": "shared", "mountPath": MODEL_MOUNT, "subPath": SHARED_SUBPATH}
     return {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+
+
+def _serving_mount(c: Container) -> Manifest:
+    """Where the converted serving checkpoints are mounted: the shared claim's serving directory
+    when the pod has the claim (converted once for the job), else the pod's own emptyDir."""
+    if c.shared_volume_claim:
+        return {"name": "shared", "mountPath": SERVING_MOUNT, "subPath": SERVING_SUBPATH}
+    return {"name": SERVING_VOLUME, "mountPath": SERVING_MOUNT}
+
+
+def _convert_container(convert: ModelConvert, mounts: list[Manifest], pull_policy: str) -> Manifest:
+    """The init step writing the serving checkpoint (after the pull, which it reads from)."""
+    return {
+        "name": "convert-model",
+        "image": convert.image,
+        "imagePullPolicy": pull_policy,
+        "command": convert_command(convert),
+        "volumeMounts": [dict(m) for m in mounts],
+        # convert-model's last words (the argument, the fix) become the pod's status message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
 
 
 def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manifest:
@@ -410,6 +450,13 @@ def rank_pod(
     }
 
 
+def driver_run_dir(job: str, *, shared: bool) -> str:
+    """The driver pod's LOCKSTEP_RUN_DIR (metrics.jsonl, the mirrored pre-flight result): `driver/`
+    beside the ranks' run dir on the shared volume, else the pod's emptyDir `run` (pure). Never the
+    image's filesystem: the image's user 1000 cannot create /var/lib/lockstep there."""
+    return f"{run_dir(job, shared=True)}/driver" if shared else RUN_MOUNT
+
+
 def driver_pod(
     owner: Owner,
     *,
@@ -420,14 +467,18 @@ def driver_pod(
     trainer_url: str,
     progress_config_map: str,
     engines_service: str,
+    placement: Placement | None = None,
 ) -> Manifest:
     """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
 
     It sends the RL steps to trainer rank 0 at LOCKSTEP_TRAINER_URL (the only pod the trainer's
     NetworkPolicy lets reach that port) and runs as ServiceAccount `<job>-driver`, whose Role only
-    allows get/patch on that ConfigMap.
+    allows get/patch on that ConfigMap. `placement`: the job's node selector and tolerations (a job
+    pinned to some nodes pins its driver too); it requests one CPU and no GPU.
+    Its run dir is `driver_run_dir` (a writable volume).
     restartPolicy OnFailure: a crashed driver resumes from its last checkpoint.
     """
+    shared = bool(container.shared_volume_claim)
     env = {
         **_base_env(job),
         "LOCKSTEP_ROLE": "driver",
@@ -436,8 +487,14 @@ def driver_pod(
         "LOCKSTEP_TRAINER_URL": trainer_url,
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_config_map,
         "LOCKSTEP_ENGINES_SERVICE": engines_service,
+        "LOCKSTEP_RUN_DIR": driver_run_dir(job, shared=shared),
     }
-    spec = _with_api_key(_pod_spec(container, Placement(cpu="1"), Gang(), env=env, restart="OnFailure"), job)
+    place = placement or Placement()
+    cpu_only = Placement(cpu="1", node_selector=place.node_selector, tolerations=place.tolerations)
+    spec = _with_api_key(_pod_spec(container, cpu_only, Gang(), env=env, restart="OnFailure"), job)
+    if not shared:
+        spec["volumes"].append({"name": "run", "emptyDir": {}})
+        spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
     spec["serviceAccountName"] = driver_name(job)
     return {
         "apiVersion": "v1",

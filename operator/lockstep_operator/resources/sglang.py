@@ -7,8 +7,9 @@ own ServerArgs parser and checks the parsed values against the spec. Called by r
 
 Spec -> flags: tensorParallel -> --tp-size; dataParallelAttention > 1 -> --attn-dp-size (SGLang's
 spelling since `--enable-dp-attention --dp-size` was deprecated); precision fp8 | mxfp8 | nvfp4 ->
---quantization fp8 | mxfp8 | nvfp4_online (online quantization of the bf16 checkpoint and of every
-update); kvCacheDtype -> --kv-cache-dtype; R3 -> --enable-return-routed-experts; true-on-policy ->
+--quantization fp8 | mxfp8 | modelopt_fp4 (lockstep.api.profiles.SGLANG_QUANTIZATION: the format of
+the converted checkpoint the model path then names, resources.model; SGLang loads it as it is and
+every update arrives quantized by the same recipe); kvCacheDtype -> --kv-cache-dtype; R3 -> --enable-return-routed-experts; true-on-policy ->
 --enable-deterministic-inference --rl-on-policy-target fsdp (plus TRUE_ON_POLICY_ENV); a
 prefill-decode role -> --disaggregation-mode; multiTokenPrediction -> EAGLE speculative decoding over
 the model's MTP head; --weight-version 0 (the loaded checkpoint is version 0, as the reference
@@ -19,16 +20,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
+from lockstep.api.profiles import SGLANG_QUANTIZATION
+from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
 
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release these flags and the runtime's HTTP contract are checked against (the engine
 image's SGLang must match; scripts/setup.sh installs the same for the contract tests)."""
-
-QUANTIZATION = {Precision.FP8: "fp8", Precision.MXFP8: "mxfp8", Precision.NVFP4: "nvfp4_online"}
-"""Serving precision -> SGLang --quantization (bf16 serves the checkpoint as it is)."""
 
 MTP_FLAGS = (
     "--speculative-algorithm", "EAGLE",
@@ -67,8 +66,8 @@ def sglang_command(
         cmd += ["--tokenizer-path", model.tokenizer]
     if engine.data_parallel_attention > 1:
         cmd += ["--attn-dp-size", str(engine.data_parallel_attention)]
-    if engine.precision in QUANTIZATION:
-        cmd += ["--quantization", QUANTIZATION[engine.precision]]
+    if engine.precision in SGLANG_QUANTIZATION:  # the converted checkpoint's own format
+        cmd += ["--quantization", SGLANG_QUANTIZATION[engine.precision]]
     if engine.kv_cache_dtype is not KVCacheDtype.AUTO:
         cmd += ["--kv-cache-dtype", engine.kv_cache_dtype.value]
     if r3:

@@ -604,12 +604,14 @@ class DataSpec(ApiModel):
     """Where prompts come from."""
 
     prompts: str = Field(min_length=1, max_length=1024)
-    """Prompt source: a JSON-lines file or directory, a local Hugging Face dataset directory (`DIR` or
-    `DIR:split`), or `builtin:<task>` for a task that ships with Lockstep."""
+    """Prompt source: a JSON-lines file or directory, a local Hugging Face dataset directory (`DIR`,
+    `DIR:split` or `DIR:config:split`), a hub dataset id (`org/name[@rev][:config][:split]`), or
+    `builtin:<task>` for a task that ships with Lockstep."""
     eval_prompts: str | None = Field(default=None, max_length=1024)
     """Held-out prompt source for evaluation (same forms)."""
     shuffle: bool = True
-    """Shuffle prompts each epoch."""
+    """Shuffle user prompts (files, datasets) in a new seeded order every epoch; a resumed run draws
+    the same prompts as an uninterrupted one. Built-in tasks draw each prompt from the seed already."""
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     """Seed of the shuffle and of sampling."""
 

@@ -40,6 +40,9 @@ from lockstep.api.rljob import (
 from lockstep.api.rolloutpool import RolloutPoolSpec
 
 WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
+MEGATRON_FAMILIES: Final[tuple[str, ...]] = ("tiny", "qwen3")
+"""spec.model.family values the megatron backend builds (lockstep.train.megatron.config: Qwen3 and
+Qwen3-MoE architectures; the tiny family is a Qwen3)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +276,14 @@ RULES: Final[tuple[Rule, ...]] = (
         "trainer.parallelism's sizes to 1, or trainer.backend to megatron",
     ),
     Rule(
+        "megatron-trains-bf16",
+        TrainerSpec,
+        field("backend").eq("megatron").implies(field("precision").eq("bf16")),
+        "precision",
+        "the megatron backend trains bf16 (with fp32 master weights); low-precision training needs "
+        "Transformer Engine, which is not built in: set trainer.precision to bf16 or trainer.backend to fsdp",
+    ),
+    Rule(
         "stream-optimizer-state-megatron",
         TrainerSpec,
         field("streamOptimizerStateToDisk").eq(True).implies(field("backend").eq("megatron")),
@@ -393,8 +404,29 @@ RULES: Final[tuple[Rule, ...]] = (
         "cuda-ipc hands weights to the one colocated engine: set rollout.replicas to 1 or use "
         "transport broadcast or auto",
     ),
+    Rule(
+        "p2p-needs-a-receiver",
+        RLJobSpec,
+        (_transport.eq("p2p") & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.p2pReceiver").eq(True)
+        ),
+        "rollout.p2pReceiver",
+        "p2p writes into the engines through Lockstep's P2P receive extension, which stock SGLang does "
+        "not serve (docs/sglang.md): set weightSync.transport to broadcast or auto, or set "
+        "rollout.p2pReceiver to true for an engine image that serves it",
+    ),
     # Not built yet: the API keeps these fields, the runtime does not build them, so a manifest that
     # asks for one is refused at apply, never at pod start. Each rule goes when its feature is built.
+    Rule(
+        "megatron-families-built",
+        RLJobSpec,
+        field("trainer.backend").eq("megatron").implies(field("model.family").in_(list(MEGATRON_FAMILIES))),
+        "model.family",
+        "the megatron backend builds the Qwen3 and Qwen3-MoE architectures only (families "
+        + ", ".join(MEGATRON_FAMILIES)
+        + "); GLM's MLA/DSA attention is not built in it (docs/megatron.md): set trainer.backend to fsdp, "
+        "which builds every family through transformers",
+    ),
     Rule(
         "lora-not-built",
         ModelSpec,

@@ -10,9 +10,11 @@ Who calls it: lockstep.cli (the parser), each subcommand module (its help line).
 from __future__ import annotations
 
 HELP: dict[str, str] = {
+    "convert-model": "write a checkpoint's low-precision serving copy (fp8, mxfp8, nvfp4; SGLang layout)",
     "delta": "publish, apply and verify disk-delta weight versions",
     "driver": "run the RL loop of a rendered job (driver pod)",
     "engine": "serve the reference rollout engine (SGLang HTTP API subset)",
+    "launch": "torchrun with the rendezvous store bound to this pod's address (trainer rank pods)",
     "pull-model": "download a Hugging Face model (org/name[@rev]) into a directory",
     "precision-check": "validate a job's low-precision recipe in the seed's order (quantizer .. ratio)",
     "run": "run an RLJob manifest on this machine",

@@ -5,7 +5,8 @@ talk to the hub. The operator's init step runs exactly this command into the job
 the engine, trainer and driver pods then see a plain HF-layout directory. By hand it prepares an
 offline machine: pull where the hub is reachable, copy DIR, point spec.model.checkpoint at it.
 
-Contract: REF is `org/name` or `org/name@revision`; the token comes from HF_TOKEN (never printed),
+Contract: REF is `org/name` or `org/name@revision` (`--dataset`: a dataset repo, its data files and
+card, for spec.data.prompts: DIR[:config][:split]); the token comes from HF_TOKEN (never printed),
 the endpoint from HF_ENDPOINT, HF_HUB_OFFLINE=1 copies from the local cache only. Exit 0 with one
 line naming DIR on success; exit 2 with a message naming the repo otherwise.
 
@@ -21,12 +22,16 @@ from typing import Any
 
 from lockstep.cli.commands import HELP
 from lockstep.models.checkpoint import CheckpointError, parse_hub_ref, snapshot
+from lockstep.models.hub_data import DATA_PATTERNS
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("pull-model", help=HELP["pull-model"], description=__doc__.split("\n\n")[1])
     p.add_argument("ref", metavar="REF", help="Hugging Face repo id, org/name or org/name@revision")
     p.add_argument("--dest", type=Path, required=True, help="directory the model's files are written into")
+    p.add_argument(
+        "--dataset", action="store_true", help="REF is a dataset repo (prompts for spec.data.prompts)"
+    )
     p.set_defaults(func=_run)
 
 
@@ -39,11 +44,14 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        path = snapshot(ref, dest=args.dest)
+        if args.dataset:
+            path = snapshot(ref, dest=args.dest, repo_type="dataset", allow_patterns=DATA_PATTERNS)
+        else:
+            path = snapshot(ref, dest=args.dest)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not (path / "config.json").is_file():
+    if not args.dataset and not (path / "config.json").is_file():
         print(
             f"error: model {ref}: {path} has no config.json; is {ref.repo_id} a model repo?", file=sys.stderr
         )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
+import sys
 from pathlib import Path
 
 from lockstep.api.auth import API_KEY_ENV, api_key_from_env
@@ -67,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--max-sessions", type=int, default=4096, help="open sessions (more get 503)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body cap (413)")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="on SIGTERM: seconds running requests may finish (new ones get 503) before they are cut off "
+        "(default 20)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -103,8 +112,13 @@ def run(args: argparse.Namespace) -> int:
         server = SessionServer(config, ReplicaPool(args.engine, dp_size=args.dp_size))
         url = await server.start(args.host, args.port)
         print(f"session server on {url} -> {', '.join(args.engine)}", flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
+            print(f"SIGTERM: draining {server.in_flight} running request(s)", flush=True)
+            if not await server.drain(args.drain_timeout):
+                print(f"cut off requests still running after {args.drain_timeout:.0f} s", file=sys.stderr)
         finally:
             await server.stop()
 

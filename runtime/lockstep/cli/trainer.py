@@ -32,15 +32,16 @@ from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
 from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
 from lockstep.models import load_tokenizer, resolve_checkpoint
+from lockstep.models.hub_data import resolve_data
 from lockstep.observability.logs import configure_logging
 from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.membership import members_from
-from lockstep.tasks import load_task
+from lockstep.tasks import data_task
 from lockstep.train.common.losses import sft_loss
 from lockstep.train.common.packing import pack_sft
 from lockstep.train.factory import build_backend
 from lockstep.trainer.local import SFT_ITEM_BASE
-from lockstep.trainer.server import serve
+from lockstep.trainer.server import DRAIN_TIMEOUT_S, serve
 from lockstep.trainer.settings import TrainerSettings
 
 DEFAULT_PORT = 29600
@@ -91,6 +92,13 @@ def register(subparsers: Any) -> None:
         "$LOCKSTEP_ENGINES_SERVICE on port 30000, else $LOCKSTEP_ROUTER_URL)",
     )
     p.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for the engines")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
+        help=f"on SIGTERM (--serve): seconds the running command may take before rank 0 exits without it "
+        f"(default {DRAIN_TIMEOUT_S:.0f})",
+    )
     p.add_argument(
         "--transport-file",
         type=Path,
@@ -145,6 +153,7 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             in_pod=os.environ.get("LOCKSTEP_ROLE") == "trainer",
             api_key=args.api_key or api_key_from_env(),
             max_body_bytes=args.max_body_bytes,
+            drain_timeout_s=args.drain_timeout,
             on_listening=lambda port: _listening(listening, args.host, port),
         )
     except (EngineUnreachable, TimeoutError) as e:
@@ -176,7 +185,7 @@ def run_rank(job: RLJob, args: argparse.Namespace) -> int:
     s = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
     tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
-    task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, s.seed)
+    task = data_task(resolve_data(job.spec.data))
     lr = s.sft_learning_rate or s.learning_rate
     backend = build_backend(
         job, model_dir, lr=lr, grad_clip=s.grad_clip, micro_batch_size=s.micro_batch_size, seed=s.seed

@@ -30,6 +30,7 @@ from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
 from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
+from lockstep.models.hub_data import resolve_data
 from lockstep.models.moe import routing_shape
 from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
@@ -38,7 +39,7 @@ from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
-from lockstep.tasks import Task, TaskItem, load_task
+from lockstep.tasks import Task, TaskItem, data_task
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.weights.factory import check_transport, needs_tensor_updates
 
@@ -144,7 +145,7 @@ def build_components(
         check_r3_model(job, model_dir)
         model = job.spec.model
         tokenizer = load_tokenizer(model_dir, model.tokenizer, model.chat_template, cache_dir)
-        task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
+        task = data_task(resolve_data(job.spec.data))
         runner = LoopThread()
         closers.append(runner.close)
         engines = (

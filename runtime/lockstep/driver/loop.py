@@ -31,7 +31,7 @@ from lockstep.driver.report import START_FAILURES, DriverProgress, ProgressRepor
 from lockstep.driver.settings import Resume
 from lockstep.driver.steps import collect_batch, evaluate_at, start
 from lockstep.observability.plot import plot_metrics
-from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed, Trainer
 from lockstep.trainer.state import DriverState
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,21 @@ def run(
             c.progress.finished()
         if state.step >= job.spec.schedule.steps:
             # The job is done (not just a --steps override): a remote trainer group exits 0.
-            c.trainer.shutdown()
+            shutdown_trainer(c.trainer)
         return state
     finally:
         c.close()
+
+
+def shutdown_trainer(trainer: Trainer) -> None:
+    """End the trainer after the last step. A trainer group already gone is no failure: the job
+    succeeded when `done` was reported, and the operator stops the group's ranks from then on (on the
+    real node they were often deleted before this call). Raising here would fail a driver that has
+    finished, and its pod (restartPolicy OnFailure) would start the finished run again."""
+    try:
+        trainer.shutdown()
+    except ConnectionError as e:  # TrainerUnreachable
+        log.warning("the trainer was gone before its shutdown (the job is done): %s", e)
 
 
 @contextmanager

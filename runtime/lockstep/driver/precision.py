@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from lockstep.api import RLJob
 from lockstep.driver.engines import start_reference_engine
 from lockstep.models import load_tokenizer, resolve_checkpoint
+from lockstep.models.hub_data import resolve_data
 from lockstep.numerics import quant
 from lockstep.numerics.recipe import Recipe, convert_checkpoint, recipe_of, training_recipe
 from lockstep.serving.client import EngineClient
@@ -170,7 +171,8 @@ def _sample(ctx: _Ctx, io: LoopThread, client: EngineClient, samples: int) -> tu
     """`samples` completions of the job's prompts from the engine; the batch and the rollout logprobs."""
     model = ctx.job.spec.model
     tok = load_tokenizer(ctx.model_dir, model.tokenizer, model.chat_template)
-    task = load_task(ctx.job.spec.data.prompts, ctx.job.spec.data.eval_prompts, 0)
+    data = resolve_data(ctx.job.spec.data)
+    task = load_task(data.prompts, data.eval_prompts, 0)
     sampling = ctx.job.spec.rollout.sampling
     pairs, lps = [], []
     for i in range(samples):

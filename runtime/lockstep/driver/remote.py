@@ -72,7 +72,7 @@ class TrainerCommandError(RuntimeError):
 
 def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
     """The driver-side exception for a typed trainer error (pure)."""
-    if err.kind == "restarted":  # exit 3: the driver pod restarts and resumes from the checkpoint
+    if err.kind in ("restarted", "draining"):  # exit 3: the driver restarts and resumes from the checkpoint
         return TrainerUnreachable(url, f"refused {command}: {err.message}")
     if err.kind == "non_finite_loss":
         return NonFiniteLoss(err.message)

@@ -50,7 +50,7 @@ import torch
 from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tokenizer import ChatTokenizer
-from lockstep.numerics import exact, recipe
+from lockstep.numerics import exact, quant, recipe
 from lockstep.numerics.quant import Scheme
 from lockstep.serving.payloads import SamplingParams
 
@@ -242,6 +242,9 @@ class ReferenceEngine:
         self.scheme: Scheme | None = None
         """The serving weight format when the checkpoint was quantized (weights arrive quantized and
         are dequantized on load, lockstep.numerics.recipe.receive); None for bf16/fp32 serving."""
+        self.quantized_layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        """For a quantized engine: (dtype, shape) of every tensor of the converted checkpoint that is
+        quantized or a scale, i.e. what an update must announce for them (SGLang's layout)."""
         self._eos = _eos_ids(model.config)
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # slot -> sequence
@@ -288,9 +291,15 @@ class ReferenceEngine:
         if scheme is None:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
         else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
+            # transformers loads every tensor kept in BF16 (and maps checkpoint names onto its modules,
+            # e.g. per-expert weights onto fused experts); the quantized ones are then overwritten
+            # with their exact dequantization (their raw bytes never serve)
             del config.quantization_config
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
-            _load_quantized(model, path, scheme, dtype)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
+            )
+            model, info = loaded
+            layout = _load_quantized(model, path, scheme, dtype, info)
         model = model.to(dev)
         if true_on_policy:
             exact.apply(model, dev)
@@ -301,6 +310,8 @@ class ReferenceEngine:
         )
         engine = cls(model, model_path=str(path), tokenizer=tok, device=dev, context_length=ctx, **kwargs)
         engine.scheme = scheme
+        if scheme is not None:
+            engine.quantized_layout = layout
         return engine
 
     @property
@@ -397,6 +408,8 @@ class ReferenceEngine:
         first dequantizes what arrived with scales.
         """
         if self.scheme is not None:
+            named = list(named)
+            self._check_quantized_update(named)
             named = recipe.receive(named, self.scheme, self.runner.dtype)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, t in named:
@@ -416,6 +429,32 @@ class ReferenceEngine:
             same = t.dtype == p.dtype and t.device == p.device and t.is_contiguous()
             staged.append((p.data, t if owned and same else t.to(p.device, p.dtype, copy=True)))
         return staged
+
+    def _check_quantized_update(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """A quantized weight and its scales arrive together and in the converted checkpoint's
+        dtype and shape (they are bytes to dequantize, never values to cast); raises naming them."""
+        units: dict[str, set[str]] = {}
+        for name, t in named:
+            held = self.quantized_layout.get(name)
+            if held is None:
+                continue
+            if (t.dtype, tuple(t.shape)) != held:
+                raise ValueError(
+                    f"load_weights: {name} arrives as {str(t.dtype).removeprefix('torch.')} {list(t.shape)}; "
+                    f"this engine serves {self.scheme} and takes {str(held[0]).removeprefix('torch.')} "
+                    f"{list(held[1])} (the converted checkpoint's layout)"
+                )
+            units.setdefault(name.rsplit(".", 1)[0], set()).add(name)
+        wanted: dict[str, set[str]] = {}
+        for n in self.quantized_layout if units else ():
+            wanted.setdefault(n.rsplit(".", 1)[0], set()).add(n)
+        for module, got in units.items():
+            want = wanted[module]
+            if got != want:
+                raise ValueError(
+                    f"load_weights: {module} is quantized and needs {', '.join(sorted(want))} in one update; "
+                    f"{', '.join(sorted(want - got))} missing (a weight and its scales travel together)"
+                )
 
     @torch.no_grad()
     def commit_weights(self, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -449,6 +488,16 @@ class ReferenceEngine:
         """
         targets: list[torch.Tensor | None] = []
         for name, dtype, shape in specs:
+            held = self.quantized_layout.get(name)
+            if held is not None:  # a quantized weight or its scale: staged, then dequantized (receive)
+                if (dtype, tuple(shape)) != held:
+                    raise ValueError(
+                        f"{name} arrives as {str(dtype).removeprefix('torch.')} {list(shape)}; this engine "
+                        f"serves {self.scheme} and takes it as {str(held[0]).removeprefix('torch.')} "
+                        f"{list(held[1])} (the converted checkpoint's layout)"
+                    )
+                targets.append(None)
+                continue
             p = self._params.get(name)
             if p is None:
                 raise KeyError(f"{name!r} is not a parameter of this model (HF names expected)")
@@ -867,21 +916,32 @@ def _check_sampling(p: SamplingParams) -> None:
         raise EngineInputError(f"sampling_params.sampling_seed {p.sampling_seed}: must fit 64 bits")
 
 
-def _load_quantized(model: Any, path: Path, scheme: Scheme, dtype: torch.dtype) -> None:
-    """Fill `model` from the quantized checkpoint at `path` (every parameter must be there)."""
+def _load_quantized(
+    model: Any, path: Path, scheme: Scheme, dtype: torch.dtype, info: dict[str, Any]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Overwrite `model`'s quantized weights (loaded by transformers from their raw bytes) with the
+    exact dequantization of the checkpoint at `path`; returns the layout of the quantized weights and
+    their scales (ReferenceEngine.quantized_layout). Raises naming what the checkpoint lacks."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    units: list[tuple[str, quant.Quantized]] = []
+    for name in tensors:
+        q, used = quant.from_checkpoint(name, tensors, scheme) if name.endswith(".weight") else (None, [])
+        if q is not None:
+            units.append((name, q))
+            layout.update({n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in used})
     params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
-    loaded = set()
     with torch.no_grad():
-        for name, t in recipe.receive(tensors.items(), scheme, dtype):
+        for name, q in units:
             if name not in params:
                 raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
-            params[name].copy_(t)
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join(missing[:5])}")
+            params[name].copy_(quant.dequantize(q, dtype))
+    missing = sorted(set(info.get("missing_keys") or ()) - {n for n, _ in units})
+    mismatched = sorted({str(m[0]) for m in info.get("mismatched_keys") or ()} - {n for n, _ in units})
+    if missing or mismatched:
+        raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join((missing + mismatched)[:5])}")
+    return layout

@@ -48,7 +48,13 @@ async def _body(request: web.Request, model: Any) -> Any:
 def _receiver(app: web.Application, engine: ReferenceEngine) -> P2PReceiver:
     holder = app[_RECEIVER]
     if "receiver" not in holder:
-        expected = {n: (t.dtype, tuple(t.shape)) for n, t in engine.named_weights().items()}
+        # A quantized engine receives its quantized weights and scales in the converted checkpoint's
+        # layout (SGLang's), and dequantizes them on commit like every other update.
+        expected = {
+            n: (t.dtype, tuple(t.shape))
+            for n, t in engine.named_weights().items()
+            if n not in engine.quantized_layout
+        } | engine.quantized_layout
         holder["receiver"] = P2PReceiver(expected)
     receiver: P2PReceiver = holder["receiver"]
     return receiver

@@ -54,7 +54,7 @@ from lockstep.serving.payloads import (
     UpdateWeightVersionRequest,
 )
 from lockstep.serving.tensor_codec import loads_named_tensors
-from lockstep.serving.weight_group import open_weight_update_group
+from lockstep.serving.weight_group import on_the_wire, open_weight_update_group
 
 log = logging.getLogger(__name__)
 
@@ -453,7 +453,7 @@ def _drain(group: Any, specs: list[_Spec], device: torch.device, *, flattened: b
         specs = [("", torch.uint8, (sizes[0],))]
     scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device)
     for (_, dt, shape), nbytes in zip(specs, sizes, strict=True):
-        group.broadcast(scratch[:nbytes].view(dt).view(shape), src=0)
+        group.broadcast(on_the_wire(scratch[:nbytes].view(dt).view(shape)), src=0)
 
 
 def _slices(flat: torch.Tensor, specs: list[_Spec]) -> list[tuple[str, torch.Tensor]]:
@@ -502,7 +502,7 @@ def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = F
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
     received = [(name, torch.empty(shape, dtype=dtype, device=engine.device)) for name, dtype, shape in specs]
-    works = [group.pg.broadcast([buf], opts) for _, buf in received]
+    works = [group.pg.broadcast([on_the_wire(buf)], opts) for _, buf in received]
     for w in works:
         w.wait()
     return engine.stage_weights(received, cast=True, owned=True)

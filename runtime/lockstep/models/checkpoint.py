@@ -111,16 +111,23 @@ def resolve_tokenizer(
     return snapshot(ref)
 
 
-def snapshot(ref: HubRef, dest: str | os.PathLike[str] | None = None) -> Path:
+def snapshot(
+    ref: HubRef,
+    dest: str | os.PathLike[str] | None = None,
+    *,
+    repo_type: str = "model",
+    allow_patterns: tuple[str, ...] = ALLOW_PATTERNS,
+) -> Path:
     """Fetch (or, offline, look up) the snapshot of `ref`; into `dest` when given, else the hub cache.
 
     Offline with `dest`, the cached snapshot is copied there (a half-filled `dest` is never taken for
-    the model). Raises CheckpointError naming the repo, the cache and the fix; never the token.
+    the model). `repo_type` "dataset" fetches a dataset repo (lockstep.models.hub_data). Raises
+    CheckpointError naming the repo, the cache and the fix; never the token.
     """
     from huggingface_hub import snapshot_download
 
     if dest is not None and offline():
-        cached = snapshot(ref)
+        cached = snapshot(ref, repo_type=repo_type, allow_patterns=allow_patterns)
         shutil.copytree(cached, dest, dirs_exist_ok=True)  # follows the cache's symlinks to blobs
         return Path(dest)
     cache = hub_cache_dir()
@@ -131,28 +138,31 @@ def snapshot(ref: HubRef, dest: str | os.PathLike[str] | None = None) -> Path:
             revision=ref.revision,
             cache_dir=str(cache),
             local_dir=str(dest) if dest is not None else None,
-            allow_patterns=list(ALLOW_PATTERNS),
+            repo_type=repo_type,
+            allow_patterns=list(allow_patterns),
             local_files_only=offline(),
             token=token,
             endpoint=os.environ.get("HF_ENDPOINT") or None,  # read now, not at huggingface_hub's import
         )
     except Exception as e:  # the hub's errors (not found, gated, offline miss) and network errors
-        raise CheckpointError(_hub_error(ref, cache, e, token)) from None
+        raise CheckpointError(_hub_error(ref, cache, e, token, repo_type)) from None
     return Path(path)
 
 
-def _hub_error(ref: HubRef, cache: Path, e: Exception, token: str | None) -> str:
+def _hub_error(ref: HubRef, cache: Path, e: Exception, token: str | None, repo_type: str = "model") -> str:
     what = str(e).splitlines()[0] if str(e) else type(e).__name__
     if token:
         what = what.replace(token, "***")
     if offline():
+        pull = "--dataset " if repo_type == "dataset" else ""
+        field = "spec.data.prompts" if repo_type == "dataset" else "spec.model.checkpoint"
         return (
-            f"model {ref}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids a download "
-            f"({type(e).__name__}); run `lockstep pull-model {ref} --dest DIR` where the hub is reachable "
-            "and point spec.model.checkpoint at DIR, or fill the cache (HF_HOME)"
+            f"{repo_type} {ref}: not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids a download "
+            f"({type(e).__name__}); run `lockstep pull-model {pull}{ref} --dest DIR` where the hub is reachable "
+            f"and point {field} at DIR, or fill the cache (HF_HOME)"
         )
     return (
-        f"model {ref}: cannot fetch it from the Hugging Face hub into {cache}: {type(e).__name__}: {what}; "
+        f"{repo_type} {ref}: cannot fetch it from the Hugging Face hub into {cache}: {type(e).__name__}: {what}; "
         "check the repo id and revision, HF_ENDPOINT, and for a gated or private repo the token (HF_TOKEN)"
     )
 

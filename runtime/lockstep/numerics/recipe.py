@@ -14,7 +14,7 @@ spec.model.bf16Modules) decides, by tensor name and shape, and every stage asks 
 compares checksums against it (the quantization error is allowed, but only the quantizer's own).
 
 What is quantized: 2-D linear projection weights (`*_proj.weight`); embeddings, norms and lm_head
-stay in the checkpoint dtype, as in SGLang's FP8 checkpoints. A projection is an exception when a
+stay in the checkpoint dtype, as in SGLang's FP8 checkpoints, and so do routed experts (ROUTED_EXPERT). A projection is an exception when a
 bf16Modules pattern matches its module name (fnmatch), or when its contraction axis is not a whole
 number of blocks (MXFP8: 32, NVFP4: 16).
 
@@ -37,6 +37,13 @@ from lockstep.api import Precision, RLJob
 from lockstep.numerics import exact, quant
 from lockstep.numerics.quant import Format, Scheme
 
+ROUTED_EXPERT = ".experts."
+"""Routed experts stay BF16: on disk they are 2-D per-expert weights (`...mlp.experts.3.up_proj`),
+in the trainer (transformers) one 3-D tensor per layer (`...mlp.experts.gate_up_proj`) that the
+online export cannot quantize per expert yet, so quantizing them at conversion only would break
+the four-stage contract."""
+ROUTED_EXPERT_REASON = "routed expert (kept in BF16 at every stage: the trainer's experts are fused)"
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -58,6 +65,8 @@ class Recipe:
     def decide(self, name: str, shape: tuple[int, ...]) -> Decision:
         if not (name.endswith("_proj.weight") and len(shape) == 2):
             return Decision(False, "not a linear weight")
+        if ROUTED_EXPERT in name:
+            return Decision(False, ROUTED_EXPERT_REASON)
         module = name.removesuffix(".weight")
         for pattern in self.bf16_modules:
             if fnmatch.fnmatchcase(module, pattern):
@@ -73,12 +82,14 @@ class Recipe:
         return self.decide(name, shape).quantize
 
     def ignored(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Module names of the linear layers kept in BF16 (the checkpoint's ignored_layers)."""
-        return sorted(
-            n.removesuffix(".weight")
-            for n, s in shapes
-            if n.endswith("_proj.weight") and len(s) == 2 and not self.quantizes(n, s)
-        )
+        """Module names of the linear layers kept in BF16 (the checkpoint's ignored_layers); routed
+        experts as their MoE layer's `...mlp.experts` (SGLang's FusedMoE prefix)."""
+        out: set[str] = set()
+        for n, s in shapes:
+            if n.endswith("_proj.weight") and len(s) == 2 and not self.quantizes(n, s):
+                i = n.find(ROUTED_EXPERT)
+                out.add(n[: i + len(ROUTED_EXPERT) - 1] if i >= 0 else n.removesuffix(".weight"))
+        return sorted(out)
 
     # -- stage 3: online export (trainer side) --------------------------------------------------
 
@@ -164,17 +175,30 @@ def receive(
 
 
 def convert_checkpoint(src: Path, dst: Path, recipe: Recipe) -> Path:
-    """Write the serving checkpoint of `src` (HF layout) into `dst`: weights through `export`,
-    config.json with the `quantization_config` SGLang reads (exceptions as ignored layers), the
-    other files (tokenizer, chat template) copied. Returns dst."""
+    """Write the serving checkpoint of `src` (HF layout) into `dst`: weights through `export`, one
+    shard at a time (a model larger than memory converts in the memory of its largest shard) into a
+    shard of the same name with the same index, config.json with the `quantization_config` SGLang
+    reads (exceptions as ignored layers), the other files (tokenizer, chat template) copied.
+    Returns dst."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     dst.mkdir(parents=True, exist_ok=True)
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    shapes = [(n, tuple(t.shape)) for n, t in weights.items()]
-    save_file(dict(recipe.export(weights.items())), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    shards = sorted(src.glob("*.safetensors"))
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for f in shards:
+        with safe_open(str(f), "pt") as h:
+            shapes += [(n, tuple(h.get_slice(n).get_shape())) for n in h.keys()]  # noqa: SIM118
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in shards:
+        out = dict(recipe.export(load_file(str(f)).items()))
+        save_file(out, str(dst / f.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, f.name))
+        total += sum(t.numel() * t.element_size() for t in out.values())
+    if len(shards) > 1:  # SGLang and transformers find every tensor's shard through the index
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = recipe.scheme.quantization_config(recipe.ignored(shapes))
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -19,6 +19,20 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def on_the_wire(tensor: Any) -> Any:
+    """What a broadcast carries for `tensor`: its bytes as uint8 for the 1-byte float dtypes (FP8
+    weights, E8M0 scales), which gloo refuses and NCCL moves as bytes anyway, else the tensor itself.
+
+    Both ends apply it to contiguous tensors of the announced dtype, so the bytes that arrive are
+    exactly the bytes sent (SGLang's receiver, posting the FP8 dtype on NCCL, gets the same bytes).
+    """
+    import torch
+
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 @dataclass(slots=True)
 class WeightUpdateGroup:
     """A standalone process group for weight broadcasts."""
@@ -67,6 +81,35 @@ def local_address_towards(host: str, port: int) -> str:
     return local
 
 
+def listening_store(bind: str, port: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The master TCPStore of a group, listening on `bind`:`port` only.
+
+    Why: torch's TCPStore server binds all interfaces (`::`, dual-stack) whatever host it is given;
+    it only keeps to one address when it is handed a socket already bound and listening
+    (`master_listen_fd`). The store takes the descriptor over and closes it when it is deleted, so the
+    Python socket object is detached here (closing it too would close the store's listener).
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(1024)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            bind, sock.getsockname()[1], world_size, is_master=True, timeout=timeout,
+            master_listen_fd=sock.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
+
+
 def open_weight_update_group(
     *,
     backend: str,
@@ -81,7 +124,9 @@ def open_weight_update_group(
     """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined.
 
     join_timeout_s bounds the rendezvous (default: timeout_s); timeout_s bounds each collective.
-    Gloo's listener binds the local address that routes to master_address, not all interfaces.
+    Rank 0's listeners (the TCPStore, gloo's pairs) bind the local address that routes to
+    master_address, never all interfaces; NCCL binds the address of its socket interface
+    (NCCL_SOCKET_IFNAME; docs/security.md).
     """
     import torch
     import torch.distributed as dist
@@ -94,12 +139,15 @@ def open_weight_update_group(
         raise ValueError(f"master_port {master_port}: must be in 1..65535")
     timeout = datetime.timedelta(seconds=timeout_s)
     join = datetime.timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=join)  # type: ignore[attr-defined]
+    bind = local_address_towards(master_address, master_port)
+    if rank == 0:
+        store = listening_store(bind, master_port, world_size, join)
+    else:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=join)  # type: ignore[attr-defined]
     prefixed = dist.PrefixStore(f"{group_name}/", store)  # type: ignore[attr-defined]
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
-        bind = local_address_towards(master_address, master_port)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     else:

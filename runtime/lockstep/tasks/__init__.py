@@ -17,6 +17,6 @@ Who calls it: lockstep.driver (prompt source, eval set, default reward), lockste
 """
 
 from lockstep.tasks.base import Task, TaskItem
-from lockstep.tasks.registry import load_task
+from lockstep.tasks.registry import data_task, load_task
 
-__all__ = ["Task", "TaskItem", "load_task"]
+__all__ = ["Task", "TaskItem", "data_task", "load_task"]

@@ -9,7 +9,9 @@ Who calls it: lockstep.driver.components (load_task on data.prompts / data.evalP
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal, Protocol
 
 from lockstep.tasks.numeric import label_number, math_reward
@@ -57,15 +59,35 @@ def exact_match(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
+@lru_cache(maxsize=2)
+def epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The row order of train epoch `epoch` (of `n` rows) under spec.data.seed `seed` (pure).
+
+    Each epoch is its own permutation, a function of (seed, epoch) only: item `i` of a run is row
+    `epoch_order(n, seed, i // n)[i % n]`, so a run resumed at data position k draws exactly the
+    prompts an uninterrupted run draws from k on (the position is in every checkpoint), and every
+    row is seen once per epoch. Two epochs are cached (the current one and its neighbour).
+    """
+    order = list(range(n))
+    random.Random(f"lockstep-data:{seed}:{epoch}").shuffle(order)
+    return tuple(order)
+
+
 class DataTask:
     """A task over user data (lockstep.tasks.data reads it): rows of chat messages and a label.
 
     The default reward is `math` (lockstep.tasks.numeric: the final number equals the label) when every
-    label of the train rows is a number (GSM8K's `#### 72` included), else exact match.
+    label of the train rows is a number (GSM8K's `#### 72` included), else exact match. With
+    `shuffle_seed` (spec.data.shuffle, seeded by spec.data.seed) the train rows come in a new order
+    every epoch (epoch_order); without it, in file order. The eval split keeps its order.
     """
 
-    def __init__(self, name: str, train: list[Row], eval_rows: list[Row] | None = None) -> None:
+    def __init__(
+        self, name: str, train: list[Row], eval_rows: list[Row] | None = None, shuffle_seed: int | None = None
+    ) -> None:
         self.name = name
+        self.shuffle_seed = shuffle_seed
+        """spec.data.seed when spec.data.shuffle, else None (file order)."""
         self._train = train
         self._eval = eval_rows if eval_rows is not None else train[: min(64, len(train))]
         self.reward_kind: Literal["math", "exact"] = (
@@ -78,8 +100,14 @@ class DataTask:
         return len(self._eval)
 
     def item(self, index: int, split: Split = "train") -> TaskItem:
-        rows = self._train if split == "train" else self._eval
-        row = rows[index % len(rows)]
+        if split == "eval":
+            row = self._eval[index % len(self._eval)]
+        else:
+            n = len(self._train)
+            pos = index % n
+            if self.shuffle_seed is not None:
+                pos = epoch_order(n, self.shuffle_seed, index // n)[pos]
+            row = self._train[pos]
         return TaskItem(index, row.messages, row.answer, dict(row.metadata))
 
     def reward(self, response: str, item: TaskItem) -> float:

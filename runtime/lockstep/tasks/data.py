@@ -15,8 +15,12 @@ Sources (`data.prompts`, `data.evalPrompts`):
 - a JSON-lines file;
 - a directory of `*.jsonl` files, read in name order;
 - a directory saved by `datasets` (`save_to_disk` of a Dataset or a DatasetDict);
-- a directory of `*.parquet`, `*.arrow`, `*.csv` or `*.json` files (`datasets.load_dataset`).
-A `:split` suffix picks a split of a dataset (`/data/gsm8k:test`); the default is `train`.
+- a directory of `*.parquet`, `*.arrow`, `*.csv` or `*.json` files (`datasets.load_dataset`);
+- a copy of a Hugging Face dataset repo (its README's `configs`, or data files in subdirectories:
+  `datasets.load_dataset(DIR, CONFIG)`), e.g. the snapshot a hub dataset id resolves to
+  (lockstep.models.hub_data).
+A `:split` suffix picks a split of a dataset (`/data/gsm8k:test`), `:config:split` a config of a
+dataset repo with several (`/data/gsm8k:main:test`); the default split is `train`.
 
 Who calls it: lockstep.tasks.registry (load_task for every non-builtin source).
 """
@@ -38,11 +42,11 @@ _FILE_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json
 
 def read_rows(source: str) -> list[Row]:
     """The validated rows of a prompt source (see the module doc); raises naming the file and fix."""
-    path, split = _split(source)
+    path, config, split = _split(source)
     if path.is_file():
         rows = list(_jsonl_rows(path))
     elif path.is_dir():
-        rows = list(_dir_rows(path, split))
+        rows = list(_dir_rows(path, config, split))
     else:
         raise FileNotFoundError(
             f"prompt source {source!r} does not exist; give a JSON-lines file, a directory of them, a "
@@ -90,13 +94,19 @@ def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _split(source: str) -> tuple[Path, str]:
+def _split(source: str) -> tuple[Path, str | None, str]:
+    """`PATH`, `PATH:split` or `PATH:config:split` -> (path, config, split) (the first reading whose
+    path exists; a path that exists as given has no suffix)."""
     path = Path(source).expanduser()
-    if not path.exists() and ":" in source:
-        head, _, split = source.rpartition(":")
-        if Path(head).expanduser().exists() and split:
-            return Path(head).expanduser(), split
-    return path, "train"
+    if path.exists():
+        return path, None, "train"
+    head, _, split = source.rpartition(":")
+    if split and head and Path(head).expanduser().exists():
+        return Path(head).expanduser(), None, split
+    base, _, config = head.rpartition(":")
+    if split and config and base and Path(base).expanduser().exists():
+        return Path(base).expanduser(), config, split
+    return path, None, "train"
 
 
 def _jsonl_rows(path: Path) -> Iterable[Row]:
@@ -110,20 +120,25 @@ def _jsonl_rows(path: Path) -> Iterable[Row]:
         yield row_from(obj, f"{path}:{n}")
 
 
-def _dir_rows(path: Path, split: str) -> Iterable[Row]:
+def _dir_rows(path: Path, config: str | None, split: str) -> Iterable[Row]:
     jsonl = sorted(path.glob("*.jsonl"))
-    if jsonl:
+    if jsonl and config is None:
         for f in jsonl:
             yield from _jsonl_rows(f)
         return
-    dataset = _load_dataset(path, split)
+    dataset = _load_dataset(path, config, split)
+    where = f"{path}[{config}:{split}]" if config else f"{path}[{split}]"
     for i, obj in enumerate(dataset):
-        yield row_from(obj, f"{path}[{split}][{i}]")
+        yield row_from(obj, f"{where}[{i}]")
 
 
-def _load_dataset(path: Path, split: str) -> Any:
-    """A local dataset's split through the `datasets` library (saved to disk, or data files)."""
+def _load_dataset(path: Path, config: str | None, split: str) -> Any:
+    """A local dataset's split through the `datasets` library (saved to disk, data files, or a copy of
+    a dataset repo)."""
     import datasets
+
+    if config is not None or _is_repo_copy(path):
+        return _load_repo_copy(path, config, split)
 
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         loaded = datasets.load_from_disk(str(path))
@@ -143,3 +158,30 @@ def _load_dataset(path: Path, split: str) -> Any:
         )
     ((fmt, data_files),) = found.items()
     return datasets.load_dataset(fmt, data_files={split: data_files}, split=split)
+
+
+def _is_repo_copy(path: Path) -> bool:
+    """A copy of a dataset repo: a README.md (its card declares the configs) and no data files at the
+    top, or data files only in subdirectories (the layout `datasets` infers splits from)."""
+    top = any(True for ext in _FILE_FORMATS for _ in path.glob(f"*{ext}"))
+    if top or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        return False
+    nested = any(True for ext in (*_FILE_FORMATS, ".jsonl") for _ in path.glob(f"*/**/*{ext}"))
+    return (path / "README.md").is_file() or nested
+
+
+def _load_repo_copy(path: Path, config: str | None, split: str) -> Any:
+    """`datasets.load_dataset(path, config, split=split)` with errors that name the fix."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(str(path), config, split=split)
+    except ValueError as e:
+        first = " ".join(str(e).split())[:300] or type(e).__name__  # datasets' message, on one line
+        if "config" in first.lower():
+            raise ValueError(
+                f"{path}: pick a config of this dataset with PATH:CONFIG:SPLIT ({first})"
+            ) from None
+        if "split" in first.lower():
+            raise ValueError(f"{path}: no split {split!r} ({first}); pick one with :SPLIT") from None
+        raise ValueError(f"{path}: cannot load it as a dataset: {first}") from None

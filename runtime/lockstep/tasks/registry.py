@@ -15,19 +15,30 @@ Who calls it: lockstep.tasks.load_task's callers (the driver, the trainer).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from lockstep.tasks.base import DataTask, Task
 from lockstep.tasks.data import read_rows
 from lockstep.tasks.digits import ReverseDigits
 from lockstep.tasks.toolcalc.env import ToolCalc
 
+if TYPE_CHECKING:
+    from lockstep.api import DataSpec
+
 BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {"reverse": ReverseDigits, "toolcalc": ToolCalc}
 """Built-in task names (used as `builtin:<name>`) and their constructors (taking the data seed)."""
 
 
-def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Task:
+def data_task(data: DataSpec) -> Task:
+    """The Task of a job's spec.data: its prompts, eval prompts, seed and shuffle."""
+    return load_task(data.prompts, data.eval_prompts, data.seed, shuffle=data.shuffle)
+
+
+def load_task(source: str, eval_source: str | None = None, seed: int = 0, *, shuffle: bool = False) -> Task:
     """A Task from a manifest's data.prompts (and data.evalPrompts) string.
 
+    `seed` is spec.data.seed; `shuffle` (spec.data.shuffle) reorders user data every epoch under it
+    (lockstep.tasks.base.epoch_order). A built-in task draws each prompt from (seed, index) already.
     Raises ValueError naming the unknown built-in and the known ones.
     """
     if source.startswith("builtin:"):
@@ -42,4 +53,5 @@ def load_task(source: str, eval_source: str | None = None, seed: int = 0) -> Tas
                 f"data.evalPrompts: a built-in task evaluates on its own eval split; set it to {source!r}"
             )
         return BUILTIN_TASKS[name](seed)
-    return DataTask(source, read_rows(source), read_rows(eval_source) if eval_source else None)
+    eval_rows = read_rows(eval_source) if eval_source else None
+    return DataTask(source, read_rows(source), eval_rows, shuffle_seed=seed if shuffle else None)

@@ -52,12 +52,7 @@ def build_backend(
 
 
 def _megatron(job: RLJob, common: dict[str, Any]) -> TrainBackend:
-    trainer = job.spec.trainer
-    if trainer.precision is not Precision.BF16:
-        raise ValueError(
-            f"spec.trainer.precision: the megatron backend trains bf16 (with fp32 master weights); "
-            f"{trainer.precision} training needs Transformer Engine: set trainer.precision to bf16"
-        )
+    trainer = job.spec.trainer  # bf16 only: rule megatron-trains-bf16 refuses the rest at apply
     try:
         from lockstep.train.megatron import MegatronBackend, MegatronConfig, ParallelLayout
     except ImportError as e:  # the optional extra is not installed

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Engine, Offload, Precision
 from lockstep.models import load_tokenizer
+from lockstep.models.hub_data import resolve_data
 from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
-from lockstep.tasks import Task, load_task
+from lockstep.tasks import Task, data_task
 from lockstep.train.common.losses import policy_loss, sft_loss
 from lockstep.train.common.lr_schedule import learning_rate_at, sft_done
 from lockstep.train.common.mismatch import mismatch_weights
@@ -315,7 +316,7 @@ def build_trainer_parts(
     trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
     """
     tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
-    task = load_task(job.spec.data.prompts, job.spec.data.eval_prompts, settings.seed)
+    task = data_task(resolve_data(job.spec.data))
     device = str(getattr(backend, "device_type", "cpu"))
     urls = sorted(u.rstrip("/") for u in engine_urls)
     transport = build_transport(job, run_dir, model_dir, urls, device, master_address)

@@ -8,7 +8,11 @@ to the engines directly. Rank 0 binds $POD_IP (loopback outside a pod) and, with
 requires `Authorization: Bearer <key>` on every command (401 otherwise; health is open); bodies
 are capped (413). HTTP: an invalid body is a 400 naming the field, an unknown command a 404,
 a command while another runs a 409, a failure a 500 with a typed ErrorReply the driver raises as its
-own exception; `shutdown` replies, then every rank exits 0 (docs/trainer.md).
+own exception; `shutdown` replies, then every rank exits 0 (docs/trainer.md). SIGTERM drains: new
+commands get 503 (`draining`), health says not ready, the running command has `drain_timeout_s` to
+finish, then every rank exits 0 (rank 0 releases the others, which ignore SIGTERM themselves: they
+leave when rank 0 says so, or when the launcher kills them); a command still running then is cut
+off and rank 0 exits 1.
 
 Who calls it: lockstep.cli.trainer (`--serve`), tests (2 gloo ranks on loopback).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -29,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from lockstep.api import Precision
 from lockstep.models import resolve_checkpoint
 from lockstep.serving.guard import bearer_middleware
 from lockstep.serving.membership import probe_health
@@ -66,6 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 << 20
 """Default command body cap: a train batch of long samples is large JSON, but bounded."""
+DRAIN_TIMEOUT_S = 25.0
+"""Default time a running command gets after SIGTERM (within Kubernetes' default 30 s grace period)."""
 
 
 @dataclass(slots=True)
@@ -153,6 +159,24 @@ class CommandServer:
     """The job's key: required as `Authorization: Bearer <key>` on every command (health is open)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """Command body cap; larger bodies get 413."""
+    draining: bool = False
+    """SIGTERM arrived: no new command runs; `done` is set once the running one ended (or timed out)."""
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop taking commands; set `done` when the running command ends, or after `timeout_s`
+        (then `busy` still names it). Runs on the event loop (the SIGTERM handler)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("SIGTERM: draining (running: %s, up to %.0f s)", self.busy or "nothing", timeout_s)
+        asyncio.get_running_loop().create_task(self._until_idle(timeout_s))
+
+    async def _until_idle(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.busy is not None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.done.set()
 
     def app(self) -> web.Application:
         guard = bearer_middleware(self.api_key, open_reads={f"{API_PREFIX}/health"})
@@ -163,7 +187,7 @@ class CommandServer:
 
     async def health(self, request: web.Request) -> web.Response:
         reply = HealthReply(
-            ready=self.trainer is not None,
+            ready=self.trainer is not None and not self.draining,
             job=self.job,
             world_size=self.world_size,
             busy=self.busy,
@@ -176,6 +200,12 @@ class CommandServer:
         cmd = COMMANDS.get(name)
         if cmd is None:
             return _error(404, "unknown_command", f"unknown command {name!r}; known: {', '.join(COMMANDS)}")
+        if self.draining:
+            response = _error(
+                503, "draining", "the trainer group is shutting down (SIGTERM); it takes no command"
+            )
+            response.headers["Retry-After"] = "5"
+            return response
         sent = request.headers.get(INSTANCE_HEADER)
         if sent is not None and sent != self.instance:
             return _error(
@@ -215,8 +245,16 @@ class CommandServer:
         return web.Response(text=reply.model_dump_json(), content_type="application/json")
 
 
-async def _serve_http(server: CommandServer, host: str, port: int, ready: Callable[[int], None]) -> None:
-    runner = web.AppRunner(server.app(), access_log=None)
+async def _serve_http(
+    server: CommandServer,
+    host: str,
+    port: int,
+    ready: Callable[[int], None],
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+) -> None:
+    """Serve until `shutdown` or SIGTERM's drain; the pool is left running when a command was cut off."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, server.drain, drain_timeout_s)
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -226,7 +264,8 @@ async def _serve_http(server: CommandServer, host: str, port: int, ready: Callab
         await server.done.wait()
     finally:
         await runner.cleanup()
-        server.pool.shutdown(wait=True)
+        # A command cut off by the drain may be stuck in a collective: its thread is not waited for.
+        server.pool.shutdown(wait=server.busy is None, cancel_futures=True)
 
 
 def serve(
@@ -244,8 +283,9 @@ def serve(
     in_pod: bool = False,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> int:
-    """Run this rank of a serving trainer group until `shutdown`; returns the exit code (0).
+    """Run this rank of a serving trainer group until `shutdown` or SIGTERM; returns the exit code (0).
 
     Every rank: load the policy sharded. Rank 0: resolve spec.weightSync.transport `auto` from
     `transport_file` (the operator's choice; in a pod, `in_pod`, waited for up to `transport_timeout_s`;
@@ -253,12 +293,6 @@ def serve(
     (its updates follow `members`), serve on host:port (`on_listening(port)` once listening) until
     shutdown. Ranks > 0: follow rank 0 (they send no weights themselves).
     """
-    if job.spec.rollout.precision is not Precision.BF16:
-        raise ValueError(
-            f"spec.rollout.precision {job.spec.rollout.precision}: low-precision serving runs with `lockstep run` "
-            "on one machine so far (its engines load the converted checkpoint); the engine pods of a cluster "
-            "do not get one yet: set spec.rollout.precision to bf16"
-        )
     settings = TrainerSettings.from_job(job)
     model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
     backend = build_backend(job, settings, model_dir)
@@ -268,6 +302,7 @@ def serve(
     try:
         group = control_group()
         if backend.rank != 0:
+            signal.signal(signal.SIGTERM, _follower_sigterm)
             follow(backend, group)
             return 0
         leader = LeaderBackend(backend, group)
@@ -276,12 +311,17 @@ def serve(
                 job = _resolve_transport(job, transport_file, timeout_s=transport_timeout_s, in_pod=in_pod)
             return _serve_rank0(
                 job, leader, model_dir, out, members, host, port, engine_timeout_s, on_listening,
-                guard=(api_key, max_body_bytes),
+                guard=(api_key, max_body_bytes), drain_timeout_s=drain_timeout_s,
             )  # fmt: skip
         finally:
             leader.release_followers()
     finally:
         backend.close()
+
+
+def _follower_sigterm(signum: int, frame: Any) -> None:
+    """Ranks > 0 stay for rank 0's running command (it is collective) and leave when rank 0 says so."""
+    log.info("SIGTERM: rank 0 drains and then releases this rank")
 
 
 def _resolve_transport(job: RLJob, path: Path, *, timeout_s: float, in_pod: bool) -> RLJob:
@@ -303,6 +343,7 @@ def _serve_rank0(
     on_listening: Callable[[int], None] | None,
     *,
     guard: tuple[str | None, int] = (None, MAX_BODY_BYTES),
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> int:
     settings = TrainerSettings.from_job(job)
     check_transport(job, external_engines=True, cuda_available=leader.device_type == "cuda")
@@ -327,7 +368,15 @@ def _serve_rank0(
             "trainer group of %d ranks serves job %s on %s:%d (engines from %s, now %s; checkpoints under %s)",
             leader.world_size, job.metadata.name, host, port, members.describe(), ", ".join(engine_urls), out,
         )  # fmt: skip
-        asyncio.run(_serve_http(server, host, port, on_listening or (lambda p: None)))
+        asyncio.run(_serve_http(server, host, port, on_listening or (lambda p: None), drain_timeout_s))
+        if server.busy is not None:  # SIGTERM's drain ran out: the command's thread may be stuck
+            log.error(
+                "command %s still ran after the %.0f s drain; exiting without it",
+                server.busy,
+                drain_timeout_s,
+            )
+            logging.shutdown()
+            os._exit(1)
     finally:
         for fn in reversed(closers):
             try:

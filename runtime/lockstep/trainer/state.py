@@ -64,7 +64,7 @@ def checkpoints_dir(run_dir: Path) -> Path:
 LATEST = "latest"
 """The pointer file: one line naming the checkpoint directory to resume from."""
 _TMP = re.compile(r"\.(step_\d+)\.tmp\d*")
-"""Temporary checkpoint directories: .step_NNNNNN.tmp (and .tmp2 when the first is in use)."""
+"""Temporary checkpoint directories: .step_NNNNNN.tmp (and .tmp2, left by earlier versions)."""
 
 
 def _pointed(root: Path) -> str | None:
@@ -93,37 +93,68 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(backend: TrainBackend, run_dir: Path, state: DriverState) -> Path:
     """Save trainer + driver state as checkpoints/step_NNNNNN and point `latest` at it, durably.
 
+    Called by rank 0 alone (the served trainer: its LeaderBackend mirrors `save` to the other ranks)
+    or by every rank (a TrainBackend's methods are collective). Either way rank 0 alone creates,
+    renames and removes; the other ranks only write their own files into the temporary directory,
+    inside `backend.save`, which starts with a barrier (so after rank 0 prepared the directory) and
+    ends with one (so before rank 0 renames it). The temporary name is the same on every rank
+    (`.step_NNNNNN.tmp`), so no rank reads `latest` to find it.
+
     Order (a crash at any point leaves `latest` naming a complete checkpoint):
-    1. every rank writes into a temporary directory (each file temp + fsync + rename);
+    0. rank 0 finishes a re-save of this step that a crash cut short (see _finish_resave);
+    1. rank 0 removes a stale temporary directory and creates it; every rank writes into it
+       (each file temp + fsync + rename);
     2. rank 0 fsyncs the whole tree; if `latest` names the step being re-saved, it now points at the
        complete temporary copy, so the old one may go;
     3. an old directory of the step is moved aside, the temporary one renamed into place, the
        parent fsynced; 4. `latest` is replaced atomically; 5. leftovers are removed.
     """
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{state.step:06d}"
     final = root / name
-    pointed = _pointed(root)  # read by every rank before rank 0 changes it (after the barrier)
     tmp = root / f".{name}.tmp"
-    if pointed == tmp.name:  # a crash left `latest` on this temporary copy: keep it, use another
-        tmp = root / f".{name}.tmp2"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if backend.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _finish_resave(root, name)
+        if tmp.exists():  # a crashed save's partial copy; no pointer names it
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     backend.save(tmp, extra=state.as_dict())
     if backend.rank == 0:
         fsync_tree(tmp)
         fsync_dir(root)
-        old = root / f".{name}.old"
-        shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             if latest_checkpoint(run_dir) == final:
                 atomic_write_text(root / LATEST, tmp.name + "\n")
-            os.replace(final, old)
-        os.replace(tmp, final)
+            _replace_final(root, name)
+        else:
+            os.replace(tmp, final)
         fsync_dir(root)
         atomic_write_text(root / LATEST, name + "\n")
         _remove_leftovers(root, keep=name)
     return final
+
+
+def _replace_final(root: Path, name: str) -> None:
+    """Put the complete `.name.tmp` in place of `name`: the old copy is moved aside first (`.name.old`,
+    removed later), so `name` is never a half-removed directory."""
+    old = root / f".{name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if (root / name).exists():
+        os.replace(root / name, old)
+    os.replace(root / f".{name}.tmp", root / name)
+
+
+def _finish_resave(root: Path, name: str) -> None:
+    """A re-save of `name` crashed after pointing `latest` at its complete temporary copy: move that
+    copy into place (unless the crash came after the move) and point `latest` at `name`, so the
+    temporary directory is free for this save and nothing a pointer names is removed."""
+    if _pointed(root) != f".{name}.tmp":
+        return
+    if (root / f".{name}.tmp").is_dir():
+        _replace_final(root, name)
+        fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
 
 
 def _remove_leftovers(root: Path, *, keep: str) -> None:

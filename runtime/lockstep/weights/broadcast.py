@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
-from lockstep.serving.weight_group import WeightUpdateGroup, open_weight_update_group
+from lockstep.serving.weight_group import WeightUpdateGroup, on_the_wire, open_weight_update_group
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 
@@ -152,7 +152,7 @@ class BroadcastTransport:
             ]
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = 0, 0
-            works = [self.group.pg.broadcast([t], opts) for _, t in named]
+            works = [self.group.pg.broadcast([on_the_wire(t)], opts) for _, t in named]
             for w in works:
                 w.wait()
             for r in replies:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from lockstep.api import Device, Engine, Precision, RLJob, Transport
+from lockstep.api import Device, RLJob, Transport
 from lockstep.api.transport_choice import TransportChoice, load_transport_choice
 from lockstep.numerics.recipe import recipe_of
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
@@ -126,26 +126,9 @@ def check_transport(job: RLJob, *, external_engines: bool, cuda_available: bool)
     """Refuse, before anything starts, a transport this process cannot run; the error names the field.
 
     Only what depends on this machine and process (CUDA, where the engine runs) is checked here; what
-    the manifest alone decides (one engine for cuda-ipc) is refused at apply (lockstep.api.rules)."""
-    rollout = job.spec.rollout
-    if (
-        job.spec.weight_sync.transport is Transport.P2P
-        and rollout.engine is Engine.SGLANG
-        and not rollout.p2p_receiver
-    ):
-        raise ValueError(
-            f"{FIELD}: p2p writes into the engines through Lockstep's P2P receive extension, which stock "
-            "SGLang does not serve (docs/sglang.md); use broadcast, or set spec.rollout.p2pReceiver to true "
-            "for an engine image that serves it"
-        )
-    if (
-        job.spec.rollout.precision is not Precision.BF16
-        and job.spec.weight_sync.transport is not Transport.AUTO
-    ):
-        raise ValueError(
-            f"{FIELD}: with spec.rollout.precision {job.spec.rollout.precision} the quantized weights travel "
-            "as checkpoint files (from-disk) only so far; set the transport to auto"
-        )
+    the manifest alone decides (one engine for cuda-ipc, p2p into stock SGLang) is refused at apply
+    (lockstep.api.rules). Quantized serving (spec.rollout.precision) travels over every transport:
+    the QuantizingTransport wraps whichever is built."""
     if job.spec.weight_sync.transport is not Transport.CUDA_IPC:
         return
     if job.spec.trainer.device is not Device.CUDA:

@@ -71,7 +71,7 @@ def test_load_manifest_returns_the_typed_job() -> None:
     assert load_manifest((EXAMPLES / "tiny-local.yaml").read_text()) == job
 
 
-def test_glm5_example_is_the_seed_job() -> None:
+def test_gb300_example_has_the_seed_jobs_layout() -> None:
     job = load_manifest(EXAMPLES / "glm5-gb300.yaml").spec
     r, t = job.rollout, job.trainer
     assert r.replicas * r.gpus_per_engine + t.nodes * t.gpus_per_node == 64
@@ -83,11 +83,7 @@ def test_glm5_example_is_the_seed_job() -> None:
     )
     assert (job.algorithm.batch_size, job.algorithm.samples_per_prompt) == (8, 8)
     assert (job.algorithm.mismatch.correction, job.algorithm.r3, t.precision) == ("tis", False, "bf16")
-    assert (job.schedule.mode, job.schedule.eval_interval, t.stream_optimizer_state_to_disk) == (
-        "fully-async",
-        10,
-        True,
-    )
+    assert (job.schedule.mode, job.schedule.eval_interval, t.backend) == ("fully-async", 10, "fsdp")
 
 
 def test_api_imports_no_torch_or_numpy() -> None:

@@ -100,27 +100,34 @@ def test_unreadable_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_manifest_error_is_one_line_per_problem() -> None:
     doc = example("glm5-gb300")
     doc["spec"]["schedule"]["colocate"] = True
-    doc["spec"]["trainer"]["parallelism"]["tensor"] = 3
+    doc["spec"]["trainer"]["backend"] = "megatron"
     with pytest.raises(ManifestError) as err:
         load_manifest(yaml.safe_dump(doc))
     lines = str(err.value).splitlines()
     assert lines == [
         "spec.schedule.colocate: true: fully-async needs separate GPUs for rollout and training: set "
         "schedule.colocate to false or schedule.mode to sync",
-        'spec.trainer.parallelism: {"tensor":3,"pipeline":4,"context":1,"expert":8,"expertTensor":1}: '
-        "tensor x pipeline x context parallel must divide nodes x gpusPerNode: change trainer.parallelism "
-        "or the trainer's GPU count",
+        'spec.model.family: "glm47": the megatron backend builds the Qwen3 and Qwen3-MoE architectures only '
+        "(families tiny, qwen3); GLM's MLA/DSA attention is not built in it (docs/megatron.md): set "
+        "trainer.backend to fsdp, which builds every family through transformers",
     ]
 
 
-def test_glm5_parallelism_counts_ep_inside_the_32_gpus() -> None:
-    # seed §9 without CP (not built): TP2 x PP4 on 32 GPUs is DP 4; EP8 spreads experts over the same
-    # ranks (not 256 GPUs)
+def test_the_gb300_example_is_a_job_that_runs() -> None:
+    """Seed §9's GLM-5 on megatron is refused at apply naming the fix; the example is what runs: a GLM
+    on the fsdp backend (data parallel over the 32 trainer GPUs), FP8 serving over broadcast."""
     job = load_manifest(EXAMPLES / "glm5-gb300.yaml")
     t = job.spec.trainer
-    assert t.nodes * t.gpus_per_node == 32
-    p = t.parallelism
-    assert (p.tensor, p.pipeline, p.context, p.expert) == (2, 4, 1, 8)
+    assert (t.backend, t.nodes * t.gpus_per_node, job.spec.model.family) == ("fsdp", 32, "glm47")
+    assert (job.spec.rollout.precision, job.spec.weight_sync.transport) == ("fp8", "broadcast")
+    seed = example("glm5-gb300")
+    seed["spec"]["model"].update(checkpoint="/models/glm-5.2", family="glm5", variant="744b-a40b")
+    seed["spec"]["trainer"].update(backend="megatron", parallelism={"tensor": 2, "pipeline": 4, "expert": 8})
+    with pytest.raises(
+        ManifestError, match=r"spec\.model\.family: \"glm5\": the megatron backend builds"
+    ) as err:
+        load_manifest(yaml.safe_dump(seed))
+    assert "set trainer.backend to fsdp" in str(err.value)
 
 
 def _pool(replicas: int, low: int, high: int) -> dict[str, object]:
@@ -147,11 +154,11 @@ def test_changing_model_or_backend_is_refused_on_update() -> None:
     before = load_manifest(EXAMPLES / "glm5-gb300.yaml")
     after = before.model_copy(deep=True)
     after.spec.model.checkpoint = "/models/other"
-    after.spec.trainer.backend = after.spec.trainer.backend.FSDP
+    after.spec.trainer.backend = after.spec.trainer.backend.MEGATRON
     problems = [str(p) for p in check_update(before, after)]
     assert problems == [
         'spec.model.checkpoint: "/models/other": the model cannot change after creation: create a new job',
-        'spec.trainer.backend: "fsdp": the trainer backend cannot change after creation: create a new job',
+        'spec.trainer.backend: "megatron": the trainer backend cannot change after creation: create a new job',
     ]
     same = before.model_copy(deep=True)
     same.spec.schedule.steps = 5

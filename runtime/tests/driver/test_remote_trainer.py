@@ -252,3 +252,73 @@ def test_a_trainer_that_is_down_fails_clearly(
     assert main([*args, "--trainer-url", url, "--trainer-timeout", "1"]) == 3
     err = capsys.readouterr().err
     assert f"trainer at {url} not ready within 1 s" in err and "lockstep trainer --serve" in err
+
+
+def test_a_trainer_group_serves_fp8_engines_over_broadcast(tmp_path: Path, cache: Path) -> None:
+    """The cluster's FP8 serving on loopback: the engine serves what the engine pod's init step writes
+    (`lockstep convert-model`, then `lockstep engine` on it), the 2-rank trainer group accepts
+    rollout precision fp8, quantizes every push with the same recipe and broadcasts it (gloo); the
+    pre-flight checks the engine against the served view and the driver runs the job to the end."""
+    from lockstep.driver.engines import start_reference_engine
+    from lockstep.models import resolve_checkpoint
+
+    exception = "model.layers.1.self_attn.o_proj"
+    served = tmp_path / "serving" / "fp8"
+    served.parent.mkdir()
+    src = resolve_checkpoint("builtin:tiny", cache_dir=cache)
+    args = [
+        "convert-model",
+        str(src),
+        "--dest",
+        str(served),
+        "--precision",
+        "fp8",
+        "--bf16-modules",
+        exception,
+    ]
+    assert main(args) == 0
+    job = _edited(
+        tmp_path,
+        "fp8.yaml",
+        {
+            "spec.rollout.precision": "fp8",
+            "spec.model.bf16Modules": [exception],
+            "spec.weightSync": {"transport": "broadcast", "checkWeightUpdateEqual": True},
+        },
+    )
+    server = start_reference_engine(served)
+    try:
+        with Group(server.url, tmp_path, cache, "fp8", job) as group:
+            assert group.drive() == 0
+            assert group.trainers.stop() == 0
+        assert _engine_version(server.url) == "3"
+    finally:
+        server.stop()
+    result = json.loads((tmp_path / "driver" / "preflight.json").read_text())
+    assert result["passed"] and result["checked_tensors"] > 0, result
+    rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
+    pushes = [r for r in rows if "update_weights_quantized_tensors" in r]  # the push after each step
+    assert len(pushes) == 3 and all(r["update_weights_quantized_tensors"] > 0 for r in pushes), rows
+    assert all(r["update_weights_bf16_exceptions"] == 1.0 for r in pushes)
+    train = [r for r in rows if r["kind"] == "train"]
+    # FP8 serving, BF16 training: a small measured gap, not the BF16 run's noise
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(0.0 < r["train_rollout_logprob_abs_diff"] < 0.1 for r in train), train
+
+
+def test_a_trainer_gone_at_the_shutdown_after_the_last_step_is_no_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found on the real node: the operator stops the trainer group once the driver reported `done`,
+    so the ranks may be gone before the driver's shutdown call; the finished driver must exit 0
+    (raising there made its pod, restartPolicy OnFailure, start the finished run again)."""
+    from lockstep.driver.loop import shutdown_trainer
+    from lockstep.driver.remote import RemoteTrainer
+
+    trainer = RemoteTrainer(f"http://127.0.0.1:{_free_port()}", retries=1)  # nothing listens there
+    try:
+        with caplog.at_level("WARNING"):
+            shutdown_trainer(trainer)
+    finally:
+        trainer.close()
+    assert "the trainer was gone before its shutdown" in caplog.text

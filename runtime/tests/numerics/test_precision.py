@@ -131,16 +131,18 @@ def test_mxfp8_train_and_serve_with_true_on_policy_is_exact(tmp_path: Path) -> N
     assert [r["train_rollout_logprob_abs_diff"] for r in rows] == [0.0, 0.0]
 
 
-def test_quantized_serving_refuses_other_transports(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    doc = yaml.safe_load(FIXTURE.read_text())
-    doc["spec"]["rollout"]["precision"] = "fp8"
-    doc["spec"]["weightSync"] = {"transport": "broadcast"}
-    manifest = tmp_path / "job.yaml"
-    manifest.write_text(yaml.safe_dump(doc))
-    assert main(["run", str(manifest), "--run-dir", str(tmp_path / "run")]) == 2
-    assert "spec.weightSync.transport: with spec.rollout.precision fp8" in capsys.readouterr().err
+def test_fp8_rollout_over_broadcast_runs_end_to_end(tmp_path: Path) -> None:
+    """Quantized pushes travel over the broadcast transport (gloo here) too, pre-flight included."""
+    rows = _run(
+        tmp_path,
+        {
+            "spec.rollout.precision": "fp8",
+            "spec.model.bf16Modules": [EXCEPTION],
+            "spec.weightSync": {"transport": "broadcast", "checkWeightUpdateEqual": True},
+        },
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0.0 < r["train_rollout_logprob_abs_diff"] < 0.1 for r in rows), rows
 
 
 def test_precision_check_runs_the_five_steps_in_order(

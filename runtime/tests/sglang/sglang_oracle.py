@@ -199,3 +199,32 @@ def generate_contract_error(body: Mapping[str, Any]) -> str | None:
 
     result: str | None = gate(dict(body))
     return result
+
+
+# -- checkpoint quantization -----------------------------------------------------------------------
+
+
+@functools.cache
+def _modelopt_parser() -> Any:
+    """SGLang's own `ModelConfig._parse_modelopt_quant_config` (and the module function it calls),
+    compiled from the installed model_config.py: the module cannot be imported here (its package
+    imports torchvision), and the two functions need nothing else."""
+    tree = ast.parse(source("srt/configs/model_config.py").read_text())
+    wanted = {"unwrap_modelopt_quantization_config", "_parse_modelopt_quant_config"}
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    assert {f.name for f in found} == wanted, "SGLang's model_config.py moved its ModelOpt parser"
+    namespace: dict[str, Any] = {"Optional": typing.Optional}
+    exec(compile(ast.Module(body=found, type_ignores=[]), "sglang-model-config", "exec"), namespace)
+    return namespace["_parse_modelopt_quant_config"]
+
+
+def checkpoint_quant_method(config: Mapping[str, Any]) -> str:
+    """The quant_method SGLang's ModelConfig resolves from a checkpoint's config.json (the first
+    branch of `_parse_quant_hf_config`: a ModelOpt config is parsed into its method), which
+    `_verify_quantization` then compares with --quantization."""
+    qc = dict(config["quantization_config"])
+    if "quant_method" not in qc or qc["quant_method"] == "modelopt":
+        parsed = _modelopt_parser()(None, {"quantization": qc})
+        if parsed:
+            qc.update(parsed)
+    return str(qc["quant_method"]).lower()

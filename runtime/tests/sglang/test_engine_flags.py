@@ -6,6 +6,7 @@ fails in SGLang's parser, a flag rendered with the wrong value fails the compari
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,9 @@ from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, Owner
 from lockstep_operator.resources.engines import engine_manifest
-from lockstep_operator.resources.model import local_model
+from lockstep_operator.resources.model import local_model, serving_dir
 from lockstep_operator.resources.sglang import Disaggregation, sglang_command
-from sglang_oracle import FlagError, parse_server_args, require_pinned_sglang
+from sglang_oracle import FlagError, checkpoint_quant_method, parse_server_args, require_pinned_sglang
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
 LAUNCH = ["python3", "-m", "sglang.launch_server"]
@@ -40,7 +41,7 @@ def expected(
         Precision.BF16: None,
         Precision.FP8: "fp8",
         Precision.MXFP8: "mxfp8",
-        Precision.NVFP4: "nvfp4_online",
+        Precision.NVFP4: "modelopt_fp4",  # the converted checkpoint's format (ModelOpt NVFP4)
     }
     return {
         "model_path": model.checkpoint,
@@ -97,10 +98,17 @@ def test_each_example_engine_pod_command_parses(path: Path) -> None:
     pool = RolloutPoolSpec.model_validate(pool_doc["spec"])
     pod = engine_manifest(OWNER, pool, 0, gang_min=1, image="img")
     cmd = pod["spec"]["containers"][0]["command"]
+    served = local_model(job.spec.model)
+    if job.spec.rollout.precision is not Precision.BF16:  # the conversion step's directory
+        served = served.model_copy(
+            update={"checkpoint": serving_dir(job.spec.model, job.spec.rollout.precision)}
+        )
+        [convert] = [c for c in pod["spec"]["initContainers"] if c["name"] == "convert-model"]
+        assert convert["command"][convert["command"].index("--dest") + 1] == served.checkpoint
     assert_parses_as_asked(  # a hub id is served from the model volume the init step fills
         cmd,
         job.spec.rollout,
-        local_model(job.spec.model),
+        served,
         r3=job.spec.algorithm.r3,
         top=job.spec.algorithm.true_on_policy,
     )
@@ -167,3 +175,26 @@ def test_a_flag_sglang_does_not_know_fails_here() -> None:
     engine = EngineSpec(engine="sglang", extra_args=["--enable-return-routed-expertz"])
     with pytest.raises(FlagError, match="refuses the command"):
         parse_server_args(sglang_command(engine, MODEL)[3:])
+
+
+@pytest.mark.parametrize("precision", [Precision.FP8, Precision.MXFP8, Precision.NVFP4])
+def test_a_quantized_engine_serves_the_converted_checkpoint_with_its_format(
+    precision: Precision, tmp_path: Path
+) -> None:
+    """SGLang's own ModelConfig check of --quantization against the checkpoint's quantization_config
+    (what it runs at start): the flag the operator renders agrees with what convert-model writes."""
+    from lockstep.models.tiny import materialize_builtin
+    from lockstep.numerics.quant import Format, Scheme
+    from lockstep.numerics.recipe import Recipe, convert_checkpoint
+
+    served = convert_checkpoint(
+        materialize_builtin("builtin:tiny", tmp_path / "src", seed=0),
+        tmp_path / "served",
+        Recipe(Scheme.of(Format(precision.value)), ("*.o_proj",)),
+    )
+    engine = EngineSpec(engine="sglang", gpus_per_engine=1, precision=precision)
+    model = ModelSpec(checkpoint=str(served), family="tiny")
+    cmd = sglang_command(engine, model)
+    assert_parses_as_asked(cmd, engine, model)
+    config = json.loads((served / "config.json").read_text())
+    assert parse_server_args(cmd[3:]).quantization == checkpoint_quant_method(config)

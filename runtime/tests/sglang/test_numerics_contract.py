@@ -77,3 +77,46 @@ def test_our_quantization_config_is_what_sglangs_fp8_loader_reads(fmt: Format) -
     assert {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers"} <= set(qc)
     assert qc["activation_scheme"] == "dynamic"  # SGLang asserts dynamic activations for block FP8
     assert ("mxfp8" in qc["quant_method"]) == (fmt is Format.MXFP8)  # how SGLang tells the two apart
+
+
+def _registered_by(relative: str, cls: str) -> set[str]:
+    """Parameter names the methods of `cls` register (`layer.register_parameter("name", ...)`; fp8.py
+    registers them in a helper that create_weights calls)."""
+    tree = ast.parse(source(relative).read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for call in ast.walk(node):
+                if (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "register_parameter"
+                    and call.args
+                    and isinstance(call.args[0], ast.Constant)
+                ):
+                    names.add(str(call.args[0].value))
+    return names
+
+
+@pytest.mark.parametrize(
+    ("fmt", "relative", "cls"),
+    [
+        (Format.FP8, "srt/layers/quantization/fp8.py", "Fp8LinearMethod"),
+        (Format.MXFP8, "srt/layers/quantization/fp8.py", "Fp8LinearMethod"),
+        (Format.NVFP4, "srt/layers/quantization/modelopt_quant.py", "ModelOptFp4LinearMethod"),
+    ],
+)
+def test_every_tensor_we_export_is_a_parameter_sglangs_linear_layer_loads(
+    fmt: Format, relative: str, cls: str
+) -> None:
+    """The names every transport carries (and convert-model writes) for one quantized linear layer
+    are parameters SGLang's quantized linear method registers, so its load_weights takes them."""
+    import torch
+    from lockstep.numerics.quant import quantize, to_checkpoint
+
+    q = quantize(torch.randn(256, 256), Scheme.of(fmt))
+    suffixes = {
+        name.removeprefix("model.layers.0.mlp.up_proj.")
+        for name, _ in to_checkpoint("model.layers.0.mlp.up_proj.weight", q)
+    }
+    assert suffixes <= _registered_by(relative, cls), (suffixes, _registered_by(relative, cls))

@@ -45,7 +45,10 @@ def test_megatron_without_cuda_is_refused_naming_the_fields(tmp_path: Path) -> N
         build_backend(job, path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
 
 
-def test_megatron_trains_bf16_only(tmp_path: Path) -> None:
-    job = _job("tiny-megatron.yaml", rollout={"precision": "fp8"}, precision="fp8")  # serving matches
-    with pytest.raises(ValueError, match=r"^spec\.trainer\.precision: the megatron backend trains bf16"):
-        build_backend(job, tmp_path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
+def test_megatron_trains_bf16_only_refused_at_apply() -> None:
+    from lockstep.api import ManifestError
+
+    with pytest.raises(
+        ManifestError, match=r"spec\.trainer\.precision: \"fp8\": the megatron backend trains bf16"
+    ):
+        _job("tiny-megatron.yaml", rollout={"precision": "fp8"}, precision="fp8")  # serving matches

@@ -55,14 +55,29 @@ def test_cuda_ipc_refusals_name_the_field(
     ("engine", "declared", "refused"),
     [("sglang", False, True), ("sglang", True, False), ("reference", False, False)],
 )
-def test_p2p_into_stock_sglang_is_refused_with_the_fix(engine: str, declared: bool, refused: bool) -> None:
-    """Stock SGLang has no P2P receive side: p2p needs an engine image that declares it (docs/sglang.md)."""
+def test_p2p_into_stock_sglang_is_refused_at_apply_with_the_fix(
+    engine: str, declared: bool, refused: bool
+) -> None:
+    """Stock SGLang has no P2P receive side: p2p needs an engine image that declares it (docs/sglang.md).
+    The manifest alone decides it, so the API refuses it (rule p2p-needs-a-receiver), never the start."""
+    from lockstep.api import ManifestError
+
     doc = yaml.safe_load(FIXTURE.read_text())
     doc["spec"]["weightSync"] = {"transport": "p2p"}
     doc["spec"]["rollout"].update(engine=engine, p2pReceiver=declared)
-    job = load_manifest(yaml.safe_dump(doc))
     if refused:
-        with pytest.raises(ValueError, match=r"spec\.rollout\.p2pReceiver"):
-            check_transport(job, external_engines=True, cuda_available=False)
-    else:
-        check_transport(job, external_engines=True, cuda_available=False)
+        with pytest.raises(ManifestError, match=r"spec\.rollout\.p2pReceiver: false: p2p writes"):
+            load_manifest(yaml.safe_dump(doc))
+        return
+    check_transport(load_manifest(yaml.safe_dump(doc)), external_engines=True, cuda_available=False)
+
+
+@pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_quantized_serving_starts_on_every_transport(transport: str, precision: str) -> None:
+    """The QuantizingTransport wraps whichever transport is built: no start-time refusal is left."""
+    job = _job(transport)
+    wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
+    wire["spec"]["rollout"]["precision"] = precision
+    wire["spec"]["trainer"]["precision"] = "nvfp4" if precision == "nvfp4" else "bf16"
+    check_transport(load_manifest(yaml.safe_dump(wire)), external_engines=False, cuda_available=False)

@@ -25,14 +25,21 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import ValidationError
 
 from lockstep.models.families import get_family
@@ -143,6 +150,14 @@ class _Metrics:
             "tito_turn_overhead_seconds", "Server work per turn, engine call excluded",
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25), registry=self.registry,
         )  # fmt: skip
+        self.in_flight = Gauge(
+            "tito_requests_in_flight",
+            "Requests being served (what a shutdown drains)",
+            registry=self.registry,
+        )
+        self.draining = Gauge(
+            "tito_draining", "1 while shutting down (new requests get 503)", registry=self.registry
+        )
         for t in MISMATCH_TYPES:
             self.mismatch.labels(t)
 
@@ -177,12 +192,16 @@ class SessionServer:
         self._perf = perf
         self._runner: web.AppRunner | None = None
         self._cpu_pool = ThreadPoolExecutor(config.cpu_threads, thread_name_prefix="lockstep-sessions")
+        self.in_flight = 0
+        """Requests being served now."""
+        self.draining = False
+        """Shutting down (`drain`): new requests get 503, running ones may finish."""
         self.url = ""
         """Base URL once started, e.g. http://127.0.0.1:41234."""
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[bearer_middleware(self.config.api_key, open_reads={"/metrics"})],
+            middlewares=[self._drain_guard, bearer_middleware(self.config.api_key, open_reads={"/metrics"})],
             client_max_size=self.config.max_body_bytes,
         )
         app.router.add_post("/sessions", self._create)
@@ -194,12 +213,43 @@ class SessionServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         bound = self._runner.addresses[0][1]
         self.url = f"http://{host}:{bound}"
         return self.url
+
+    @web.middleware
+    async def _drain_guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """503 while draining; otherwise count the request as in flight until its reply is done.
+        /metrics is neither refused nor counted: it shows the drain."""
+        if request.path == "/metrics":
+            return await handler(request)
+        if self.draining:
+            response = _error(503, "the session server is shutting down; retry on another replica")
+            response.headers["Retry-After"] = "5"
+            return response
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """The graceful part of a shutdown (SIGTERM): refuse new requests and let running ones finish
+        for up to `timeout_s`; True when none runs any more. `stop()` then cuts off the rest."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
 
     async def stop(self) -> None:
         if self._runner is not None:

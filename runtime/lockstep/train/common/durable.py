@@ -60,6 +60,24 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def join_checkpoint_dir(directory: Path, rank: int) -> None:
+    """The start of a collective checkpoint write: rank 0 creates `directory`, then every rank waits
+    for it (a barrier) before it writes a file there.
+
+    Why: whoever saves into a temporary directory (lockstep.trainer.state.save_checkpoint) removes a
+    stale one on rank 0 first; without the barrier, a rank that is ahead writes its files before that
+    removal and loses them. Ranks > 0 create the directory too (exist_ok) in case their run dir is
+    not shared with rank 0 (an emptyDir per node); they never remove anything.
+    """
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    Path(directory).mkdir(parents=True, exist_ok=True)
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory under `root`, deepest first, then `root` itself."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):

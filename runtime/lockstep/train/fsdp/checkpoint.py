@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lockstep.train.common.durable import atomic_path, atomic_write_text
+from lockstep.train.common.durable import atomic_path, atomic_write_text, join_checkpoint_dir
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    directory.mkdir(parents=True, exist_ok=True)
+    join_checkpoint_dir(directory, backend.rank)  # rank 0 prepared it before anyone writes
     weights = {name: t.to("cpu").contiguous() for name, t in backend.export_weights()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     optim_state = get_optimizer_state_dict(backend.model, backend.optimizer, options=options)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lockstep.train.common.durable import atomic_path, atomic_write_text
+from lockstep.train.common.durable import atomic_path, atomic_write_text, join_checkpoint_dir
 from lockstep.train.megatron.model import load_into, local_weights
 from lockstep.train.megatron.state import MOMENTS, optimizer_params, resident
 
@@ -63,7 +63,7 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
+    join_checkpoint_dir(directory, backend.rank)  # rank 0 prepared it before anyone writes
     weights = {name: t.to("cpu").contiguous() for name, t in backend.export_weights()}
     with atomic_path(directory / f"optimizer_rank{backend.rank}.pt") as tmp:
         torch.save(_optimizer_shard(backend), tmp)

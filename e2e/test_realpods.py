@@ -1,0 +1,493 @@
+"""The example RLJob on real pods: `kubectl apply` of examples/tiny-cluster.yaml trains to completion on
+the local cluster's real node, watched through `kubectl get rljobs`. (Issue 13; docs/controlplane.md.)
+
+Why: kwok pods run no process, so the other e2e tests play the driver. Here nothing is played: the
+operator (in-process, as in the other e2e tests) renders the pods, the real node runs them from the
+runtime image built here (node/runtime_image.py): `lockstep engine`, two trainer ranks under torchrun
+rendezvousing over the headless Service, the driver reporting progress with its ServiceAccount token;
+run dir and checkpoints sit on a hostPath-backed ReadWriteMany PersistentVolume. Opt-in like
+e2e/test_realnode.py (`make test-realnode`, LOCKSTEP_REAL_NODE=1): cold, the node's builds exceed CI's
+budget. On a failure the assertion message carries every pod's status and the tail of its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.controlplane.cluster import ControlPlane
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny-cluster.yaml"
+JOB_LABEL = "rl.lockstep.dev/job"
+PHASES = ("Pending", "Provisioning", "Preflight", "Running", "Succeeded")
+RUN_TIMEOUT = 1500.0
+"""Seconds a whole run may take on a loaded 2-core machine (it takes a few minutes)."""
+
+pytestmark = pytest.mark.timeout(3600)  # cold: the runtime image (5 GiB) is built and imported first
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+class Operator:
+    """The operator in-process (kopf.testing.KopfRunner, standalone, all namespaces)."""
+
+    def __init__(self) -> None:
+        self.runner: Any = None
+
+    def start(self) -> None:
+        from kopf.testing import KopfRunner
+
+        args = ["run", "--standalone", "--all-namespaces", "-m", "lockstep_operator.handlers"]
+        self.runner = KopfRunner(args, timeout=60)
+        self.runner.__enter__()
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.__exit__(None, None, None)
+            self.runner = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def runtime_image(real_cluster: ControlPlane) -> str:
+    assert real_cluster.node is not None
+    return real_cluster.node.runtime_image()
+
+
+@pytest.fixture(scope="module")
+def operator(real_cluster: ControlPlane, runtime_image: str) -> Iterator[Operator]:
+    """CRDs installed; the operator running with the runtime image built here for every role."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBECONFIG", str(real_cluster.kubeconfig))
+        import lockstep_operator.handlers as handlers
+        from lockstep_operator.settings import OperatorSettings
+
+        mp.setattr(
+            handlers,
+            "SETTINGS",
+            OperatorSettings(
+                ha_mode="standalone",
+                runtime_image=runtime_image,
+                engine_image=runtime_image,
+                resync_seconds=5,
+                health_port=0,
+                metrics_port=0,
+            ),
+        )
+        crds = sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml"))
+        for crd in crds:
+            real_cluster.apply(crd.read_text())
+        for crd in crds:
+            name = yaml.safe_load(crd.read_text())["metadata"]["name"]
+            real_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        op = Operator()
+        op.start()
+        try:
+            yield op
+        finally:
+            op.stop()
+
+
+def shared_volume(cluster: ControlPlane, ns: str, claim: str) -> Path:
+    """A hostPath PersistentVolume (ReadWriteMany) bound to claim `claim` in `ns`; its host directory
+    (writable by the pods' user 1000: hostPath volumes are not chowned to the fsGroup)."""
+    assert cluster.work_dir is not None
+    host = cluster.work_dir / f"shared-{ns}"
+    host.mkdir(parents=True, exist_ok=True)
+    host.chmod(0o1777)
+    pv = {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{claim}"},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": ns, "name": claim},
+                 "hostPath": {"path": str(host), "type": "Directory"}},
+    }  # fmt: skip
+    pvc = {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"{ns}-{claim}",
+                 "resources": {"requests": {"storage": "10Gi"}}},
+    }  # fmt: skip
+    cluster.apply([pv, pvc])
+    return host
+
+
+def example(name: str | None = None, **spec: Any) -> dict[str, Any]:
+    """examples/tiny-cluster.yaml, optionally renamed (the claim follows) and with spec overrides."""
+    job: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    if name is not None:
+        job["metadata"]["name"] = name
+        job["spec"]["weightSync"]["diskDelta"]["volumeClaim"] = f"{name}-shared"
+    for key, value in spec.items():
+        if isinstance(value, dict):
+            job["spec"].setdefault(key, {}).update(value)
+        else:
+            job["spec"][key] = value
+    return job
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class Sample:
+    """One status of the job as `kubectl get rljobs -w` delivered it."""
+
+    t: float
+    phase: str | None
+    step: int | None
+    version: int | None
+    reward: float | None
+
+
+@dataclass
+class Watch:
+    """`kubectl get rljob NAME -w -o json` in a thread: every status the job goes through, in order."""
+
+    cluster: ControlPlane
+    ns: str
+    job: str
+    samples: list[Sample] = field(default_factory=list)
+    _proc: subprocess.Popen[str] | None = None
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Watch:
+        assert self.cluster.bin_dir is not None
+        cmd = [str(self.cluster.bin_dir / "kubectl"), "--kubeconfig", str(self.cluster.kubeconfig)]
+        cmd += ["get", "rljob", self.job, "-n", self.ns, "-w", "-o", "json"]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        decoder, buf = json.JSONDecoder(), ""
+        for line in self._proc.stdout:
+            buf += line
+            while buf.strip():
+                try:
+                    obj, end = decoder.raw_decode(buf.lstrip())
+                except json.JSONDecodeError:
+                    break
+                buf = buf.lstrip()[end:]
+                st = obj.get("status") or {}
+                self.samples.append(
+                    Sample(
+                        time.monotonic(),
+                        st.get("phase"),
+                        st.get("step"),
+                        st.get("weightVersion"),
+                        st.get("reward"),
+                    )
+                )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def phases(self) -> list[str]:
+        """The distinct phases in the order they appeared."""
+        out: list[str] = []
+        for s in self.samples:
+            if s.phase and (not out or out[-1] != s.phase):
+                out.append(s.phase)
+        return out
+
+
+def pods(cluster: ControlPlane, ns: str, job: str, role: str | None = None) -> list[dict[str, Any]]:
+    sel = f"{JOB_LABEL}={job}" + (f",rl.lockstep.dev/role={role}" if role else "")
+    items: list[dict[str, Any]] = cluster.get("pods", "-n", ns, "-l", sel)["items"]
+    return items
+
+
+def diagnose(cluster: ControlPlane, ns: str, lines: int = 40) -> str:
+    """Every pod's phase and container states, the tail of its logs (and of its previous container),
+    the job's status and the namespace's recent events: what a failed wait says."""
+    out = [cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout]
+    for pod in cluster.get("pods", "-n", ns)["items"]:
+        name = pod["metadata"]["name"]
+        states = [
+            (c["name"], c.get("state"), c.get("restartCount"))
+            for c in pod["status"].get("containerStatuses", [])
+        ]
+        out.append(f"--- {name} {pod['status'].get('phase')} {states}")
+        for extra in ((), ("--previous",)):
+            logs = cluster.kubectl(
+                "logs", "-n", ns, name, "--all-containers", f"--tail={lines}", *extra, check=False
+            )
+            if logs.stdout.strip():
+                out.append(f"[logs{' ' + extra[0] if extra else ''}]\n{logs.stdout}")
+    jobs = cluster.get("rljobs", "-n", ns)["items"]
+    out += [f"rljob {j['metadata']['name']}: {json.dumps(j.get('status'), indent=1)}" for j in jobs]
+    out.append(
+        cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
+    )
+    return "\n".join(out)
+
+
+def wait(
+    cluster: ControlPlane, ns: str, pred: Callable[[], Any], what: str, timeout: float = RUN_TIMEOUT
+) -> Any:
+    """cluster.wait_for, and on timeout the pods' story (diagnose) in the error."""
+    try:
+        return cluster.wait_for(pred, timeout=timeout, what=what, interval=1.0)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}\n{diagnose(cluster, ns)}") from None
+
+
+def job_status(cluster: ControlPlane, ns: str, job: str) -> dict[str, Any]:
+    st: dict[str, Any] = cluster.get("rljob", job, "-n", ns).get("status") or {}
+    return st
+
+
+def finished(cluster: ControlPlane, ns: str, job: str) -> dict[str, Any]:
+    """Wait for Succeeded or Failed; the status."""
+    st: dict[str, Any] = wait(
+        cluster,
+        ns,
+        lambda: (s := job_status(cluster, ns, job)).get("phase") in ("Succeeded", "Failed") and s,
+        f"rljob {job} finished",
+    )
+    return st
+
+
+def printed_row(cluster: ControlPlane, ns: str, job: str) -> dict[str, str]:
+    """`kubectl get rljobs` as the user sees it: header -> cell of the job's row."""
+    out = cluster.kubectl("get", "rljobs", "-n", ns).stdout.splitlines()
+    header = out[0].split()
+    starts = [out[0].index(h) for h in header]
+    row = next(line for line in out[1:] if line.split()[0] == job)
+    cells = [row[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    return dict(zip(header, cells, strict=True))
+
+
+def container_pid(cluster: ControlPlane, pod: dict[str, Any]) -> int:
+    """The host pid of a pod's main container process (the node shares the host's pid namespace)."""
+    assert cluster.node is not None
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    rows = cluster.node.ctr("tasks", "ls").stdout.splitlines()[1:]
+    pid = next(int(r.split()[1]) for r in rows if r.split()[0] == cid)
+    return pid
+
+
+def fail_with(cluster: ControlPlane, ns: str, message: str) -> str:
+    return f"{message}\n{diagnose(cluster, ns)}"
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_the_example_trains_to_success_on_real_pods(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    """apply -> Pending -> Provisioning -> Preflight (the pre-flight runs in the pods) -> Running ->
+    Succeeded; Step, Version and Reward advance while it runs; checkpoints land on the shared volume."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-cluster"
+    manifest = example()
+    steps = manifest["spec"]["schedule"]["steps"]
+    host = shared_volume(cluster, ns, manifest["spec"]["weightSync"]["diskDelta"]["volumeClaim"])
+    cluster.apply(manifest, namespace=ns)
+    rows: list[dict[str, str]] = []
+    with Watch(cluster, ns, job) as watch:
+
+        def done() -> dict[str, Any] | None:
+            st = job_status(cluster, ns, job)
+            if st.get("phase") == "Running" and st.get("step"):
+                rows.append(printed_row(cluster, ns, job))  # `kubectl get rljobs` during the run
+            return st if st.get("phase") in ("Succeeded", "Failed") else None
+
+        st = wait(cluster, ns, done, f"rljob {job} finished")
+        time.sleep(2)  # the watch's last events
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    phases = watch.phases()
+    assert [p for p in PHASES if p in phases] == phases, phases  # in order, none repeated or foreign
+    assert {"Provisioning", "Preflight", "Running", "Succeeded"} <= set(phases), phases
+    # Sampled during the run, not only at the end: Step and Version advance while Running.
+    running = [s for s in watch.samples if s.phase == "Running"]
+    run_steps = sorted({s.step for s in running if s.step is not None and s.step < steps})
+    run_versions = sorted({s.version for s in running if s.version is not None and s.version < steps})
+    assert len(run_steps) >= 3 and len(run_versions) >= 3, (run_steps, run_versions)
+    assert [s.step for s in running if s.step is not None] == sorted(
+        s.step for s in running if s.step is not None
+    )
+    assert any(s.reward is not None for s in running)
+    assert rows and rows[0]["PHASE"] == "Running" and rows[0]["STEP"].isdigit(), rows[:1]
+    assert st["step"] == steps and st["weightVersion"] == steps, st
+    assert 0.0 <= st["reward"] <= 1.0, st
+    assert st.get("transport") == "broadcast", st
+    # Checkpoints of the trainer ranks on the shared volume (saveInterval 10), the driver's metrics beside.
+    run_dir = host / "lockstep" / job
+    assert (run_dir / "driver" / "metrics.jsonl").exists(), sorted(p.name for p in run_dir.rglob("*"))[:50]
+    assert any((run_dir / "trainer").iterdir()), sorted(str(p) for p in run_dir.rglob("*"))[:50]
+    # The job ended: ranks and engines are removed (their resources freed), the driver pod stays
+    # Succeeded with its logs.
+    final = wait(
+        cluster,
+        ns,
+        lambda: [p for p in pods(cluster, ns, job) if p["metadata"]["name"] != f"{job}-driver"] == [],
+        "the ranks and engines removed after success",
+        timeout=300,
+    )
+    assert final
+    driver = cluster.get("pod", f"{job}-driver", "-n", ns)
+    assert driver["status"]["phase"] == "Succeeded", driver["status"]
+
+
+def test_delete_leaves_nothing(real_cluster: ControlPlane, real_namespace: str, operator: Operator) -> None:
+    """A running job deleted: every pod, Service, ConfigMap, Secret, NetworkPolicy and child goes."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-gone"
+    manifest = example(job)
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    wait(cluster, ns, lambda: len(pods(cluster, ns, job)) >= 4, "the job's pods created", timeout=300)
+    cluster.kubectl("delete", "rljob", job, "-n", ns, "--wait=true", "--timeout=600s")
+    kinds = "pods,services,configmaps,secrets,networkpolicies,serviceaccounts,roles,rolebindings"
+    kinds += ",rolloutpools,trainergroups,weightchannels"
+
+    def gone() -> bool:
+        left = cluster.get(kinds, "-n", ns, "-l", f"{JOB_LABEL}={job}")["items"]
+        return not left
+
+    wait(cluster, ns, gone, f"nothing of {job} left", timeout=600)
+
+
+def kill_main_process(cluster: ControlPlane, pod: dict[str, Any]) -> None:
+    """SIGKILL the pod's main container process from the host, as an OOM kill or a crash would."""
+    os.kill(container_pid(cluster, pod), signal.SIGKILL)
+
+
+def running_at_step(cluster: ControlPlane, ns: str, job: str, step: int) -> dict[str, Any]:
+    st: dict[str, Any] = wait(
+        cluster,
+        ns,
+        lambda: (
+            (s := job_status(cluster, ns, job)).get("phase") == "Running"
+            and (s.get("step") or 0) >= step
+            and s
+        ),
+        f"rljob {job} Running at step >= {step}",
+    )
+    return st
+
+
+def test_scale_the_pool_mid_run_and_restart_the_operator(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    """`kubectl scale rolloutpool <job>-rollout --replicas=2` mid-run: the new engine is Ready only once
+    it holds the current version; back to 1, then the operator restarted: the job completes with
+    the exact step count and no duplicate pod."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-scale"
+    manifest = example(job)
+    steps = manifest["spec"]["schedule"]["steps"]
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 3)
+    cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", ns, "--replicas=2")
+
+    def two_current() -> dict[str, Any] | None:
+        pool = cluster.get("rolloutpool", f"{job}-rollout", "-n", ns).get("status") or {}
+        st = job_status(cluster, ns, job)
+        engines = pool.get("engines") or []
+        ok = len(engines) == 2 and all(e.get("ready") for e in engines)
+        return {"pool": pool, "job": st} if ok else None
+
+    both = wait(cluster, ns, two_current, "two engines ready", timeout=600)
+    versions = {e["weightVersion"] for e in both["pool"]["engines"]}
+    assert len(versions) == 1, both  # a Ready engine holds the current version, the new one too
+    gate = next(
+        c
+        for c in cluster.get("pod", f"{job}-rollout-1", "-n", ns)["status"]["conditions"]
+        if c["type"] == "rl.lockstep.dev/weights-current"
+    )
+    assert gate["status"] == "True", gate
+    step_at_scale = job_status(cluster, ns, job).get("step") or 0
+    cluster.kubectl("scale", "rolloutpool", f"{job}-rollout", "-n", ns, "--replicas=1")
+    wait(cluster, ns, lambda: len(pods(cluster, ns, job, "engine")) == 1, "back to one engine", timeout=900)
+    operator.stop()
+    time.sleep(5)
+    operator.start()
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == steps and step_at_scale < steps, (st, step_at_scale)
+    names = [p["metadata"]["name"] for p in pods(cluster, ns, job)]
+    assert len(names) == len(set(names)), names
+
+
+def test_a_killed_engine_is_replaced_and_the_job_completes(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    cluster, ns, job = real_cluster, real_namespace, "tiny-engine"
+    manifest = example(job)
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 3)
+    engine = cluster.get("pod", f"{job}-rollout-0", "-n", ns)
+    kill_main_process(cluster, engine)
+    wait(
+        cluster,
+        ns,
+        lambda: any(
+            p["metadata"]["uid"] != engine["metadata"]["uid"] for p in pods(cluster, ns, job, "engine")
+        ),
+        "a new engine pod",
+        timeout=300,
+    )
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == manifest["spec"]["schedule"]["steps"], st
+
+
+def test_a_killed_trainer_rank_restarts_the_gang_from_the_shared_checkpoint(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    """A rank killed after the first checkpoint (saveInterval 10): the TrainerGroup restarts the gang,
+    the new ranks load the checkpoint from the shared volume and the job ends at exactly spec steps."""
+    cluster, ns, job = real_cluster, real_namespace, "tiny-rank"
+    manifest = example(job)
+    steps = manifest["spec"]["schedule"]["steps"]
+    host = shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    running_at_step(cluster, ns, job, 12)
+    rank = cluster.get("pod", f"{job}-trainer-1", "-n", ns)
+    kill_main_process(cluster, rank)
+    with Watch(cluster, ns, job) as watch:
+        st = finished(cluster, ns, job)
+        time.sleep(2)
+    assert st["phase"] == "Succeeded", fail_with(cluster, ns, f"status: {st}")
+    assert st["step"] == steps and (st.get("restarts") or 0) >= 1, st
+    seen = [s.step for s in watch.samples if s.step is not None]
+    assert min(seen) >= 10, seen  # resumed from the checkpoint at step 10 (or later), not from 0
+    group = cluster.get("trainergroup", f"{job}-trainer", "-n", ns)
+    assert (group.get("status") or {}).get("restarts", 0) >= 1, group.get("status")
+    assert any((host / "lockstep" / job / "trainer").iterdir())
+
+
+def test_a_bad_checkpoint_path_fails_the_job_with_the_reason(
+    real_cluster: ControlPlane, real_namespace: str, operator: Operator
+) -> None:
+    cluster, ns, job = real_cluster, real_namespace, "tiny-bad"
+    manifest = example(job, model={"checkpoint": "/models/not-there"})
+    shared_volume(cluster, ns, f"{job}-shared")
+    cluster.apply(manifest, namespace=ns)
+    st = finished(cluster, ns, job)
+    assert st["phase"] == "Failed", fail_with(cluster, ns, f"status: {st}")
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert "/models/not-there" in failed["message"], failed
