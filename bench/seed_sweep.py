@@ -308,8 +308,11 @@ def main() -> None:
             return seed, one
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
-            for seed, one in pool.map(one_seed, args.seeds):  # in seed order, as each is done
+            futures = [pool.submit(one_seed, seed) for seed in args.seeds]
+            for done in concurrent.futures.as_completed(futures):  # written as each run ends
+                seed, one = done.result()
                 res["per_seed"][seed] = one
+                res["per_seed"] = {s: res["per_seed"][s] for s in args.seeds if s in res["per_seed"]}
                 res["spread"] = spread(res["per_seed"])
                 res["machine"] = machine()
                 shown = {k: v for k, v in one.items() if k not in ("train_rewards", "eval_curve")}
