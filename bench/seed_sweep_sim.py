@@ -46,7 +46,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, kind, default in [
         ("seed", int, 0), ("init-seed", int, None), ("sft-steps", int, 85), ("sft-lr", float, 3e-3),
-        ("stop-at-loss", float, None), ("steps", int, 500), ("lr", float, 1e-3), ("n", int, 8),
+        ("stop-at-loss", float, None), ("stop-at-prob", float, None), ("steps", int, 500), ("lr", float, 1e-3), ("n", int, 8),
         ("batch", int, 8), ("temp", float, 1.0), ("reward", str, "exact"), ("dyn", int, 0),
         ("ent", float, 0.0), ("klsft", float, 0.0), ("adv", str, "grpo"), ("mb", int, 1),
         ("eps-lo", float, 0.2), ("eps-hi", float, 0.2), ("hidden", int, 0), ("layers", int, 2),
@@ -127,6 +127,8 @@ class Sim:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.last_loss = float(loss.detach())
+        # The probability of the whole reference answer per SFT row: the expected exact-match reward at T=1.
+        self.last_prob = float(torch.exp((lp.detach() * mask).sum(-1)).mean())
         return float((-lp.detach() * mask).sum() / n)
 
     @torch.no_grad()
@@ -209,7 +211,7 @@ def decode(ids: list[int]) -> str:
 
 
 def warm_start(sim: Sim) -> int:
-    a, losses = sim.a, []
+    a, losses, probs = sim.a, [], []
     rows_per_step = a.batch * a.n
     for k in range(a.sft_steps):
         rows: list[Row] = []
@@ -218,9 +220,12 @@ def warm_start(sim: Sim) -> int:
             rows.append((p, [*encode(ans), EOS_ID], None))
         sim.step(rows, a.sft_lr)
         losses.append(sim.last_loss)
+        probs.append(sim.last_prob)
         if a.probe and (k + 1) % a.probe == 0:
             print(f"SFT {k + 1} loss5 {sum(losses[-5:]) / 5:.3f} eval {sim.evaluate()}", flush=True)
         if a.stop_at_loss and len(losses) >= 5 and sum(losses[-5:]) / 5 <= a.stop_at_loss:
+            break
+        if a.stop_at_prob and len(probs) >= 5 and sum(probs[-5:]) / 5 >= a.stop_at_prob:
             break
     return len(losses)
 
@@ -275,7 +280,10 @@ def main() -> None:
     sft_steps = warm_start(sim)
     eval_sft = sim.evaluate()
     print("   errors on 4/5 digits", sim.errs, flush=True)
-    print(f"seed {a.seed} sft steps {sft_steps} loss {sim.last_loss:.3f} eval {eval_sft}", flush=True)
+    print(
+        f"seed {a.seed} sft steps {sft_steps} loss {sim.last_loss:.3f} answer prob {sim.last_prob:.3f} eval {eval_sft}",
+        flush=True,
+    )
     if a.steps == 0:
         sys.exit(0)
     if a.klsft > 0:
