@@ -199,13 +199,6 @@ class SFTWarmStartSpec(ApiModel):
     below this. A fixed step count stops each seed at a different point of a steep loss curve (issue
     18 measured 0.50 to 1.02 after 85 steps); a loss target stops every seed at the same point, so RL
     starts from comparable policies. Unset runs all `steps`."""
-    stop_at_answer_probability: float | None = Field(default=None, gt=0.0, le=1.0)
-    """End the warm start once the probability the policy gives a whole reference answer (the product of
-    its tokens' probabilities at temperature 1, averaged over a step's rows and over the last 5 steps)
-    is at or above this. With an exact-match reward and rollouts at temperature 1 it is the expected
-    reward of RL's first steps, which a loss target does not pin (issue 18: at the same loss 0.48 one
-    seed started RL at 0.15, another at 0.36), so every seed starts RL at the same sampled reward. With
-    stopAtLoss too, whichever is reached first ends it. Unset: no such stop."""
 
 
 class LRDecay(enum.StrEnum):

@@ -375,14 +375,6 @@ RULES: Final[tuple[Rule, ...]] = (
         "or remove stopAtLoss",
     ),
     Rule(
-        "sft-answer-stop-needs-steps",
-        SFTWarmStartSpec,
-        has("stopAtAnswerProbability").implies(field("steps").gt(0)),
-        "stopAtAnswerProbability",
-        "stopAtAnswerProbability ends a warm start that must run: set sftWarmStart.steps (the most SFT "
-        "steps) above 0 or remove stopAtAnswerProbability",
-    ),
-    Rule(
         "mismatch-bounds-ordered",
         MismatchSpec,
         field("low").lt(field("high")),

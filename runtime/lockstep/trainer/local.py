@@ -27,7 +27,7 @@ from lockstep.rollout.group_signal import group_signal_metrics
 from lockstep.serving.membership import EngineMembers, StaticMembers
 from lockstep.tasks import Task, data_task
 from lockstep.train.common.losses import policy_loss, sft_loss
-from lockstep.train.common.lr_schedule import learning_rate_at, sft_answer_done, sft_done
+from lockstep.train.common.lr_schedule import learning_rate_at, sft_done
 from lockstep.train.common.mismatch import mismatch_weights
 from lockstep.train.common.packing import pack_groups, pack_sft, response_view
 from lockstep.train.common.r3 import collate_routed_experts
@@ -95,15 +95,13 @@ class LocalTrainer:
 
     def warm_start(self) -> Iterator[dict[str, float]]:
         """The SFT warm start: `sft_steps` steps of NLL on the task's reference answers (assistant tokens
-        only), with the RL optimizer, ending early at `sft_stop_at_loss` or `sft_stop_at_answer_probability`
-        (whichever is reached first); items come from a train-split offset (SFT_ITEM_BASE) so RL prompts
-        are not the ones just imitated."""
+        only), with the RL optimizer, ending early at `sft_stop_at_loss`; items come from a train-split
+        offset (SFT_ITEM_BASE) so RL prompts are not the ones just imitated."""
         c, s = self.parts, self.parts.settings
         eos = [c.eos_id]
         if s.sft_learning_rate is not None:
             c.backend.set_learning_rate(s.sft_learning_rate)
         losses: list[float] = []
-        answer_probs: list[float] = []
         for k in range(s.sft_steps):
             pairs = []
             for j in range(s.sft_rows):
@@ -114,18 +112,10 @@ class LocalTrainer:
                 raise NonFiniteLoss(f"SFT warm start step {k}: non-finite loss {result.loss}")
             yield {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
             losses.append(result.loss)
-            answer_probs.append(result.metrics.get("sft_answer_prob", 0.0))
             if sft_done(losses, s.sft_stop_at_loss):
                 log.info(
                     "SFT warm start: mean loss of the last steps reached %s at step %d",
                     s.sft_stop_at_loss,
-                    k + 1,
-                )
-                break
-            if sft_answer_done(answer_probs, s.sft_stop_at_answer_probability):
-                log.info(
-                    "SFT warm start: mean answer probability of the last steps reached %s at step %d",
-                    s.sft_stop_at_answer_probability,
                     k + 1,
                 )
                 break

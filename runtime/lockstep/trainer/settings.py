@@ -43,9 +43,6 @@ class TrainerSettings:
     """Rows per SFT step: the RL batch's samples (batch size x samples per prompt)."""
     sft_stop_at_loss: float | None
     """End the warm start early at this mean loss of its last steps (None = all sft_steps)."""
-    sft_stop_at_answer_probability: float | None = None
-    """End the warm start early once the mean probability of a whole reference answer over its last
-    steps reaches this (None = no such stop)."""
     loss: PolicyLossConfig
     """The RL loss (spec.algorithm)."""
     lr_schedule: LRSchedule
@@ -67,7 +64,6 @@ class TrainerSettings:
             sft_learning_rate=alg.sft_warm_start.learning_rate,
             sft_rows=alg.batch_size * alg.samples_per_prompt,
             sft_stop_at_loss=alg.sft_warm_start.stop_at_loss,
-            sft_stop_at_answer_probability=alg.sft_warm_start.stop_at_answer_probability,
             loss=loss_config(job),
             lr_schedule=lr_schedule(job),
         )

@@ -122,28 +122,6 @@ def test_sft_target_lr_schedule_and_dynamic_sampling_through_the_loop(tmp_path: 
     assert _state(run_dir)["extra"]["prompts_consumed"] == sum(r["groups_generated"] for r in train)  # type: ignore[index]
 
 
-def test_warm_start_ends_at_the_answer_probability_target(tmp_path: Path, cache: Path) -> None:
-    run_dir = tmp_path / "run"
-    # the untrained model gives a whole 3-5 digit answer a tiny probability, above this target: the warm
-    # start ends as soon as its 5-step window is full (a target of 0.99 would run all 50 steps)
-    job = _manifest(
-        tmp_path,
-        {
-            "spec.algorithm.sftWarmStart": {
-                "steps": 50,
-                "learningRate": 0.003,
-                "stopAtAnswerProbability": 1e-30,
-            },
-            "spec.schedule.steps": 1,
-        },
-    )
-    assert main(["run", str(job), "--run-dir", str(run_dir), "--cache-dir", str(cache)]) == 0
-    sft = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "sft"]
-    assert len(sft) == 5
-    # each step reports the mean probability of a whole answer: in (0, 1), and far below 1 untrained
-    assert all(0.0 < r["sft_answer_prob"] < 1e-2 for r in sft)
-
-
 def test_sigint_finishes_the_step_and_leaves_a_checkpoint(tmp_path: Path, cache: Path) -> None:
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"

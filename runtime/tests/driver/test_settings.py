@@ -41,7 +41,6 @@ def test_golden_settings_of_the_fixture() -> None:
             sft_learning_rate=0.003,
             sft_rows=8,
             sft_stop_at_loss=None,
-            sft_stop_at_answer_probability=None,
             loss=PolicyLossConfig(
                 estimator="grpo",
                 eps_clip_low=0.2,
@@ -99,16 +98,6 @@ def test_lr_schedule_and_dynamic_sampling_come_from_the_manifest() -> None:
             "algorithm",
             {"sftWarmStart": {"steps": 0, "stopAtLoss": 0.5}},
             "spec.algorithm.sftWarmStart.stopAtLoss",
-        ),
-        (
-            "algorithm",
-            {"sftWarmStart": {"stopAtAnswerProbability": 1.5}},
-            "spec.algorithm.sftWarmStart.stopAtAnswerProbability",
-        ),
-        (
-            "algorithm",
-            {"sftWarmStart": {"steps": 0, "stopAtAnswerProbability": 0.2}},
-            "spec.algorithm.sftWarmStart.stopAtAnswerProbability",
         ),
         ("algorithm", {"dynamicSampling": {}}, "spec.algorithm.dynamicSampling.maxGroupsPerStep"),
         (

@@ -102,15 +102,6 @@ def test_sft_loss_is_masked_nll() -> None:
     assert metrics["sft_nll"] == pytest.approx(2.0)
 
 
-def test_sft_answer_prob_is_the_probability_of_the_whole_answer() -> None:
-    # two answers: tokens at p = 0.5 and 0.5 (prob 0.25), and one token at p = 0.8 then a masked one
-    batch = _batch([1.0, 1.0], [0.0, 0.0])
-    batch.loss_mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    logp = torch.tensor([[math.log(0.5), math.log(0.5)], [math.log(0.8), math.log(0.01)]])
-    _, metrics = sft_loss(logp, batch)
-    assert metrics["sft_answer_prob"] == pytest.approx((0.25 + 0.8) / 2)
-
-
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown estimator"):
         PolicyLossConfig(estimator="dpo")

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at, sft_answer_done, sft_done
+from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at, sft_done
 
 LR = 1e-3
 
@@ -82,19 +82,3 @@ def test_steps_count_from_one() -> None:
 )
 def test_sft_done(losses: list[float], target: float | None, want: bool) -> None:
     assert sft_done(losses, target) is want
-
-
-@pytest.mark.parametrize(
-    ("probs", "target", "want"),
-    [
-        ([0.3] * 5, None, False),  # no target: run every step
-        ([0.3] * 4, 0.2, False),  # fewer steps than the window
-        ([0.3] * 5, 0.2, True),
-        ([0.2] * 5, 0.2, True),  # at the target
-        ([0.1] * 5, 0.2, False),
-        ([0.0, 0.25, 0.25, 0.25, 0.25, 0.25], 0.25, True),  # only the last 5 count
-        ([0.3, 0.3, 0.3, 0.3, 0.0], 0.25, False),  # one low step pulls the mean (0.24) below
-    ],
-)
-def test_sft_answer_done(probs: list[float], target: float | None, want: bool) -> None:
-    assert sft_answer_done(probs, target) is want

@@ -143,19 +143,7 @@ def make_policy_loss(config: PolicyLossConfig) -> LossFn:
 
 
 def sft_loss(logprobs: torch.Tensor, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Negative log-likelihood of the trained (assistant) tokens; a LossFn for the SFT warm start.
-
-    Also reports `sft_answer_prob`: the mean over the rows of the probability of the whole answer,
-    exp(sum of its tokens' logprobs), i.e. the chance that sampling at temperature 1 reproduces it (the
-    warm start's answer-probability target reads it).
-    """
-    import torch
-
+    """Negative log-likelihood of the trained (assistant) tokens; a LossFn for the SFT warm start."""
     mask = batch.loss_mask
     nll = -logprobs * mask
-    rows = mask.sum(-1) > 0
-    answer_prob = torch.exp(-nll.detach().sum(-1))[rows]
-    return nll, {
-        "sft_nll": _masked_mean(nll.detach(), mask),
-        "sft_answer_prob": float(answer_prob.mean().item()) if answer_prob.numel() else 0.0,
-    }
+    return nll, {"sft_nll": _masked_mean(nll.detach(), mask)}

@@ -85,18 +85,3 @@ def sft_done(losses: Sequence[float], stop_at_loss: float | None, window: int = 
     if stop_at_loss is None or len(losses) < window:
         return False
     return sum(losses[-window:]) / window <= stop_at_loss
-
-
-def sft_answer_done(
-    answer_probs: Sequence[float], stop_at_answer_probability: float | None, window: int = SFT_STOP_WINDOW
-) -> bool:
-    """True when the SFT warm start may end at its answer-probability target: the mean, over its last
-    `window` steps, of each step's mean probability of the whole reference answer is at or above it
-    (never with fewer steps, never without a target). Pure.
-
-    Why this and not only the loss: the per-token loss says nothing of how it is spread over an answer,
-    and the probability of the whole answer is what an exact-match reward pays at temperature 1.
-    """
-    if stop_at_answer_probability is None or len(answer_probs) < window:
-        return False
-    return sum(answer_probs[-window:]) / window >= stop_at_answer_probability
