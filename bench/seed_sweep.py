@@ -16,18 +16,20 @@ Across seeds: min, median, mean, max and standard deviation of each figure, and 
 The ratio to the baseline is the end figure over its goal. It is a benchmark, not a test.
 
 Run: .venv/bin/python bench/seed_sweep.py [--manifest examples/tiny-local.yaml] [--seeds 7 1234 0 1 2]
-     [--steps N] [--label before] [--out bench/results]
+     [--steps N] [--label before] [--out bench/results] [--parallel K --threads T]
      (writes seed_sweep_<date>_<label>.md and .json there, rewritten after every seed)
+With --parallel K, K seeds run at once, each limited to T torch/OpenMP threads (a sweep on a machine
+with K x T spare cores; each run's wall time is then its own, its CPU time read from its own rusage).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -158,25 +160,32 @@ def seeded_manifest(manifest: Path, seed: int, into: Path) -> Path:
 
 
 def run_once(
-    manifest: Path, run_dir: Path, steps: int | None
+    manifest: Path, run_dir: Path, steps: int | None, threads: int | None = None
 ) -> tuple[list[dict[str, Any]], float, float, list[float]]:
-    """Run `lockstep run manifest` into a fresh run_dir; returns (metrics rows, wall s, CPU s, loads)."""
+    """Run `lockstep run manifest` into a fresh run_dir; returns (metrics rows, wall s, CPU s, loads).
+
+    `threads` caps the run's torch/OpenMP threads (parallel sweeps); the CPU time is the run's own
+    (its rusage from wait4), so runs going at once do not count each other's.
+    """
     # `python -m lockstep` is the `lockstep` CLI of this interpreter (and of PYTHONPATH's checkout).
     cmd = [sys.executable, "-m", "lockstep", "run", str(manifest), "--run-dir", str(run_dir)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    env = dict(os.environ)
+    if threads is not None:
+        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     t0 = time.monotonic()
     with LoadSampler() as load:
         run_dir.mkdir(parents=True, exist_ok=True)
         with (run_dir / "stderr.log").open("w") as err:  # the progress bar and logs, shown on failure
-            done = subprocess.run(cmd, stderr=err, check=False)
-    if done.returncode != 0:
+            proc = subprocess.Popen(cmd, stderr=err, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
         tail = (run_dir / "stderr.log").read_text()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
     wall = time.monotonic() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = usage.ru_utime + usage.ru_stime
     text = (run_dir / "metrics.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return rows, wall, cpu, load.samples
@@ -257,8 +266,8 @@ def machine() -> str:
     load = os.getloadavg()
     return (
         f"{platform.node()}, {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}; shared with other sessions (1-min load at the end "
-        f"{load[0]:.2f}), so wall times are pessimistic"
+        f"Python {platform.python_version()}; 1-min load average at the end "
+        f"{load[0]:.2f} (a load above the cores makes wall times pessimistic)"
     )
 
 
@@ -273,7 +282,11 @@ def main() -> None:
     p.add_argument(
         "--runs-dir", type=Path, default=None, help="keep each seed's run dir here (default: temp)"
     )
+    p.add_argument("--parallel", type=int, default=1, help="seeds run at once (default 1: one after another)")
+    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads per run (with --parallel)")
     args = p.parse_args()
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
     argv = " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
     res: dict[str, Any] = {
         "date": args.date,
@@ -286,21 +299,29 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="lockstep-seed-sweep-") as tmp:
         runs = args.runs_dir or Path(tmp)
-        for seed in args.seeds:
+
+        def one_seed(seed: int) -> tuple[int, dict[str, Any]]:
             manifest = seeded_manifest(args.manifest, seed, Path(tmp))
-            rows, wall, cpu, loads = run_once(manifest, runs / f"run-seed{seed}", args.steps)
+            rows, wall, cpu, loads = run_once(manifest, runs / f"run-seed{seed}", args.steps, args.threads)
             one = summarise(rows, wall, cpu)
             one["load_mean"] = round(statistics.mean(loads), 2) if loads else None
-            res["per_seed"][seed] = one
-            res["spread"] = spread(res["per_seed"])
-            res["machine"] = machine()
-            shown = {k: v for k, v in one.items() if k not in ("train_rewards", "eval_curve")}
-            print(f"seed {seed}: {json.dumps(shown)}", flush=True)
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                stem = args.out / f"seed_sweep_{args.date}_{args.label}"
-                stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-                stem.with_suffix(".md").write_text(markdown(res))
+            return seed, one
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            futures = [pool.submit(one_seed, seed) for seed in args.seeds]
+            for done in concurrent.futures.as_completed(futures):  # written as each run ends
+                seed, one = done.result()
+                res["per_seed"][seed] = one
+                res["per_seed"] = {s: res["per_seed"][s] for s in args.seeds if s in res["per_seed"]}
+                res["spread"] = spread(res["per_seed"])
+                res["machine"] = machine()
+                shown = {k: v for k, v in one.items() if k not in ("train_rewards", "eval_curve")}
+                print(f"seed {seed}: {json.dumps(shown)}", flush=True)
+                if args.out is not None:
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    stem = args.out / f"seed_sweep_{args.date}_{args.label}"
+                    stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+                    stem.with_suffix(".md").write_text(markdown(res))
     passed = sum(bool(r["ok"]) for r in res["per_seed"].values())
     print(f"{passed} of {len(res['per_seed'])} seeds pass; spread: {json.dumps(res['spread'])}")
     last10 = res["spread"]["last10"]
