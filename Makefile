@@ -20,7 +20,7 @@ realnode: controlplane
 	bash e2e/controlplane/node/build.sh
 
 test-realnode: setup realnode
-	LOCKSTEP_REAL_NODE=1 $(PY) -m pytest e2e/test_realnode.py
+	LOCKSTEP_REAL_NODE=1 $(PY) -m pytest e2e/test_realnode.py e2e/test_realpods.py
 
 lint:
 	.venv/bin/ruff check .

@@ -241,3 +241,60 @@ def test_a_failed_model_download_fails_the_job_with_the_step_message(
     failed = failed_condition(cluster, namespace, job)
     assert failed["reason"] == "ModelPullFailed", failed
     assert failed["message"] == f"driver pod: pull-model exited 2: {message}"
+
+
+def test_a_failed_serving_conversion_fails_the_job_and_keeps_the_engine_pod(
+    cluster: ControlPlane, operator: None, namespace: str, tmp_path: Path
+) -> None:
+    """FP8 serving: the engine pod's convert-model init step, run here exactly as rendered (its
+    checkpoint does not exist), exits 2; reported as the kubelet would (kwok runs no process), the
+    job fails with ServingCheckpointFailed and that message, and the pool keeps the pod (a new one
+    would fail the same way) instead of replacing it."""
+    job = "bad-serving"
+    manifest = bad_job(job)
+    manifest["spec"]["rollout"]["precision"] = "fp8"
+    cluster.apply(manifest, namespace=namespace)
+    engine = f"{job}-rollout-0"
+
+    def running_engine() -> dict[str, Any] | None:
+        got = cluster.kubectl("get", "pod", engine, "-n", namespace, "-o", "json", check=False)
+        pod: dict[str, Any] = json.loads(got.stdout) if got.returncode == 0 else {}
+        return pod if (pod.get("status") or {}).get("phase") == "Running" else None
+
+    pod = cluster.wait_for(running_engine, timeout=WAIT, what=f"pod {engine} Running")
+    assert pod is not None
+    [convert] = pod["spec"]["initContainers"]
+    assert convert["command"][:3] == ["lockstep", "convert-model", BAD_CHECKPOINT]
+    argv = [*convert["command"][1:]]
+    argv[argv.index("--dest") + 1] = str(tmp_path / "serving")  # the step itself, on this machine's disk
+    proc = subprocess.run(
+        [sys.executable, "-m", "lockstep", *argv], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    ended = {"exitCode": 2, "reason": "Error", "message": message, "startedAt": "2026-12-03T00:00:00Z",
+             "finishedAt": "2026-12-03T00:00:01Z"}  # fmt: skip
+    status = {
+        "status": {
+            "phase": "Failed",  # restartPolicy Never: a failed init step fails the pod
+            "initContainerStatuses": [
+                {"name": "convert-model", "image": convert["image"], "imageID": "", "ready": False,
+                 "restartCount": 0, "state": {"terminated": ended}}
+            ],
+        }
+    }  # fmt: skip
+    uid = pod["metadata"]["uid"]
+    cluster.kubectl(
+        "patch", "pod", engine, "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )  # fmt: skip
+    failed = failed_condition(cluster, namespace, job)
+    assert failed["reason"] == "ServingCheckpointFailed", failed
+    assert failed["message"] == f"engine pod {engine}: convert-model exited 2: {message}"
+    assert "not an HF-layout checkpoint" in message
+    kept = json.loads(
+        cluster.kubectl("get", "pod", engine, "-n", namespace, "-o", "json", check=False).stdout or "{}"
+    )
+    assert kept.get("metadata", {}).get("uid") in (
+        uid,
+        None,
+    )  # never replaced by a new pod (the job may tear it down)

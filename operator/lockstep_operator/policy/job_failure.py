@@ -4,8 +4,9 @@ Rules in order, the first that matches wins: the trainer group failed (its gang 
 reached: its reason and message), a trainer rank reported that it cannot start (the lowest such
 rank's error: TrainerStartFailed), the pre-flight weight-equality check failed (the tensors that
 differ), the driver reported a fatal error (DriverStartFailed when it could not start, else
-DriverError), an init step of the driver pod failed (the model download: ModelPullFailed), the driver
-pod failed. Separately, a job running longer
+DriverError), an init step of the driver pod failed (the model download: ModelPullFailed), an init
+step of an engine pod failed (the download: ModelPullFailed; the low-precision conversion:
+ServingCheckpointFailed), the driver pod failed. Separately, a job running longer
 than spec.activeDeadlineSeconds fails with DeadlineExceeded.
 """
 
@@ -38,6 +39,10 @@ def job_failure(obs: JobObserved) -> Verdict | None:
         return Verdict(Phase.FAILED, progress.reason or "DriverError", progress.error)
     if obs.driver_init_failure is not None:
         return Verdict(Phase.FAILED, "ModelPullFailed", f"driver pod: {obs.driver_init_failure}")
+    if obs.engine_init_failure is not None:
+        step = obs.engine_init_failure.split(": ", 1)[-1]
+        reason = "ServingCheckpointFailed" if step.startswith("convert-model") else "ModelPullFailed"
+        return Verdict(Phase.FAILED, reason, f"engine pod {obs.engine_init_failure}")
     if obs.driver_phase == "Failed":
         return Verdict(Phase.FAILED, "DriverFailed", "the driver pod failed")
     return None

@@ -38,6 +38,9 @@ class JobObserved:
     """Trainer rank -> its document in the progress channel (written only when it cannot start)."""
     driver_init_failure: str | None = None
     """Why an init step of the driver pod (pull-model) failed, if one did (init_failure)."""
+    engine_init_failure: str | None = None
+    """`<pod>: <init_failure>` of the first engine pod whose init step (pull-model, convert-model)
+    failed; the pool keeps such a pod instead of replacing it, so the reason stays readable."""
 
 
 def init_failure(pod: Mapping[str, Any] | None) -> str | None:

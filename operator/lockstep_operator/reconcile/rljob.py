@@ -44,12 +44,13 @@ from lockstep_operator.resources.common import (
     driver_name,
     pool_name,
     progress_name,
+    selector,
     trainer_name,
 )
 from lockstep_operator.resources.driver import driver_manifest
 from lockstep_operator.resources.model import local_model
 from lockstep_operator.resources.network import driver_network_policy
-from lockstep_operator.resources.pods import template_hash_of
+from lockstep_operator.resources.pods import selector_labels, template_hash_of
 from lockstep_operator.settings import FIELD_MANAGER, OperatorSettings
 
 CREATE_FIELD_MANAGER = f"{FIELD_MANAGER}-create"
@@ -242,11 +243,17 @@ async def _observe(
 ) -> JobObserved:
     """The children and the progress channel. `channel` is the WeightChannel read before the config
     ConfigMap was applied: status.transport on the job then always matches its transport.json."""
-    pool, trainer, progress_cm, driver = await asyncio.gather(
+    pool, trainer, progress_cm, driver, engines = await asyncio.gather(
         kube.get(API_VERSION, "RolloutPool", namespace, pool_name(job)),
         kube.get(API_VERSION, "TrainerGroup", namespace, trainer_name(job)),
         kube.get("v1", "ConfigMap", namespace, progress_name(job)),
         kube.get("v1", "Pod", namespace, driver_name(job)),
+        kube.list("v1", "Pod", namespace, selector=selector(selector_labels(job, pool=pool_name(job)))),
+    )
+    engine_failures = (
+        f"{p['metadata']['name']}: {failure}"
+        for p in sorted(engines, key=lambda p: str(p["metadata"]["name"]))
+        if (failure := init_failure(p)) is not None
     )
     progress, problem = read_progress(progress_cm)
     return JobObserved(
@@ -259,4 +266,5 @@ async def _observe(
         gang_problem=gang_problem,
         rank_reports=read_rank_reports(progress_cm),
         driver_init_failure=init_failure(driver),
+        engine_init_failure=next(engine_failures, None),
     )

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
 from lockstep_operator.policy.autoscale import QueueSample, ScalePolicy, decide_replicas
+from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.policy.roll import EngineState, engines_to_roll
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
@@ -132,7 +133,15 @@ async def _converge_pods(
         index = int(pod["metadata"]["labels"].get(LABEL_REPLICA, "-1"))
         phase = (pod.get("status") or {}).get("phase")
         terminating = bool(pod["metadata"].get("deletionTimestamp"))
-        if index >= desired or index < 0 or phase in ("Failed", "Succeeded"):
+        # An engine whose init step failed (the model pull, the serving checkpoint's conversion) would
+        # fail again as a new pod: it is kept, so the job fails with its message (job_failure), until
+        # a changed spec renders it differently.
+        kept = (
+            index in range(desired)
+            and init_failure(pod) is not None
+            and (template_hash_of(pod) == template_hash_of(render(index)))
+        )
+        if index >= desired or index < 0 or (phase in ("Failed", "Succeeded") and not kept):
             if not terminating:
                 await kube.delete("v1", "Pod", owner.namespace, pod["metadata"]["name"])
             by_index[index] = pod  # the name is still taken until the pod is gone

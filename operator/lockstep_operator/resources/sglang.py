@@ -10,7 +10,8 @@ spelling since `--enable-dp-attention --dp-size` was deprecated); precision fp8 
 --quantization fp8 | mxfp8 | modelopt_fp4 (lockstep.api.profiles.SGLANG_QUANTIZATION: the format of
 the converted checkpoint the model path then names, resources.model; SGLang loads it as it is and
 every update arrives quantized by the same recipe); kvCacheDtype -> --kv-cache-dtype; R3 -> --enable-return-routed-experts; true-on-policy ->
---enable-deterministic-inference --rl-on-policy-target fsdp (plus TRUE_ON_POLICY_ENV); a
+the model's profile's switches (lockstep.api.profiles: --enable-deterministic-inference
+--rl-on-policy-target fsdp --attention-backend fa3, plus TRUE_ON_POLICY_ENV); a
 prefill-decode role -> --disaggregation-mode; multiTokenPrediction -> EAGLE speculative decoding over
 the model's MTP head; --weight-version 0 (the loaded checkpoint is version 0, as the reference
 engine reports); --api-key from the job's Secret through the container env (never in the pod spec).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lockstep.api.profiles import SGLANG_QUANTIZATION
+from lockstep.api.profiles import SGLANG_QUANTIZATION, SGLANG_TRUE_ON_POLICY_ARGS, profile_for
 from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
 
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
@@ -72,8 +73,9 @@ def sglang_command(
         cmd += ["--kv-cache-dtype", engine.kv_cache_dtype.value]
     if r3:
         cmd += ["--enable-return-routed-experts"]
-    if true_on_policy:
-        cmd += ["--enable-deterministic-inference", "--rl-on-policy-target", "fsdp"]
+    if true_on_policy:  # the model's registered profile (the API refuses true on-policy without one)
+        profile = profile_for(model.family, model.variant)
+        cmd += list(profile.sglang_args if profile is not None else SGLANG_TRUE_ON_POLICY_ARGS[:3])
     if disaggregation is not None:
         cmd += ["--disaggregation-mode", disaggregation]
     if engine.multi_token_prediction:

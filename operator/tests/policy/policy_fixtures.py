@@ -43,6 +43,7 @@ def seen(
     problem: str | None = None,
     rank_reports: dict[int, ProgressReport] | None = None,
     init_failure: str | None = None,
+    engine_init_failure: str | None = None,
 ) -> JobObserved:
     """Observed children: `ranks`/`engines` ready (None: the child does not exist yet)."""
     trainer = None
@@ -51,5 +52,14 @@ def seen(
         trainer = TrainerGroupStatus(world_size=1, ready_ranks=ranks, conditions=failed)
     pool = RolloutPoolStatus(replicas=1, ready_replicas=engines) if engines is not None else None
     return JobObserved(
-        pool, trainer, channel, progress, problem, driver, gang, rank_reports or {}, init_failure
+        pool,
+        trainer,
+        channel,
+        progress,
+        problem,
+        driver,
+        gang,
+        rank_reports or {},
+        init_failure,
+        engine_init_failure,
     )

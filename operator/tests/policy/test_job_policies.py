@@ -70,6 +70,28 @@ FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
         seen(driver="Pending", init_failure="pull-model exited 2: error: Qwen/Qwen3-4B: hub unreachable"),
         ("ModelPullFailed", "driver pod: pull-model exited 2: error: Qwen/Qwen3-4B: hub unreachable"),
     ),
+    (
+        "serving checkpoint conversion failed",
+        seen(
+            engine_init_failure="j-rollout-0: convert-model exited 2: error: SRC /models/x: not an HF-layout"
+        ),
+        (
+            "ServingCheckpointFailed",
+            "engine pod j-rollout-0: convert-model exited 2: error: SRC /models/x: not an HF-layout",
+        ),
+    ),
+    (
+        "an engine's model download failed",
+        seen(engine_init_failure="j-rollout-1: pull-model exited 2: error: hub unreachable"),
+        ("ModelPullFailed", "engine pod j-rollout-1: pull-model exited 2: error: hub unreachable"),
+    ),
+    (
+        "the driver's download names the driver first",
+        seen(
+            init_failure="pull-model exited 2: a", engine_init_failure="j-rollout-0: pull-model exited 2: a"
+        ),
+        ("ModelPullFailed", "driver pod: pull-model exited 2: a"),
+    ),
     ("driver pod failed", seen(driver="Failed"), ("DriverFailed", "the driver pod failed")),
     (
         "trainer wins over driver",

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 
@@ -37,7 +39,19 @@ def build_parser(commands: Iterable[str] = tuple(HELP)) -> argparse.ArgumentPars
     return parser
 
 
+def exit_on_sigterm_as_pid1() -> None:
+    """In a container `lockstep` is PID 1 (the engine and driver pods), and the kernel drops every
+    signal PID 1 has no handler for. So a SIGTERM during start-up (seconds of imports and checkpoint
+    loading, before a command installs its graceful handler) was lost: found on the real node, an
+    engine deleted while it loaded kept running for its whole grace period (600 s). Until a command
+    installs its own handler, SIGTERM ends PID 1 as it ends any other process (exit 143). Elsewhere
+    nothing changes."""
+    if os.getpid() == 1 and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: os._exit(128 + signum))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_on_sigterm_as_pid1()
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)  # the top level has no options
     parser = build_parser([chosen] if chosen in HELP else [])

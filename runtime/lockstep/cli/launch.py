@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from lockstep.cli.commands import HELP
+from lockstep.trainer.rendezvous import launch
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,6 +23,4 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from lockstep.trainer.rendezvous import launch
-
     return launch(args.torchrun_args)

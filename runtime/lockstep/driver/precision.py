@@ -30,7 +30,7 @@ from lockstep.driver.engines import start_reference_engine
 from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.models.hub_data import resolve_data
 from lockstep.numerics import quant
-from lockstep.numerics.recipe import Recipe, convert_checkpoint, recipe_of, training_recipe
+from lockstep.numerics.recipe import Recipe, convert_checkpoint, is_linear, recipe_of, training_recipe
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
@@ -113,7 +113,9 @@ def _exceptions(ctx: _Ctx) -> Check:
     ctx.served_dir = convert_checkpoint(ctx.model_dir, ctx.work / "served", r)  # stage 1
     config = json.loads((ctx.served_dir / "config.json").read_text())["quantization_config"]
     stage1 = set(config.get("ignored_layers", config.get("exclude_modules", [])))
-    converted = load_file(str(ctx.served_dir / "model.safetensors"))
+    converted: dict[str, torch.Tensor] = {}
+    for f in sorted(ctx.served_dir.glob("*.safetensors")):  # the conversion keeps the source's shards
+        converted.update(load_file(str(f)))
     stage1_q = {
         n
         for n in quantized
@@ -129,7 +131,9 @@ def _exceptions(ctx: _Ctx) -> Check:
     train = training_recipe(ctx.job)
     if train is not None and train != r:  # stage 2 exists when the trainer trains in the format
         problems.append("training forward (trainer.precision must equal rollout.precision)")
-    reasons = sorted({r.decide(f"{m}.weight", dict(shapes)[f"{m}.weight"]).reason for m in kept})
+    reasons = sorted(
+        {r.decide(n, s).reason for n, s in shapes if is_linear(n) and len(s) == 2} - {"quantized"}
+    )
     detail = f"{len(quantized)} quantized, {len(kept)} BF16 exceptions ({'; '.join(reasons) or 'none'})"
     return Check(2, "exception alignment", not problems, ("differs at " + ", ".join(problems)) if problems else detail,
                  {"quantized": float(len(quantized)), "exceptions": float(len(kept))})  # fmt: skip

@@ -9,8 +9,9 @@ the cached snapshot is used and a missing one is a CheckpointError naming the da
 lockstep.tasks.data with the same `:config:split` suffix (e.g. `openai/gsm8k:main:test`; `@rev` is
 the revision, as for models). A local path always wins over an id of the same spelling.
 
-In a cluster, fill the cache (or a directory) once with `lockstep pull-model --dataset REF --dest
-DIR` on the job's shared volume and point spec.data.prompts at DIR (docs/api.md).
+In a cluster the pods that read prompts resolve the id themselves (no init step yet); for a gated
+dataset or a cluster without the hub, `lockstep pull-model --dataset REF --dest DIR` into the image
+and spec.data.prompts: DIR (docs/operator.md, "Hub checkpoints: the model volume").
 
 Who calls it: lockstep.driver.components, lockstep.trainer.local, lockstep.cli.trainer (resolve_data
 before lockstep.tasks.data_task), lockstep.cli.pull_model.

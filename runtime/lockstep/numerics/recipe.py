@@ -13,10 +13,12 @@ spec.model.bf16Modules) decides, by tensor name and shape, and every stage asks 
 `served` is what an engine holds after stage 4, computed on the trainer side: the pre-flight
 compares checksums against it (the quantization error is allowed, but only the quantizer's own).
 
-What is quantized: 2-D linear projection weights (`*_proj.weight`); embeddings, norms and lm_head
-stay in the checkpoint dtype, as in SGLang's FP8 checkpoints, and so do routed experts (ROUTED_EXPERT). A projection is an exception when a
-bf16Modules pattern matches its module name (fnmatch), or when its contraction axis is not a whole
-number of blocks (MXFP8: 32, NVFP4: 16).
+What is quantized: 2-D linear layer weights (`*_proj.weight`, MLA's `kv_a_proj_with_mqa`, the DSA
+indexer's `wq_b` / `wk`: LINEAR); embeddings, norms, routers and lm_head stay in the checkpoint dtype,
+as in SGLang's FP8 checkpoints, and so do routed experts (ROUTED_EXPERT) and the linear layers SGLang
+builds unquantized (UNQUANTIZED). A projection is an exception when a bf16Modules pattern matches its module name
+(fnmatch) or that of a projection SGLang fuses it with (q/k/v, gate/up: FUSED_SHARDS), or when its
+contraction axis is not a whole number of blocks (MXFP8: 32, NVFP4: 16).
 
 Who calls it: lockstep.weights.quantizing (3), lockstep.engine (4), lockstep.train.fsdp (2),
 lockstep.driver (1), `lockstep precision-check`.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,31 @@ import torch
 from lockstep.api import Precision, RLJob
 from lockstep.numerics import exact, quant
 from lockstep.numerics.quant import Format, Scheme
+
+LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.indexer\.wq_b|\.indexer\.wk)\.weight$")
+"""Linear layer weights, as SGLang's models name them: every `*_proj` (MLA's `kv_a_proj_with_mqa`
+too) and the DSA indexer's `wq_b` / `wk` (GLM-5, DeepSeek-V3.2)."""
+UNQUANTIZED = re.compile(r"\.indexer\.weights_proj\.weight$")
+"""Linear layers SGLang's models build without a quantization config: always BF16."""
+UNQUANTIZED_REASON = "BF16 in SGLang's model (the DSA indexer's weights_proj has no quantized form)"
+FUSED_SHARDS: dict[str, tuple[str, ...]] = {
+    p: group
+    for group in (
+        ("q_proj", "k_proj", "v_proj"),
+        ("gate_proj", "up_proj"),
+        ("q_a_proj", "kv_a_proj_with_mqa"),
+    )
+    for p in group
+}
+"""Projections SGLang loads as one layer (qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj_with_mqa):
+all shards must share a precision (its loader refuses a checkpoint that quantizes some), so an
+exception on one covers its group."""
+
+
+def is_linear(name: str) -> bool:
+    """Whether `name` is a linear layer's weight (LINEAR); 2-D ones are the recipe's candidates."""
+    return LINEAR.search(name) is not None
+
 
 ROUTED_EXPERT = ".experts."
 """Routed experts stay BF16: on disk they are 2-D per-expert weights (`...mlp.experts.3.up_proj`),
@@ -63,14 +91,20 @@ class Recipe:
     """fnmatch patterns over module names (`model.layers.27.*`, `*.o_proj`)."""
 
     def decide(self, name: str, shape: tuple[int, ...]) -> Decision:
-        if not (name.endswith("_proj.weight") and len(shape) == 2):
+        if not (is_linear(name) and len(shape) == 2):
             return Decision(False, "not a linear weight")
         if ROUTED_EXPERT in name:
             return Decision(False, ROUTED_EXPERT_REASON)
+        if UNQUANTIZED.search(name):
+            return Decision(False, UNQUANTIZED_REASON)
         module = name.removesuffix(".weight")
-        for pattern in self.bf16_modules:
-            if fnmatch.fnmatchcase(module, pattern):
-                return Decision(False, f"configured bf16 exception ({pattern})")
+        parent, _, proj = module.rpartition(".")
+        for sibling in FUSED_SHARDS.get(proj, (proj,)):
+            other = f"{parent}.{sibling}" if parent else sibling
+            for pattern in self.bf16_modules:
+                if fnmatch.fnmatchcase(other, pattern):
+                    fused = "" if other == module else f", fused with {sibling} in SGLang"
+                    return Decision(False, f"configured bf16 exception ({pattern}{fused})")
         if not self.scheme.aligned(shape):
             return Decision(
                 False,
@@ -86,7 +120,7 @@ class Recipe:
         experts as their MoE layer's `...mlp.experts` (SGLang's FusedMoE prefix)."""
         out: set[str] = set()
         for n, s in shapes:
-            if n.endswith("_proj.weight") and len(s) == 2 and not self.quantizes(n, s):
+            if is_linear(n) and len(s) == 2 and not self.quantizes(n, s):
                 i = n.find(ROUTED_EXPERT)
                 out.add(n[: i + len(ROUTED_EXPERT) - 1] if i >= 0 else n.removesuffix(".weight"))
         return sorted(out)

@@ -73,7 +73,7 @@ class TrainerParts:
     eos_id: int
     """The token that ends an assistant turn (closes each SFT answer)."""
     engine_urls: list[str]
-    """The engines known at start (the pre-flight reads them back)."""
+    """The engines known at start (each update and the pre-flight ask `engines` for those of the moment)."""
     render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
     """Chat messages -> prompt token IDs (with the generation prompt), as the rollout renders them."""
     encode: Callable[[str], list[int]]
@@ -146,7 +146,7 @@ class LocalTrainer:
         urls = c.engines.targets(version)
         c.transport.follow(urls)
         result = check_weight_update_equal(
-            list(c.engine_urls),
+            urls,  # the engines of the moment (one replaced since the start has a new address)
             c.transport,
             c.backend.export_weights,
             version=version,

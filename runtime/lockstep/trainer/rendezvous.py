@@ -20,11 +20,14 @@ Who calls it: the trainer rank pods (`lockstep launch -m lockstep trainer --serv
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from lockstep.serving.weight_group import listening_store, local_address_towards
+
+log = logging.getLogger(__name__)
 
 BACKEND = "lockstep"
 """The rendezvous backend name (`--rdzv-backend`)."""
@@ -88,12 +91,25 @@ def register() -> None:
 
 
 def launch(argv: Sequence[str]) -> int:
-    """`torchrun ARGS` with `--rdzv-backend lockstep` (unless ARGS name another backend)."""
+    """`torchrun ARGS` with `--rdzv-backend lockstep` (unless ARGS name another backend).
+
+    SIGTERM: torchrun's agent passes it to the workers and waits for them (`--shutdown-timeout`,
+    default 30 s, longer than the trainer's 25 s drain; then SIGKILL), then raises; that is a
+    requested stop, so the exit code is 0 like the servers' own (the workers log how they ended).
+    """
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main
 
     register()
     args = list(argv)
     if not any(a.startswith(("--rdzv-backend", "--rdzv_backend", "--standalone")) for a in args):
         args = ["--rdzv-backend", BACKEND, *args]
-    main(args)
+    try:
+        main(args)
+    except SignalException as e:
+        if e.sigval != signal.SIGTERM:
+            raise
+        log.info("SIGTERM: the workers were stopped")
     return 0

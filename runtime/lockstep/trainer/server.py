@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -253,7 +254,8 @@ async def _serve_http(
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
 ) -> None:
     """Serve until `shutdown` or SIGTERM's drain; the pool is left running when a command was cut off."""
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, server.drain, drain_timeout_s)
+    if threading.current_thread() is threading.main_thread():  # a signal handler needs the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, server.drain, drain_timeout_s)
     runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -302,7 +304,8 @@ def serve(
     try:
         group = control_group()
         if backend.rank != 0:
-            signal.signal(signal.SIGTERM, _follower_sigterm)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, _follower_sigterm)
             follow(backend, group)
             return 0
         leader = LeaderBackend(backend, group)

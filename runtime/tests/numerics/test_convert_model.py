@@ -57,6 +57,12 @@ def test_converted_checkpoint_serves_the_quantizers_values(
         assert index[name] == index[name.removesuffix(".weight") + ".weight_scale_inv"]
         assert torch.equal(live[name], fake_quantize(base[name].float(), recipe.scheme)), name
     assert torch.equal(live[f"{exception}.weight"], base[f"{exception}.weight"].float())
+    if family == "glm5":  # SGLang's GLM-5 layers: MLA's fused q_a / kv_a_with_mqa and the DSA indexer
+        attn = "model.layers.1.self_attn"
+        for name in ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "indexer.wq_b", "indexer.wk"):
+            assert f"{attn}.{name}.weight" in quantized, name
+        assert f"{attn}.indexer.weights_proj.weight" not in quantized  # SGLang builds it unquantized
+        assert "model.layers.1.mlp.experts" in config["ignored_layers"]  # routed experts stay BF16
 
 
 def test_a_converted_directory_is_kept_and_bad_input_names_the_fix(

@@ -9,6 +9,7 @@ the engine's tensors by checksum with what the shared quantizer says they must b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,23 @@ def test_precision_check_runs_the_five_steps_in_order(
         steps[3]["metrics"]["train_rollout_logprob_abs_diff"]
         < steps[3]["metrics"]["served_view_max_abs_diff"] + 1e-3
     )
+
+
+def test_precision_check_on_a_sharded_moe_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_checkpoint: Callable[[str], Path]
+) -> None:
+    """A real HF-layout Qwen3-MoE (sharded, with an index): routed experts stay BF16 at every stage
+    (one `...mlp.experts` entry per MoE layer in ignored_layers), the attention is quantized."""
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["model"].update(checkpoint=str(hf_checkpoint("qwen3-moe")), family="qwen3")
+    doc["spec"]["rollout"]["precision"] = "fp8"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    args = ["precision-check", str(manifest), "--cache-dir", str(tmp_path / "c"), "--samples", "2", "--json"]
+    assert main(args) == 0
+    steps = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and all(s["passed"] for s in steps), steps
+    assert "routed expert" in steps[1]["detail"] and steps[1]["metrics"]["quantized"] > 0
 
 
 def test_precision_check_needs_a_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

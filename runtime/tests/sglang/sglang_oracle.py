@@ -228,3 +228,37 @@ def checkpoint_quant_method(config: Mapping[str, Any]) -> str:
         if parsed:
             qc.update(parsed)
     return str(qc["quant_method"]).lower()
+
+
+@functools.cache
+def _layer_skipped() -> Any:
+    """SGLang's own `is_layer_skipped` (quantization/utils.py: which layers a quantized checkpoint's
+    ignored list leaves unquantized, refusing fused layers quantized in part), compiled from source
+    (the module's imports reach CUDA kernels)."""
+    tree = ast.parse(source("srt/layers/quantization/utils.py").read_text())
+    wanted = {"_module_path_match", "is_layer_skipped", "_FALLBACK_FUSED_SHARDS"}
+    body: list[ast.stmt] = [
+        node
+        for node in tree.body
+        if (isinstance(node, ast.FunctionDef) and node.name in wanted)
+        or (
+            isinstance(node, ast.AnnAssign | ast.Assign)
+            and wanted
+            & {
+                getattr(t, "id", "")
+                for t in ([node.target] if isinstance(node, ast.AnnAssign) else node.targets)
+            }
+        )
+    ]
+    import types
+
+    namespace: dict[str, Any] = {"MappingProxyType": types.MappingProxyType, "Mapping": Mapping,
+                                 "List": list, "typing": typing}  # fmt: skip
+    exec(compile(ast.Module(body=body, type_ignores=[]), "sglang-quant-utils", "exec"), namespace)
+    return namespace["is_layer_skipped"]
+
+
+def is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
+    """Whether SGLang leaves the layer at `prefix` (its fused name, e.g. `...self_attn.qkv_proj`)
+    unquantized under `ignored`; raises ValueError where SGLang does (a fused layer quantized in part)."""
+    return bool(_layer_skipped()(prefix, ignored))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from lockstep.api import load_manifest
+from lockstep.api.profiles import profile_for
 from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep_operator.resources.children import child_manifests
@@ -56,6 +57,8 @@ def expected(
         "enable_return_routed_experts": r3,
         "enable_deterministic_inference": top,
         "rl_on_policy_target": "fsdp" if top else None,
+        # the registered profile's attention (the API refuses true on-policy for other models)
+        "attention_backend": "fa3" if top and profile_for(model.family, model.variant) else None,
         "disaggregation_mode": pd or "null",
         "speculative_algorithm": "EAGLE" if engine.multi_token_prediction else None,
         "weight_version": "0",

@@ -10,12 +10,13 @@
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import pytest
 from lockstep.api import RLJobSpec
 from lockstep.api.profiles import sglang_args_for
 from lockstep.numerics.quant import Format, Scheme
-from sglang_oracle import parse_server_args, require_pinned_sglang, source
+from sglang_oracle import is_layer_skipped, parse_server_args, require_pinned_sglang, source
 
 
 @pytest.fixture(autouse=True)
@@ -120,3 +121,42 @@ def test_every_tensor_we_export_is_a_parameter_sglangs_linear_layer_loads(
         for name, _ in to_checkpoint("model.layers.0.mlp.up_proj.weight", q)
     }
     assert suffixes <= _registered_by(relative, cls), (suffixes, _registered_by(relative, cls))
+
+
+@pytest.mark.parametrize("fmt", [Format.FP8, Format.MXFP8])
+@pytest.mark.parametrize("pattern", ["model.layers.1.self_attn.q_proj", "*.up_proj", "model.layers.0.*"])
+def test_sglang_loads_every_layer_of_our_checkpoint_in_one_precision(
+    fmt: Format, pattern: str, tmp_path: Path
+) -> None:
+    """SGLang's own is_layer_skipped over the converted checkpoint's ignored_layers: each of its
+    layers (fused q/k/v and gate/up, experts) is quantized or skipped whole, and skipped exactly where
+    our recipe kept BF16 (an exception on one shard covers its fused group at every stage)."""
+    import json
+
+    from lockstep.models.tiny import materialize_builtin
+    from lockstep.numerics.recipe import Recipe, convert_checkpoint
+    from safetensors.torch import load_file
+
+    recipe = Recipe(Scheme.of(fmt), (pattern,))
+    served = convert_checkpoint(
+        materialize_builtin("builtin:tiny", tmp_path / "src", seed=0), tmp_path / "s", recipe
+    )
+    ignored = json.loads((served / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    tensors = load_file(str(served / "model.safetensors"))
+    for layer in range(2):
+        for fused, parts in (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))):
+            prefix = f"model.layers.{layer}.{fused}"
+            skipped = is_layer_skipped(prefix, ignored)  # raises where SGLang would refuse the checkpoint
+            base = prefix.rsplit(".", 1)[0]
+            for p in parts:
+                quantized = f"{base}.{p}_proj.weight_scale_inv" in tensors
+                assert quantized != skipped, (prefix, p, ignored)
+        for single in ("self_attn.o_proj", "mlp.down_proj"):
+            prefix = f"model.layers.{layer}.{single}"
+            assert is_layer_skipped(prefix, ignored) != (f"{prefix}.weight_scale_inv" in tensors)
+
+
+def test_without_the_fused_group_rule_sglang_would_refuse_the_checkpoint() -> None:
+    """The oracle can fail: an ignored list naming q_proj alone is what SGLang refuses."""
+    with pytest.raises(ValueError, match="not all shards"):
+        is_layer_skipped("model.layers.1.self_attn.qkv_proj", ["model.layers.1.self_attn.q_proj"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,20 @@ def test_megatron_trains_bf16_only_refused_at_apply() -> None:
         ManifestError, match=r"spec\.trainer\.precision: \"fp8\": the megatron backend trains bf16"
     ):
         _job("tiny-megatron.yaml", rollout={"precision": "fp8"}, precision="fp8")  # serving matches
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen3-moe", "glm5"])
+def test_the_apply_rules_megatron_families_are_what_the_backend_builds(
+    fixture: str, hf_checkpoint: Callable[[str], Path]
+) -> None:
+    """Rule megatron-families-built refuses at apply exactly the families whose architecture the
+    megatron backend refuses at start (checked on each family's real HF-layout fixture)."""
+    import json
+
+    from hf_checkpoints import FAMILIES
+    from lockstep.api.rules import MEGATRON_FAMILIES
+    from lockstep.train.megatron.config import SUPPORTED_ARCHITECTURES
+
+    config = json.loads((hf_checkpoint(fixture) / "config.json").read_text())
+    built = config["architectures"][0] in SUPPORTED_ARCHITECTURES
+    assert (FAMILIES[fixture]["family"] in MEGATRON_FAMILIES) == built, (fixture, config["architectures"])

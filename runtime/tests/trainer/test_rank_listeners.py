@@ -77,3 +77,44 @@ def test_rank_pod_launcher_binds_no_wildcard(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_two_rank_pods_meet_at_rank_0s_store(tmp_path: Path) -> None:
+    """Two rank pods (node ranks 0 and 1, one worker each) on loopback: node rank 1's launcher joins
+    node rank 0's store as a client; the workers form one world of 2; no wildcard listener anywhere."""
+    port = _free_port()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    procs, logs = [], []
+    for node in (0, 1):
+        env = {**os.environ, **rank_env(trainer="t", namespace="ns", rank=node, nodes=2, nproc=1)}
+        env.update(MASTER_ADDR="127.0.0.1", PET_MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+        env.update(MASTER_PORT=str(port), PET_MASTER_PORT=str(port))
+        env.pop("POD_IP", None)
+        logs.append((tmp_path / f"node{node}.log").open("w"))
+        procs.append(
+            subprocess.Popen(
+                [*_launcher(), script, tmp_path], env=env, stdout=logs[-1], stderr=subprocess.STDOUT
+            )
+        )
+    try:
+        deadline = time.monotonic() + 180  # a hang guard
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):  # global ranks 0 and 1
+            for node, p in enumerate(procs):
+                assert p.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / f"node{node}.log"
+                ).read_text()
+            time.sleep(0.1)
+        assert ("127.0.0.1", port) in listening(procs[0].pid)
+        assert all(p != port for _, p in listening(procs[1].pid))  # node rank 1 hosts no store
+        assert on_all_interfaces(procs[0].pid) | on_all_interfaces(procs[1].pid) == set()
+        (tmp_path / "stop").touch()
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        (tmp_path / "stop").touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()

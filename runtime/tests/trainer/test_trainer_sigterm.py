@@ -1,9 +1,11 @@
 """`lockstep trainer --serve` drains on SIGTERM: the running command finishes, then exit 0.
 
 The real server as a subprocess (one rank, gloo on CPU) in front of a real reference engine on
-127.0.0.1. A long SFT warm start is running when SIGTERM arrives: health turns not ready, a new
-command gets 503 `draining`, the running one still gets its reply, and the process exits 0. It used
-to die on the signal (exit -15) with the command's connection cut. The timeouts are hang guards.
+127.0.0.1, alone and as a rank pod runs it (`lockstep launch`, 2 ranks). A long SFT warm start is
+running when SIGTERM arrives: health turns not ready, a new command gets 503 `draining`, the running
+one still gets its reply, and the process exits 0. It used to die on the signal (exit -15; under
+torchrun the followers died with it and the command failed) with the command's connection cut. The
+timeouts are hang guards.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import yaml
 
 FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 API = "/v2"
-STEPS = int(os.environ.get("SIGTERM_TEST_STEPS", "300"))
-"""SFT steps of the command that runs at SIGTERM: seconds on CPU, well inside the drain timeout."""
+STEPS = int(os.environ.get("SIGTERM_TEST_STEPS", "100"))
+"""SFT steps of the command that runs at SIGTERM: a few seconds on CPU (about 3 s with one rank, 15 s
+with two on 2 cores); the drain (240 s here) and torchrun's wait (300 s) are hang guards."""
 
 
 def _free_port() -> int:
@@ -65,7 +68,25 @@ def _wait(what: str, check: Any, proc: subprocess.Popen[bytes], log: Path, timeo
         time.sleep(0.05)
 
 
-def test_sigterm_drains_the_running_command_and_exits_0(engine: str, cache: Path, tmp_path: Path) -> None:
+TWO_RANKS = [
+    "launch",
+    "--nnodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--shutdown-timeout",
+    "300",
+    "-m",
+    "lockstep",
+]
+"""A rank pod's launcher over 2 ranks: torchrun's agent passes SIGTERM on to both."""
+LAUNCHERS = {"one rank": [], "lockstep launch, 2 ranks": TWO_RANKS}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_sigterm_drains_the_running_command_and_exits_0(
+    engine: str, cache: Path, tmp_path: Path, launcher: str
+) -> None:
     job = yaml.safe_load(FIXTURE.read_text())
     job["spec"]["algorithm"]["sftWarmStart"]["steps"] = STEPS
     manifest = tmp_path / "job.yaml"
@@ -74,9 +95,12 @@ def test_sigterm_drains_the_running_command_and_exits_0(engine: str, cache: Path
     url = f"http://127.0.0.1:{port}{API}"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "lockstep", "trainer", "--config", str(manifest), "--serve"]
+    if LAUNCHERS[launcher]:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    cmd = [sys.executable, "-m", "lockstep", *LAUNCHERS[launcher], "trainer", "--config", str(manifest)]
+    cmd += ["--serve"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--out", str(tmp_path / "out")]
-    cmd += ["--cache-dir", str(cache), "--engine-url", engine, "--drain-timeout", "300"]
+    cmd += ["--cache-dir", str(cache), "--engine-url", engine, "--drain-timeout", "240"]
     log = tmp_path / "trainer.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

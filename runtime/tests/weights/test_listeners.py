@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from listeners import listening, on_all_interfaces
 from lockstep.weights.broadcast import BroadcastTransport, EngineTarget
 from test_transports_engine import export, trainer_model
@@ -26,3 +27,28 @@ def test_weight_update_group_binds_loopback_only(engine_server: EngineServer, ti
         assert on_all_interfaces() == set(), listening()
     finally:
         transport.close()
+
+
+@pytest.mark.gpu
+def test_nccl_weight_update_group_binds_no_wildcard(tiny_dir: Path) -> None:
+    """The same over NCCL (one GPU per rank): the store, NCCL's bootstrap and its socket transport,
+    in this process (rank 0) and in the engine's process (rank 1)."""
+    import torch
+    from test_gpu import trainer_export
+    from weights_subproc import EngineProcess
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank (trainer source + engine); this machine has fewer")
+    engine = EngineProcess(
+        tiny_dir, device="cuda", extra=["--dtype", "bfloat16"], env={"CUDA_VISIBLE_DEVICES": "1"}
+    )
+    transport = BroadcastTransport([EngineTarget(engine.url)], backend="nccl", device="cuda")
+    try:
+        transport.update_weights(trainer_export(tiny_dir), version=1)
+        assert transport.group is not None
+        assert ("127.0.0.1", transport.master_port) in listening()
+        wildcard = on_all_interfaces() | on_all_interfaces(engine.proc.pid)
+        assert wildcard == set(), (listening(), listening(engine.proc.pid))
+    finally:
+        transport.close()
+        engine.close()

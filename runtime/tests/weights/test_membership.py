@@ -238,3 +238,32 @@ def test_rank0_waits_for_a_serving_engine_and_names_the_service_when_none(engine
         TimeoutError, match=r"headless Service pool-engines:\d+ after 5 s \(listed: http://127\.0\.0\.3"
     ):
         _wait_for_engines(silent, 5, clock=lambda: now[0], sleep=sleep)
+
+
+def test_the_preflight_checks_the_engines_of_the_moment(engines: Engines, tiny: Path, tmp_path: Path) -> None:
+    """Found on the real node: the engine pod was replaced (a new address) before a restarted driver's
+    first update; the pre-flight still read the old address back and failed the driver forever
+    (EngineUnreachable at /weights_checker). It checks the engines each update reaches now."""
+    from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
+    from lockstep.trainer.settings import TrainerSettings
+
+    doc = yaml.safe_load(FIXTURE.read_text())
+    doc["spec"]["weightSync"] = {"transport": "broadcast", "checkWeightUpdateEqual": True}
+    job = load_manifest(yaml.safe_dump(doc))
+    listed = ["127.0.0.1"]
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    settings = TrainerSettings.from_job(job)
+    backend = build_backend(job, settings, tiny)
+    closers: list[Any] = [backend.close]
+    try:
+        parts = build_trainer_parts(
+            job, settings, tmp_path, tiny, backend, [engines.url("127.0.0.1")], closers, "127.0.0.1", members
+        )
+        engines.stop("127.0.0.1")  # the engine pod replaced: the Service lists only the new one
+        listed[:] = ["127.0.0.2"]
+        metrics = LocalTrainer(parts).first_update(0)
+    finally:
+        for fn in reversed(closers):
+            fn()
+    assert metrics["preflight_tensors"] > 0
+    assert engines.version("127.0.0.2") == 0
