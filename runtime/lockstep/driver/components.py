@@ -18,6 +18,7 @@ Who calls it: lockstep.driver.run (and `lockstep run` through it), tests.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,8 +37,9 @@ from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
 from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
 from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
-from lockstep.serving.client import EngineClient
+from lockstep.serving.client import EngineClient, EngineUnreachable
 from lockstep.serving.loop import LoopThread
+from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, ServiceMembers, wait_for_serving
 from lockstep.serving.payloads import SamplingParams
 from lockstep.tasks import Task, TaskItem, data_task
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
@@ -90,6 +92,8 @@ class Components:
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
     progress: DriverProgress = field(default_factory=DriverProgress)
     """The progress channel: the loops report the init step, each step, done and fatal errors."""
+    engine_ready_timeout_s: float = 60.0
+    """How long to wait for the engines to serve (at the start and after the first update)."""
 
     def item_metadata(self, item: TaskItem) -> dict[str, Any]:
         """What each sample of `item` carries in Sample.metadata (reward functions read it)."""
@@ -155,8 +159,7 @@ def build_components(
             EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
         ]
         closers.append(lambda: _close_clients(runner, clients))
-        for client in clients:
-            runner.run(client.wait_ready(timeout_s=engine_ready_timeout_s))
+        _wait_for_engines(runner, clients, engine_ready_timeout_s, cluster=trainer_url is not None)
         trainer = _build_trainer(
             job,
             settings,
@@ -192,9 +195,30 @@ def build_components(
         pad_id=tokenizer.pad_token_id,
         closers=closers,
         resume=resume,
+        engine_ready_timeout_s=engine_ready_timeout_s,
         # None: the environment decides (ConfigMapReporter in a driver pod, else NullReporter).
         progress=DriverProgress(reporter if reporter is not None else reporter_from_env()),
     )
+
+
+def _wait_for_engines(
+    runner: LoopThread, clients: list[EngineClient], timeout_s: float, *, cluster: bool
+) -> None:
+    """Wait until the engines serve. In a cluster (a driver pod: LOCKSTEP_ENGINES_SERVICE and a trainer
+    group) the router Service lists only engines at the job's current weight version (their readiness
+    gate), and a (re)started driver establishes that version only with its first update: waiting for
+    the router first deadlocked a driver restarted after its engine was replaced (found on the real
+    node). So it waits for any engine of the pool's headless Service here, and for the router right
+    after the first update (steps.start)."""
+    service = os.environ.get(ENGINES_SERVICE_ENV)
+    if cluster and service:
+        try:
+            wait_for_serving(ServiceMembers(service, ENGINE_PORT), timeout_s)
+        except TimeoutError as e:
+            raise EngineUnreachable(f"http://{service}:{ENGINE_PORT}/health", 1, e) from e
+        return
+    for client in clients:
+        runner.run(client.wait_ready(timeout_s=timeout_s))
 
 
 def serving_checkpoint(job: RLJob, model_dir: Path, run_dir: Path) -> Path:

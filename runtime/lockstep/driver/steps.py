@@ -52,6 +52,8 @@ def start(c: Components) -> DriverState:
     updated = c.trainer.first_update(state.version)
     c.metrics.log("update_weights", state.step, updated)
     c.progress.init(updated, c.run_dir, state.step)
+    for client in c.clients:  # a cluster's router serves once an engine holds this version (its gate)
+        c.runner.run(client.wait_ready(timeout_s=c.engine_ready_timeout_s))
     if eval_interval and state.step == 0:
         c.metrics.log("eval", 0, evaluate_at(c, state))
     return state

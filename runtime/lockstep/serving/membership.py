@@ -15,6 +15,7 @@ tests (an injected resolver maps one name to loopback addresses).
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -112,3 +113,29 @@ def probe_health(url: str, timeout_s: float = 2.0) -> bool:
         return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_for_serving(
+    members: EngineMembers,
+    timeout_s: float,
+    *,
+    poll_s: float = 1.0,
+    healthy: Callable[[str], bool] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
+    """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
+    at a later update. Raises TimeoutError naming the membership source after `timeout_s`."""
+    healthy = healthy or probe_health
+    deadline = clock() + timeout_s
+    while True:
+        listed = members.urls()
+        ready = [u for u in listed if healthy(u)]
+        if ready:
+            return ready
+        if clock() >= deadline:
+            raise TimeoutError(
+                f"no engine serves in {members.describe()} after {timeout_s:.0f} s (listed: "
+                f"{', '.join(listed) or 'none'}); check the rollout pool's engine pods, or pass --engine-url"
+            )
+        sleep(poll_s)

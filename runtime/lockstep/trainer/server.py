@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from lockstep.models import resolve_checkpoint
 from lockstep.serving.guard import bearer_middleware
-from lockstep.serving.membership import probe_health
+from lockstep.serving.membership import wait_for_serving
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.settings import TrainerSettings
@@ -389,27 +389,5 @@ def _serve_rank0(
     return 0
 
 
-def _wait_for_engines(
-    members: EngineMembers,
-    timeout_s: float,
-    *,
-    poll_s: float = 1.0,
-    healthy: Callable[[str], bool] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> list[str]:
-    """The listed engines that serve (`healthy`: GET /health), once at least one does; the others join
-    at a later update. Raises TimeoutError naming the membership source after `timeout_s`."""
-    healthy = healthy or probe_health
-    deadline = clock() + timeout_s
-    while True:
-        listed = members.urls()
-        ready = [u for u in listed if healthy(u)]
-        if ready:
-            return ready
-        if clock() >= deadline:
-            raise TimeoutError(
-                f"no engine serves in {members.describe()} after {timeout_s:.0f} s (listed: "
-                f"{', '.join(listed) or 'none'}); check the rollout pool's engine pods, or pass --engine-url"
-            )
-        sleep(poll_s)
+_wait_for_engines = wait_for_serving
+"""The trainer's name for lockstep.serving.membership.wait_for_serving (rank 0 waits before serving)."""
