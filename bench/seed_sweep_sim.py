@@ -93,7 +93,8 @@ class Sim:
             ids[i, : len(p) + len(r)] = torch.tensor(p + r)
             att[i, : len(p) + len(r)] = 1
             mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1
-            adv[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0 if a is None else a
+            value = torch.tensor(a) if isinstance(a, list) else (1.0 if a is None else a)
+            adv[i, len(p) - 1 : len(p) - 1 + len(r)] = value
         logits = self.model(input_ids=ids, attention_mask=att).logits[:, :-1].float() / temp
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
         return lp, mask, adv, (logits, ids, att)
@@ -182,7 +183,7 @@ class Sim:
         """(training reward, exact match) of one response."""
         text = decode(resp)
         exact = 1.0 if text.strip() == ans else 0.0
-        if self.a.reward == "exact":
+        if self.a.reward in ("exact", "token"):
             return exact, exact
         if self.a.reward == "partial":
             hits = sum(x == y for x, y in zip(text, ans, strict=False))
@@ -246,14 +247,39 @@ def collect(sim: Sim, consumed: int, gen: torch.Generator) -> tuple[list[Any], l
             rewards = [s[0] for s in scored]
             if a.dyn and max(rewards) - min(rewards) < 1e-9:
                 continue
-            groups.append((p, rs, rewards))
+            groups.append((p, rs, rewards, [*encode(ans), EOS_ID]))
         if not a.dyn or len(groups) >= a.batch or generated >= a.dyn:
             return groups[: a.batch], exact, consumed, generated
 
 
+def token_rows(groups: list[Any]) -> list[Any]:
+    """--reward token: a per-token advantage, the token's credit (1 while the answer so far, this token
+    included, matches the reference, end-of-turn token included) normalised per position over the group."""
+    rows = []
+    for p, rs, _, target in groups:
+        credit = [
+            [
+                float(all(x == y for x, y in zip(r[: t + 1], target, strict=False)) and t < len(target))
+                for t in range(len(r))
+            ]
+            for r in rs
+        ]
+        for r, c in zip(rs, credit, strict=True):
+            advs = []
+            for t in range(len(r)):
+                col = [cc[t] for cc in credit if len(cc) > t]
+                mean = sum(col) / len(col)
+                std = math.sqrt(sum((x - mean) ** 2 for x in col) / len(col))
+                advs.append((c[t] - mean) / (std + 1e-6))
+            rows.append((p, r, advs))
+    return rows
+
+
 def train(sim: Sim, groups: list[Any]) -> float:
     a, rows = sim.a, []
-    for p, rs, rewards in groups:
+    if a.reward == "token":
+        return sim.step(token_rows(groups), a.lr)
+    for p, rs, rewards, _ in groups:
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
         rows += [

@@ -27,8 +27,8 @@ import yaml
 
 FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 API = "/v2"
-STEPS = int(os.environ.get("SIGTERM_TEST_STEPS", "100"))
-"""SFT steps of the command that runs at SIGTERM: a few seconds on CPU (about 3 s with one rank, 15 s
+STEPS = int(os.environ.get("SIGTERM_TEST_STEPS", "200"))
+"""SFT steps of the command that runs at SIGTERM: seconds on CPU (about 6 s with one rank, 30 s
 with two on 2 cores); the drain (240 s here) and torchrun's wait (300 s) are hang guards."""
 
 
