@@ -143,7 +143,7 @@ class MismatchSpec(ApiModel):
 
 
 class KLSpec(ApiModel):
-    """KL penalty against the reference (initial) policy."""
+    """KL penalty against the reference policy: the checkpoint as loaded (so not with an SFT warm start)."""
 
     coef: float = Field(default=0.0, ge=0.0, le=100.0)
     """Coefficient of the KL loss; 0 disables it (and the reference model is not loaded)."""
