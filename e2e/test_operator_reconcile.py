@@ -29,6 +29,7 @@ from lockstep.api import TRANSPORT_KEY, TransportChoice
 
 from e2e.controlplane.cluster import ControlPlane
 from e2e.controlplane.nodes import NodePool
+from e2e.operator_runner import Operator
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "rl.lockstep.dev/job"
@@ -36,29 +37,6 @@ WAIT = 60.0
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-class Operator:
-    """The operator running in-process; `restart()` stops it and starts a fresh runner."""
-
-    def __init__(self) -> None:
-        self.runner: Any = None
-
-    def start(self) -> None:
-        from kopf.testing import KopfRunner
-
-        args = ["run", "--standalone", "--all-namespaces", "-m", "lockstep_operator.handlers"]
-        self.runner = KopfRunner(args, timeout=60)
-        self.runner.__enter__()
-
-    def stop(self) -> None:
-        if self.runner is not None:
-            self.runner.__exit__(None, None, None)
-            self.runner = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @pytest.fixture(scope="module")

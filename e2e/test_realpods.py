@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from e2e.controlplane.cluster import ControlPlane
+from e2e.operator_runner import Operator
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-cluster.yaml"
@@ -39,29 +40,6 @@ pytestmark = pytest.mark.timeout(3600)  # cold: the runtime image (5 GiB) is bui
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-
-
-class Operator:
-    """The operator in-process (kopf.testing.KopfRunner, standalone, all namespaces)."""
-
-    def __init__(self) -> None:
-        self.runner: Any = None
-
-    def start(self) -> None:
-        from kopf.testing import KopfRunner
-
-        args = ["run", "--standalone", "--all-namespaces", "-m", "lockstep_operator.handlers"]
-        self.runner = KopfRunner(args, timeout=60)
-        self.runner.__enter__()
-
-    def stop(self) -> None:
-        if self.runner is not None:
-            self.runner.__exit__(None, None, None)
-            self.runner = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @pytest.fixture(scope="module")
