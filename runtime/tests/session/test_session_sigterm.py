@@ -10,22 +10,16 @@ own gauge) until the test lets the engine go on; SIGTERM arrives in between. New
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from lockstep.weights.broadcast import free_port
+from subprocesses import until
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +36,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
-def _until(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"exited waiting for {what}: {log.read_text()[-3000:]}"
-        try:
-            if check():
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"no {what}: {log.read_text()[-3000:]}"
-        time.sleep(0.05)
-
-
 def _gauge(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(f"{name} "):
@@ -63,7 +44,7 @@ def _gauge(url: str, name: str) -> float:
 
 
 def test_sigterm_drains_a_running_turn_and_exits_0(engine: str, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "lockstep", "sessions", "--engine", engine, "--family", "tiny"]
     cmd += ["--port", str(port), "--drain-timeout", "120"]
@@ -73,7 +54,13 @@ def test_sigterm_drains_a_running_turn_and_exits_0(engine: str, tmp_path: Path) 
     replies: list[httpx.Response] = []
     paused = False
     try:
-        _until("the server", lambda: httpx.get(f"{url}/metrics", timeout=2).status_code == 200, proc, log)
+        until(
+            "the server",
+            lambda: httpx.get(f"{url}/metrics", timeout=2).status_code == 200,
+            proc,
+            log,
+            timeout_s=120,
+        )
         sid = httpx.post(f"{url}/sessions", json={}, timeout=30).json()["session_id"]
         httpx.post(f"{engine}/pause_generation", json={"mode": "retract"}, timeout=30).raise_for_status()
         paused = True
@@ -85,9 +72,11 @@ def test_sigterm_drains_a_running_turn_and_exits_0(engine: str, tmp_path: Path) 
             daemon=True,
         )
         running.start()
-        _until("a turn in flight", lambda: _gauge(url, "tito_requests_in_flight") == 1, proc, log)
+        until(
+            "a turn in flight", lambda: _gauge(url, "tito_requests_in_flight") == 1, proc, log, timeout_s=120
+        )
         proc.send_signal(signal.SIGTERM)
-        _until("draining", lambda: _gauge(url, "tito_draining") == 1, proc, log)
+        until("draining", lambda: _gauge(url, "tito_draining") == 1, proc, log, timeout_s=120)
         refused = httpx.post(f"{url}/sessions", json={}, timeout=30)
         assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
         assert not replies and proc.poll() is None  # the turn is still waiting for the engine

@@ -12,30 +12,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
+from lockstep.weights.broadcast import free_port
+from subprocesses import until
 
 FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 API = "/v2"
 STEPS = int(os.environ.get("SIGTERM_TEST_STEPS", "200"))
 """SFT steps of the command that runs at SIGTERM: seconds on CPU (about 6 s with one rank, 30 s
 with two on 2 cores); the drain (240 s here) and torchrun's wait (300 s) are hang guards."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +46,6 @@ def engine(cache: Path) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
-
-
-def _wait(what: str, check: Any, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, f"exited waiting for {what}: {log.read_text()[-3000:]}"
-        try:
-            if check():
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"no {what}: {log.read_text()[-3000:]}"
-        time.sleep(0.05)
 
 
 TWO_RANKS = [
@@ -91,12 +71,12 @@ def test_sigterm_drains_the_running_command_and_exits_0(
     job["spec"]["algorithm"]["sftWarmStart"]["steps"] = STEPS
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(job))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}{API}"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "RANK")}
     env["OMP_NUM_THREADS"] = "1"
     if LAUNCHERS[launcher]:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-m", "lockstep", *LAUNCHERS[launcher], "trainer", "--config", str(manifest)]
     cmd += ["--serve"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--out", str(tmp_path / "out")]
@@ -106,14 +86,14 @@ def test_sigterm_drains_the_running_command_and_exits_0(
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     replies: list[httpx.Response] = []
     try:
-        _wait("health", lambda: httpx.get(f"{url}/health", timeout=2).json()["ready"], proc, log)
+        until("health", lambda: httpx.get(f"{url}/health", timeout=2).json()["ready"], proc, log)
         running = threading.Thread(
             target=lambda: replies.append(httpx.post(f"{url}/warm_start", json={}, timeout=600)), daemon=True
         )
         running.start()
-        _wait("a running command", lambda: httpx.get(f"{url}/health", timeout=2).json()["busy"], proc, log)
+        until("a running command", lambda: httpx.get(f"{url}/health", timeout=2).json()["busy"], proc, log)
         proc.send_signal(signal.SIGTERM)
-        _wait("draining", lambda: not httpx.get(f"{url}/health", timeout=2).json()["ready"], proc, log)
+        until("draining", lambda: not httpx.get(f"{url}/health", timeout=2).json()["ready"], proc, log)
         refused = httpx.post(f"{url}/load_latest", json={}, timeout=30)
         assert refused.status_code == 503 and refused.json()["kind"] == "draining", refused.text
         assert proc.wait(timeout=400) == 0, log.read_text()[-3000:]
