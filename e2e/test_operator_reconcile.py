@@ -387,21 +387,35 @@ def test_transport_choice_per_topology(
 def test_infeasible_requested_transport_is_a_condition(
     cluster: ControlPlane, operator: Operator, namespace: str
 ) -> None:
+    """p2p requested where it cannot work: the automatic choice (broadcast) is used and the condition
+    says why p2p was refused.
+
+    Pinned to zone-a: with p2p requested the ranks request an RDMA device (rdma/ib), so unpinned they
+    land only on RDMA nodes (h100-ib in zone-a or gb300 in zone-b) while the engine lands on any node;
+    a rank on gb300 and the engine in zone-a share no network, no transport is feasible and none is
+    ever chosen (the flake this test had). In zone-a the only RDMA nodes are h100-ib, one network."""
     job = "want-p2p"
+    zone_a = {"nodeSelector": {"topology.kubernetes.io/zone": "zone-a"}}
     cluster.apply(
-        tiny(job, weightSync={"transport": "p2p", "checkWeightUpdateEqual": False}), namespace=namespace
+        tiny(job, weightSync={"transport": "p2p", "checkWeightUpdateEqual": False}, placement=zone_a),
+        namespace=namespace,
     )
-    st = wait_status(
-        cluster,
-        namespace,
-        "weightchannel",
-        f"{job}-weights",
-        lambda s: s.get("transport"),
-        "transport chosen",
-    )
+    try:
+        st = wait_status(
+            cluster,
+            namespace,
+            "weightchannel",
+            f"{job}-weights",
+            lambda s: s.get("transport"),
+            "transport chosen",
+        )
+    except TimeoutError as err:
+        seen = [(p["metadata"]["name"], p["spec"].get("nodeName")) for p in pods(cluster, namespace, job)]
+        channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
+        raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
     feasible = cond(st, "RequestedTransportFeasible")
-    assert feasible["status"] == "False" and "p2p" in feasible["message"]
-    assert st["transport"] != "p2p"
+    assert feasible["status"] == "False" and "p2p" in feasible["message"], st
+    assert st["transport"] == "broadcast", st
 
 
 def test_preflight_failure_fails_the_job_naming_tensors(
