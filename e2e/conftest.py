@@ -12,7 +12,8 @@ Fixtures (documented in docs/controlplane.md):
 - `namespace` (function): the name of a fresh namespace, deleted after the test.
 - `real_cluster` (session): a second control plane with one real worker node (kubelet, containerd,
   kube-proxy, CoreDNS; e2e/controlplane/realnode.py) where pods run for real; `real_namespace`
-  (function) is `namespace` on it. Only the tests that ask for it pay for it.
+  (function) is `namespace` on it. Only the tests that ask for it pay for it; where the machine cannot
+  run containers they skip with one line naming what is missing (`real_node_here`, node/probe.py).
 Every test under e2e/ is marked `e2e`.
 """
 
@@ -70,15 +71,23 @@ def namespace(cluster: ControlPlane) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def real_cluster() -> Iterator[ControlPlane]:
+def real_node_here() -> None:
+    """Skips the test, with the one line saying what is missing, where this machine cannot run a real
+    node (node/probe.py: root, cgroup v1, veth/bridge/iptables, runc); LOCKSTEP_REAL_NODE=0 skips,
+    =1 makes a missing capability an error."""
+    from e2e.controlplane.node.probe import skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def real_cluster(real_node_here: None) -> Iterator[ControlPlane]:
     """A control plane with one real node (no kwok nodes unless a test adds them). Needs root.
 
     Its stop fails the session if a process, port, veth, cgroup or host iptables change is left.
     """
-    if os.environ.get("LOCKSTEP_REAL_NODE") != "1":
-        # Cold, the node's builds (kubelet, CoreDNS, the runtime image) take longer than CI's budget on
-        # 2 cores, so `make test` leaves them out; `make test-realnode` builds and runs them.
-        pytest.skip("real-node tests are opt-in: run `make test-realnode` (LOCKSTEP_REAL_NODE=1)")
     keep = os.environ.get("LOCKSTEP_E2E_KEEP") == "1"
     cp = ControlPlane(bin_dir=find_binaries(), keep_work_dir=keep, nodes_file=None, real_node=True)
     cp.start()

@@ -141,7 +141,7 @@ def test_pods_without_the_toleration_stay_on_kwok_nodes(
     assert [n["spec"]["taints"][0]["key"] for n in real_node] == [REAL_NODE_LABEL]
 
 
-def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path) -> None:
+def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_node_here: None) -> None:
     """A second, short-lived cluster with a real node (it takes the next slot) runs a pod, stops, and
     nothing of it is left on the host (stop() itself also raises on leftovers)."""
     cp = ControlPlane(nodes_file=None, real_node=True)
