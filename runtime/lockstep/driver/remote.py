@@ -5,7 +5,8 @@ driver sends one command per loop step (lockstep.trainer.wire) to rank 0, which 
 and replies. Errors raised on the trainer come back typed and are raised here as the same
 exceptions the in-process trainer raises, so `lockstep driver` keeps its exit codes:
 non-finite loss -> NonFiniteLoss (exit 4), pre-flight failure -> PreflightFailed (exit 5), bad
-settings -> ValueError (exit 2). A trainer that cannot be reached is retried with exponential
+settings -> ValueError (exit 2). A weight update that lost an engine it had reached (scaled down,
+replaced) is repeated a few times, seconds apart (`engine_retry_delays`), before it fails the step. A trainer that cannot be reached is retried with exponential
 backoff, then `TrainerUnreachable` (exit 3, like an unreachable engine); a connection lost while a
 command runs is not retried (the command may have run) and also raises TrainerUnreachable: the
 driver pod restarts and resumes from the trainer's latest checkpoint.
@@ -70,6 +71,20 @@ class TrainerCommandError(RuntimeError):
     """The trainer failed a command for a reason the driver cannot fix (the message says which)."""
 
 
+class EngineGone(TrainerCommandError):
+    """A weight update failed because an engine it had reached stopped answering (the message names it)."""
+
+
+def engine_retry_delays(retries: int, first_s: float) -> list[float]:
+    """Seconds to wait before each repeat of a weight update that lost an engine (pure): doubling.
+
+    An engine scaled down or replaced stays listed by the pool's headless Service (it publishes
+    not-ready addresses) until its pod is gone, up to its preStop pause plus its drain after the
+    update reached it; the trainer reads the engines again on every update, so a repeat a little
+    later reaches only those that are still there."""
+    return [first_s * 2**k for k in range(max(retries, 0))]
+
+
 def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
     """The driver-side exception for a typed trainer error (pure)."""
     if err.kind in ("restarted", "draining"):  # exit 3: the driver restarts and resumes from the checkpoint
@@ -80,6 +95,8 @@ def error_from_reply(url: str, command: str, err: ErrorReply) -> Exception:
         return PreflightFailed(err.message, err.preflight)
     if err.kind == "bad_settings":
         return ValueError(err.message)
+    if err.kind == "engine_unreachable":
+        return EngineGone(f"trainer command {command}: {err.message}")
     where = f" (field {err.field})" if err.field else ""
     return TrainerCommandError(f"trainer command {command}: {err.kind}: {err.message}{where}")
 
@@ -93,6 +110,8 @@ class RemoteTrainer:
         *,
         retries: int = 5,
         backoff_s: float = 0.5,
+        engine_retries: int = 4,
+        engine_retry_s: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
         run_dir: Path | None = None,
@@ -106,6 +125,8 @@ class RemoteTrainer:
         """First retry delay; doubles per attempt."""
         self.sleep = sleep
         """Injected sleep (tests)."""
+        self.engine_delays = engine_retry_delays(engine_retries, engine_retry_s)
+        """Waits before repeating a weight update that lost an engine (5, 10, 20, 40 s: 75 s in all)."""
         # A train step or an update may take minutes: no read timeout; connecting must be quick.
         timeout = httpx.Timeout(None, connect=10.0)
         self.http = httpx.Client(
@@ -147,7 +168,19 @@ class RemoteTrainer:
         return self._call("train", body, MetricsReply).metrics
 
     def update_weights(self, version: int) -> dict[str, float]:
-        return self._call("update_weights", VersionRequest(version=version), MetricsReply).metrics
+        """The update to `version`; repeated (same version) while it fails only because an engine it had
+        reached is gone: a scale-down or a replaced engine costs seconds, not a driver restart."""
+        for delay in [*self.engine_delays, None]:
+            try:
+                return self._call("update_weights", VersionRequest(version=version), MetricsReply).metrics
+            except EngineGone as e:
+                if delay is None:
+                    raise
+                log.warning(
+                    "weight update to version %d lost an engine (%s); again in %.0f s", version, e, delay
+                )
+                self.sleep(delay)
+        raise AssertionError("unreachable")
 
     def save(self, state: DriverState) -> str:
         return self._call("save", SaveRequest(state=DriverStateWire.of(state)), SaveReply).path

@@ -36,6 +36,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from lockstep.models import resolve_checkpoint
+from lockstep.serving.client import EngineUnreachable
 from lockstep.serving.guard import bearer_middleware
 from lockstep.serving.membership import wait_for_serving
 from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
@@ -133,6 +134,8 @@ def _failure_kind(e: BaseException) -> ErrorKind:
         return "preflight_failed"
     if isinstance(e, ValueError | FileNotFoundError):
         return "bad_settings"
+    if isinstance(e, EngineUnreachable):  # an engine gone mid-update (scaled down, replaced)
+        return "engine_unreachable"
     return "internal"
 
 

@@ -235,7 +235,7 @@ INSTANCE_HEADER = "X-Lockstep-Trainer-Instance"
 """Request header carrying HealthReply.instance; a mismatch is a 409 `restarted`."""
 
 
-ErrorKind = Literal["bad_request", "unknown_command", "busy", "restarted", "draining", "non_finite_loss", "preflight_failed", "bad_settings", "internal"]  # fmt: skip
+ErrorKind = Literal["bad_request", "unknown_command", "busy", "restarted", "draining", "non_finite_loss", "preflight_failed", "bad_settings", "engine_unreachable", "internal"]  # fmt: skip
 """What went wrong; the driver raises the matching exception (see lockstep.driver.remote)."""
 
 

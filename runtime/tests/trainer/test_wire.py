@@ -4,8 +4,8 @@ The server side runs a small Trainer (the protocol is the swap point) that recor
 fails on demand, so the semantics the driver relies on are checked without a model: groups arrive
 token-exact (every field the loss needs, per-token versions included), trainer-side errors come back
 as the driver's own exceptions (NonFiniteLoss -> exit 4, PreflightFailed -> exit 5, ValueError -> exit
-2), a command while another runs is a 409, and an unreachable trainer is retried with backoff, then
-TrainerUnreachable.
+2), a weight update that lost an engine is repeated a few times, then EngineGone; a command while
+another runs is a 409, and an unreachable trainer is retried with backoff, then TrainerUnreachable.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from lockstep.driver.remote import RemoteTrainer, TrainerCommandError, TrainerUnreachable
+from lockstep.driver.remote import (
+    EngineGone,
+    RemoteTrainer,
+    TrainerCommandError,
+    TrainerUnreachable,
+    engine_retry_delays,
+)
+from lockstep.serving.client import EngineUnreachable
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.server import CommandServer, _serve_http
 from lockstep.trainer.state import DriverState
@@ -35,6 +42,8 @@ class ScriptedTrainer:
         self.fail: dict[str, Exception] = {}
         self.release = threading.Event()
         self.preflight: PreflightResult | None = None
+        self.lost_engine = 0
+        """update_weights raises EngineUnreachable this many more times."""
 
     def _maybe_fail(self, name: str) -> None:
         if name in self.fail:
@@ -57,6 +66,9 @@ class ScriptedTrainer:
         return {"loss": 0.5}
 
     def update_weights(self, version: int) -> dict[str, float]:
+        if self.lost_engine > 0:  # an engine the update had reached stops answering (scaled down)
+            self.lost_engine -= 1
+            raise EngineUnreachable("http://10.0.0.9:30000/continue_generation", 5, OSError("refused"))
         self.release.wait(30)
         return {"weight_version": float(version)}
 
@@ -250,5 +262,37 @@ def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
             remote.first_update(0)
         assert e.value.result == bad
         assert PreflightResult.model_validate_json(written.read_text()) == bad
+    finally:
+        remote.close()
+
+
+@pytest.mark.parametrize(
+    ("retries", "first_s", "delays"),
+    [(4, 5.0, [5.0, 10.0, 20.0, 40.0]), (1, 2.0, [2.0]), (0, 5.0, []), (-1, 5.0, [])],
+)
+def test_engine_retry_delays(retries: int, first_s: float, delays: list[float]) -> None:
+    assert engine_retry_delays(retries, first_s) == delays
+
+
+def test_an_update_that_lost_an_engine_is_repeated_then_fails_naming_it(
+    served: tuple[ScriptedTrainer, str],
+) -> None:
+    """A scaled-down engine stays listed until its pod is gone: the update is sent again (same version)
+    a little later and then reaches only the engines still there; one that never comes back fails it."""
+    trainer, url = served
+    trainer.release.set()
+    waited: list[float] = []
+    remote = RemoteTrainer(url, sleep=waited.append, engine_retries=3, engine_retry_s=1.0)
+    try:
+        trainer.lost_engine = 2
+        assert remote.update_weights(7) == {"weight_version": 7.0}
+        assert waited == [1.0, 2.0] and trainer.lost_engine == 0
+        trainer.lost_engine, waited[:] = 10, []
+        with pytest.raises(
+            EngineGone, match=r"update_weights: rollout engine at http://10.0.0.9:30000/continue"
+        ):
+            remote.update_weights(8)
+        assert waited == [1.0, 2.0, 4.0]  # four attempts, then the error
+        assert isinstance(EngineGone("x"), TrainerCommandError)  # the driver's exit code is unchanged
     finally:
         remote.close()
