@@ -287,6 +287,14 @@ def test_channel_status_keeps_choice_while_waiting_and_reports_preflight() -> No
     )
     feas = condition(rejected.conditions, "RequestedTransportFeasible")
     assert feas is not None and feas.status == ConditionStatus.FALSE and "RDMA" in feas.message
+    # Pods unscheduled for a while (a gang restart): the kept choice keeps its verdict on the request,
+    # not "Feasible" next to the fallback it did not choose.
+    later = channel_status(
+        Decision(None, "waiting", ()), progress=None, previous=rejected, generation=1, now=T1
+    )
+    assert later.transport == rejected.transport
+    kept = condition(later.conditions, "RequestedTransportFeasible")
+    assert kept is not None and kept.status == ConditionStatus.FALSE and "RDMA" in kept.message
 
 
 def test_read_progress_contract() -> None:

@@ -256,11 +256,13 @@ def channel_status(
     """Channel status: the transport choice and its reason, the preflight result, the last update."""
     prev = previous or WeightChannelStatus()
     transport = Transport(decision.transport) if decision.transport else prev.transport
-    reason = decision.reason if decision.transport or prev.transport is None else prev.reason
-    updates = [
-        channel_conditions.ready(transport is not None, reason),
-        channel_conditions.requested_transport_feasible(decision.override_rejected),
-    ]
+    keep = (
+        decision.transport is None and prev.transport is not None
+    )  # pods unscheduled a while: keep the choice
+    reason = prev.reason if keep else decision.reason
+    updates = [channel_conditions.ready(transport is not None, reason)]
+    if not keep:  # the verdict on the requested transport belongs to the choice it came with
+        updates.append(channel_conditions.requested_transport_feasible(decision.override_rejected))
     passed = prev.preflight_passed
     if progress is not None and progress.preflight is not None:
         passed = progress.preflight == "passed"
