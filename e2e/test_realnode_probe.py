@@ -66,3 +66,15 @@ def test_disabled_skips_without_probing(monkeypatch: pytest.MonkeyPatch) -> None
         assert probe.skip_reason() == "real node disabled (LOCKSTEP_REAL_NODE=0)"
     finally:
         probe.skip_reason.cache_clear()
+
+
+@needs_root
+def test_a_capable_machine_passes_and_the_probe_leaves_nothing() -> None:
+    """Where the machine can run the real node, the probe's veth, bridge, mounts (throwaway namespace),
+    cgroup and runc container are gone afterwards."""
+    if lacks := probe.missing():
+        pytest.skip(f"this machine cannot run a real node: {lacks}")
+    assert not list(Path("/sys/class/net").glob("lsprobe*"))
+    assert not list(Path("/sys/fs/cgroup").glob("*/lockstep-probe-*"))
+    assert not list(Path("/sys/fs/cgroup").glob("*/lsprobe-*"))
+    assert "lsprobe" not in Path("/proc/self/mountinfo").read_text()
