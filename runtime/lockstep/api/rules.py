@@ -21,7 +21,12 @@ from pydantic import BaseModel
 
 from lockstep.api.cel import Expr, field, has, old
 from lockstep.api.common import NAME_PATTERN, KubeObject
-from lockstep.api.profiles import TRUE_ON_POLICY_FAMILIES, TRUE_ON_POLICY_PROFILES, registered_names
+from lockstep.api.profiles import (
+    SGLANG_KERNEL_PROFILES,
+    TRUE_ON_POLICY_FAMILIES,
+    TRUE_ON_POLICY_PROFILES,
+    registered_names,
+)
 from lockstep.api.rljob import (
     AlgorithmSpec,
     Autoscaling,
@@ -172,6 +177,18 @@ RULES: Final[tuple[Rule, ...]] = (
         "true-on-policy has profiles only for the models "
         + registered_names()
         + " (lockstep.api.profiles): set algorithm.trueOnPolicy to false or use a registered model",
+    ),
+    Rule(
+        "true-on-policy-sglang-kernels",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            has("model.variant")
+            & (field("model.family") + "-" + field("model.variant")).in_(list(SGLANG_KERNEL_PROFILES))
+        ),
+        "rollout.engine",
+        "true-on-policy against stock SGLang needs a trainer that computes as SGLang does, built for "
+        + ", ".join(SGLANG_KERNEL_PROFILES)
+        + " (lockstep.numerics.sglang_kernels): set rollout.engine to reference or use one of these models",
     ),
     Rule(
         "true-on-policy-fsdp",

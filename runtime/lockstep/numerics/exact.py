@@ -142,6 +142,16 @@ def _exact_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def install_attention(model: Any, device: torch.device | str) -> None:
+    """Only the `lockstep_exact` attention (registered, with the device's tiles on every attention
+    module): the batch-invariant stand-in where another attention kernel is not available."""
+    tiles = tiles_for(device)
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "scaling"):
+            setattr(module, _TILES_ATTR, tiles)
+    _register_attention()
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Device, Precision, TrainerBackend
+from lockstep.api.profiles import trainer_kernels_for
 from lockstep.numerics.recipe import training_recipe
 from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 
@@ -46,6 +47,7 @@ def build_backend(
             dtype="bfloat16" if bf16 else "float32",
             offload=str(trainer.offload),
             true_on_policy=job.spec.algorithm.true_on_policy,
+            kernels=trainer_kernels_for(job.spec) or "lockstep",
             train_recipe=training_recipe(job),
         )
     )

@@ -35,7 +35,7 @@ def require_pinned_sglang() -> None:
     installed = importlib.metadata.version("sglang")
     assert installed == SGLANG_VERSION, (
         f"sglang {installed} is installed but the contract is pinned to {SGLANG_VERSION}: "
-        "run scripts/setup.sh, or move the pin (resources/sglang.py, scripts/setup.sh) and re-check"
+        "run scripts/setup.sh, or move the pin (lockstep/api/profiles.py, scripts/setup.sh) and re-check"
     )
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lockstep.models.checkpoint import copy_model_files
-from lockstep.numerics import exact
+from lockstep.numerics import exact, sglang_kernels
 from lockstep.numerics.recipe import Recipe
 from lockstep.train.backend import StepResult
 from lockstep.train.common.dist import init_distributed
-from lockstep.train.common.logprobs import token_logprobs
+from lockstep.train.common.logprobs import sglang_token_logprobs, token_logprobs
 from lockstep.train.common.r3 import RoutingRecord, build_replay, hf_routing, routing_dims
 from lockstep.train.fsdp import checkpoint as ckpt
 
@@ -70,8 +70,12 @@ class FSDPConfig:
     """Low-precision training forward (spec.trainer.precision, seed §6 stage 2): the recipe's
     quantized linear layers compute with fake_quantize(weight), gradients straight through."""
     true_on_policy: bool = False
-    """Run the batch-invariant kernels of lockstep.numerics.exact (the engine runs the same), so
-    the trainer's logprobs equal the rollout's bit for bit (spec.algorithm.trueOnPolicy)."""
+    """Run batch-invariant kernels the rollout engine runs too, so the trainer's logprobs equal the
+    rollout's bit for bit (spec.algorithm.trueOnPolicy); which ones: `kernels`."""
+    kernels: str = "lockstep"
+    """With true_on_policy: `lockstep` (lockstep.numerics.exact, the reference engine's kernels) or
+    `sglang` (lockstep.numerics.sglang_kernels: computing as stock SGLang's on-policy path does;
+    lockstep.api.profiles.trainer_kernels_for picks it from the rollout engine)."""
     offload: str = "none"
     """trainer.offload: `cpu` keeps parameters, gradients and optimizer state in host memory with
     FSDP2's CPUOffloadPolicy (moved to the GPU layer by layer for compute, the optimizer step runs on
@@ -86,6 +90,8 @@ class FSDPConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use float32 or bfloat16")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device {self.device!r} is unknown; use cpu, cuda or auto")
+        if self.kernels not in ("lockstep", "sglang"):
+            raise ValueError(f"kernels {self.kernels!r} is unknown; use lockstep or sglang")
 
 
 class FSDPBackend:
@@ -130,7 +136,9 @@ class FSDPBackend:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
         model.to(self.device)
-        if self.config.true_on_policy:
+        if self.config.true_on_policy and self.config.kernels == "sglang":
+            sglang_kernels.apply(model, self.device)
+        elif self.config.true_on_policy:
             exact.apply(model, self.device)
         if self.config.train_recipe is not None:
             self.config.train_recipe.install_training(model)
@@ -170,6 +178,8 @@ class FSDPBackend:
         if plan is not None:
             self.last_routing.pairs += record.pairs
             self.last_routing.mismatched += record.mismatched
+        if sglang_kernels.applied(model):
+            return sglang_token_logprobs(logits, ids, batch.temperature)  # [B, T-1]
         return token_logprobs(logits, ids, batch.temperature, exact.tiles_of(model))  # [B, T-1]
 
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
