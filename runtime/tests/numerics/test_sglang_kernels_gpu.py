@@ -100,3 +100,18 @@ def test_our_rotate_is_sglangs_compiled_rotary(ops: Any) -> None:
     cos, sin = torch.randn(2, 37, 64, device="cuda", generator=gen)
     theirs = torch.compile(dynamic=True)(sglang_source.apply_rotary_emb())(x, cos, sin, True)
     assert torch.equal(sglang_kernels.compiled_rotate()(x, cos, sin), theirs)
+
+
+def test_the_training_forward_backward_runs_under_sglang_ops(ops: Any, seqs: list[torch.Tensor]) -> None:
+    # the trainer trains through the same installs (SGLang's mm also serves the backward matmuls)
+    m = qwen3_model(bigger_config(num_hidden_layers=2), "cuda").train()
+    sglang_kernels.apply(m, "cuda", ops=ops, attention=exact.ATTN_IMPLEMENTATION)
+    ids = torch.nn.utils.rnn.pad_sequence(seqs[:3], batch_first=True)
+    logits = m(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    flat = ids[:, 1:].reshape(-1)
+    temp = torch.full((flat.numel(),), 0.7, device="cuda")
+    lp = sglang_kernels.token_logprobs(logits[:, :-1].reshape(-1, logits.shape[-1]), flat, temp)
+    lp.sum().backward()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
