@@ -115,3 +115,27 @@ def test_the_training_forward_backward_runs_under_sglang_ops(ops: Any, seqs: lis
     grads = [p.grad for p in m.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert m.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_under_fsdp2_the_bits_do_not_change(model: Any, seqs: list[torch.Tensor]) -> None:
+    # the FSDP backend wraps the installed model with fully_shard (one rank here): same bits
+    import torch.distributed as dist
+    from lockstep.train.common.dist import init_distributed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    info = init_distributed("cuda")
+    try:
+        sharded = _model()
+        sglang_kernels.apply(
+            sharded, "cuda", ops=sglang_source.batch_invariant_ops(), attention=exact.ATTN_IMPLEMENTATION
+        )
+        mesh = init_device_mesh("cuda", (1,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        for a, b in zip(score(sharded, seqs), score(model, seqs), strict=True):
+            assert torch.equal(a, b), f"max diff {(a - b).abs().max().item()}"
+    finally:
+        if info.owns_group:
+            dist.destroy_process_group()
