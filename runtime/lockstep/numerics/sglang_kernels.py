@@ -50,7 +50,6 @@ import torch
 
 from lockstep.api.profiles import SGLANG_TRUE_ON_POLICY_ENV, SGLANG_VERSION
 from lockstep.numerics import exact
-from lockstep.numerics.exact import weight_of
 
 OPS_MODULE: Final = "sglang.srt.batch_invariant_ops"
 """SGLang's batch-invariant ops, enabled in the trainer process."""
@@ -79,15 +78,15 @@ def load_ops() -> Any:
     if version != SGLANG_VERSION:
         raise RuntimeError(
             f"trainer kernels `sglang` need sglang=={SGLANG_VERSION} in the trainer image (found "
-            f"{version or 'none'}): build the trainer image with the engine's SGLang, or serve with "
-            "rollout.engine reference"
+            f"{version or 'none'}): set spec.trainer.image to an image built by images/trainer-sglang.Dockerfile, "
+            "or serve with rollout.engine reference"
         )
     try:
         ops = importlib.import_module(OPS_MODULE)
     except ImportError as e:
         raise RuntimeError(
-            f"{OPS_MODULE} does not import in the trainer image ({e}): run the trainer in an image built "
-            "on the engine's SGLang image, which carries its kernels and their dependencies"
+            f"{OPS_MODULE} does not import in the trainer image ({e}): set spec.trainer.image to an image built "
+            "by images/trainer-sglang.Dockerfile (SGLang's image, which carries its dependencies)"
         ) from e
     return check_ops(ops)
 
@@ -141,7 +140,8 @@ def apply(
         if not is_flash_attn_3_available():
             raise RuntimeError(
                 "trainer kernels `sglang` need FlashAttention-3 (flash_attn_interface) in the trainer "
-                "image, as SGLang's `--attention-backend fa3` runs it"
+                "image, as SGLang's `--attention-backend fa3` runs it: set spec.trainer.image to an image "
+                "built by images/trainer-sglang.Dockerfile"
             )
     ops = load_ops() if ops is None else check_ops(ops)
     ops.enable_batch_invariant_mode(enable_bmm=False)
@@ -261,7 +261,7 @@ def _install_linear(linear: Any) -> None:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         bias = None if m.bias is None else m.bias.to(torch.bfloat16)
-        return torch.nn.functional.linear(x.to(torch.bfloat16), weight_of(m).to(torch.bfloat16), bias)
+        return torch.nn.functional.linear(x.to(torch.bfloat16), exact.weight_of(m).to(torch.bfloat16), bias)
 
     m.forward = forward
 
