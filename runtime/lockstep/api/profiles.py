@@ -112,13 +112,16 @@ LOCKSTEP_KERNELS: Final = "lockstep"
 SGLANG_KERNELS: Final = "sglang"
 
 
-def trainer_kernels_for(spec: RLJobSpec) -> str | None:
+def trainer_kernels_for(spec: RLJobSpec, *, embedded_engines: bool = False) -> str | None:
     """The trainer's kernel set for a job: None without true on-policy; `sglang` against stock SGLang
     engines (lockstep.numerics.sglang_kernels); `lockstep` against the reference engine
-    (lockstep.numerics.exact, which the engine runs too)."""
+    (lockstep.numerics.exact, which the engine runs too), also whenever the engines are the reference
+    engines `lockstep run` embeds (`embedded_engines`), whatever spec.rollout.engine says."""
     if not spec.algorithm.true_on_policy:
         return None
-    return SGLANG_KERNELS if spec.rollout.engine is Engine.SGLANG else LOCKSTEP_KERNELS
+    if embedded_engines or spec.rollout.engine is not Engine.SGLANG:
+        return LOCKSTEP_KERNELS
+    return SGLANG_KERNELS
 
 
 def profile_for(family: str, variant: str | None) -> Profile | None:

@@ -284,8 +284,12 @@ def signal_metrics(batch: TrainBatch) -> dict[str, float]:
     return out
 
 
-def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> TrainBackend:
-    """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
+def build_backend(
+    job: RLJob, settings: TrainerSettings, model_dir: Path, *, embedded_engines: bool = False
+) -> TrainBackend:
+    """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many).
+    embedded_engines: the rollout engines are reference engines in this process (`lockstep run`
+    without engine URLs), whatever spec.rollout.engine says."""
     return make_backend(
         job,
         model_dir,
@@ -293,6 +297,7 @@ def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> Tra
         grad_clip=settings.grad_clip,
         micro_batch_size=settings.micro_batch_size,
         seed=settings.seed,
+        embedded_engines=embedded_engines,
     )
 
 

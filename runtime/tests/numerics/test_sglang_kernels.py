@@ -82,16 +82,17 @@ def test_check_ops_refuses_deepgemm() -> None:
 
 
 @pytest.mark.parametrize(
-    ("true_on_policy", "engine", "kernels"),
+    ("true_on_policy", "engine", "embedded", "kernels"),
     [
-        (False, "sglang", None),
-        (False, "reference", None),
-        (True, "sglang", "sglang"),
-        (True, "reference", "lockstep"),
+        (False, "sglang", False, None),
+        (False, "reference", False, None),
+        (True, "sglang", False, "sglang"),
+        (True, "reference", False, "lockstep"),
+        (True, "sglang", True, "lockstep"),  # `lockstep run` embeds reference engines
     ],
 )
 def test_trainer_kernels_follow_the_rollout_engine(
-    true_on_policy: bool, engine: str, kernels: str | None
+    true_on_policy: bool, engine: str, embedded: bool, kernels: str | None
 ) -> None:
     spec = RLJobSpec.model_validate(
         {
@@ -102,7 +103,7 @@ def test_trainer_kernels_follow_the_rollout_engine(
             "data": {"prompts": "builtin:reverse"},
         }
     )
-    assert trainer_kernels_for(spec) == kernels
+    assert trainer_kernels_for(spec, embedded_engines=embedded) == kernels
 
 
 def test_fsdp_config_names_the_kernel_sets() -> None:
