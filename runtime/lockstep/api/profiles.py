@@ -62,9 +62,11 @@ class Profile:
     variants: tuple[str, ...] | None
     """spec.model.variant values it covers; None covers every variant (and none)."""
     attention: str
-    """The attention both sides run: `lockstep_exact` (lockstep.numerics.kernels.attention)."""
+    """The attention both sides run with the `lockstep` kernels: `lockstep_exact`
+    (lockstep.numerics.kernels.attention). With the `sglang` kernels it is FlashAttention-3."""
     matmul: str
-    """The matmul both sides run: fixed tiles, fp32 accumulation, inner tiles added in order."""
+    """The matmul both sides run with the `lockstep` kernels: fixed tiles, fp32 accumulation, inner
+    tiles added in order. With the `sglang` kernels it is SGLang's Triton persistent matmul."""
     sglang_args: tuple[str, ...] = SGLANG_TRUE_ON_POLICY_ARGS
     """Arguments appended to `python -m sglang.launch_server` for this profile."""
     dense_only: bool = True
