@@ -191,6 +191,27 @@ RULES: Final[tuple[Rule, ...]] = (
         + " (lockstep.numerics.sglang_kernels): set rollout.engine to reference or use one of these models",
     ),
     Rule(
+        "true-on-policy-sglang-bf16",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.precision").eq("bf16")
+        ),
+        "rollout.precision",
+        "the trainer reproduces SGLang's bf16 path only (its FP8 / MXFP8 / NVFP4 GEMMs are other kernels): "
+        "set rollout.precision to bf16 with trueOnPolicy against SGLang, or rollout.engine to reference",
+    ),
+    Rule(
+        "true-on-policy-sglang-one-gpu-per-layer",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.tensorParallel").eq(1)
+        ),
+        "rollout.tensorParallel",
+        "SGLang's on-policy target `fsdp` has no tensor-parallel form (a row-parallel layer adds its shards' "
+        "partial sums in another order than the trainer's whole matmul): set rollout.tensorParallel to 1 "
+        "with trueOnPolicy against SGLang",
+    ),
+    Rule(
         "true-on-policy-fsdp",
         RLJobSpec,
         field("algorithm.trueOnPolicy").eq(True).implies(field("trainer.backend").eq("fsdp")),

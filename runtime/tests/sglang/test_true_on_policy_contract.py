@@ -209,6 +209,12 @@ def test_a_statement_sglang_does_not_make_fails() -> None:
     )
 
 
+def test_fsdp_is_sglangs_only_on_policy_target() -> None:
+    # no tensor-parallel target in the pin: rule true-on-policy-sglang-one-gpu-per-layer
+    text = _flat(source("srt/arg_groups/choices.py").read_text())
+    assert 'RL_ON_POLICY_TARGET_CHOICES=["fsdp"]' in text
+
+
 def test_the_deepgemm_switch_is_the_one_sglangs_ops_read() -> None:
     text = _flat(source("srt/batch_invariant_ops/batch_invariant_ops.py").read_text())
     assert f'_ENABLE_MM_DEEPGEMM=get_bool_env_var("{sglang_kernels.DEEPGEMM_SWITCH}","1")' in text
