@@ -4,8 +4,10 @@
 # lockstep.api.profiles.SGLANG_VERSION) with its dependencies, plus FlashAttention-3's
 # `flash_attn_interface` (transformers' `flash_attention_3`), which SGLang's image does not carry.
 # FA3 is built from source (Hopper, sm_90a; needs the CUDA toolkit of SGLang's non-runtime image, and
-# an hour). FA3_REF must be given: the flash-attention commit of the FA3 that sgl-kernel (the engine's
-# attention) was built from, so both sides compile one kernel source. Not built or run in this
+# an hour) from sgl-project/sgl-attn, the flash-attention fork sgl-kernel (the engine's attention)
+# builds its FA3 from. FA3_REF must be given: the commit sgl-kernel's CMakeLists.txt pins for
+# `repo-flash-attention` in the sgl-kernel release of the pinned SGLang, so both sides compile one
+# kernel source. Not built or run in this
 # repository's CI (no Hopper GPU with this toolchain there); docs/true-on-policy.md says what is and
 # is not verified.
 #   docker build -f images/trainer-sglang.Dockerfile --build-arg SGLANG=v0.5.23-cu129 \
@@ -14,7 +16,7 @@ ARG SGLANG=latest
 FROM lmsysorg/sglang:${SGLANG}
 ARG FA3_REF
 RUN test -n "${FA3_REF}" || (echo "set --build-arg FA3_REF (see the header)" && exit 1)
-RUN git clone https://github.com/Dao-AILab/flash-attention /tmp/flash-attention \
+RUN git clone https://github.com/sgl-project/sgl-attn /tmp/flash-attention \
     && cd /tmp/flash-attention && git checkout "${FA3_REF}" && cd hopper \
     && MAX_JOBS=8 pip install --no-cache-dir --no-build-isolation . \
     && rm -rf /tmp/flash-attention
