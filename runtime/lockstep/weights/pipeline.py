@@ -33,8 +33,8 @@ ExpertGather = Callable[[list[NamedTensor]], list[NamedTensor]]
 """Per-bucket hook: this rank's local experts -> the experts of every EP rank (EP x as many)."""
 
 # Suffixes of tensors that travel with their weight: FP8 block scales (`weight_scale_inv`), per-tensor
-# scales (`weight_scale`, `input_scale`) and any other `*_scale` next to a `.weight`.
-_SCALE_RE = re.compile(r"\.(weight_scale_inv|weight_scale|input_scale|[a-z_]*_scale)$")
+# scales (`weight_scale`, NVFP4's `weight_scale_2`, `input_scale`) and any other `*_scale` next to a `.weight`.
+_SCALE_RE = re.compile(r"\.(weight_scale_inv|weight_scale_2|weight_scale|input_scale|[a-z_]*_scale)$")
 _EXPERT_RE = re.compile(r"\.experts\.")
 # Separate q/k/v (and gate/up) projections that SGLang stacks into one fused parameter.
 _FUSED_RE = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.")
