@@ -229,16 +229,31 @@ class Recipe:
             shared = quant.group_amax([t[e]])
         return [(n, quant.quantize(w, self.scheme, shared)) for n, w in experts.split_one(name, t, e)]
 
+    def quantized_names(self, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> set[str]:
+        """The weights the recipe quantizes, by the names SGLang loads them under (a fused expert
+        tensor as its per-expert weights)."""
+        out: set[str] = set()
+        for n, s in shapes:
+            if not self.quantizes(n, s):
+                continue
+            x = experts.parse(n)
+            if x is not None and x.expert is None:
+                out |= {name for name, _ in experts.split(n, torch.empty(s, device="meta"))}
+            else:
+                out.add(n)
+        return out
+
     # -- stage 3: online export (trainer side) --------------------------------------------------
 
-    def export(
+    def quantized(
         self, named: Iterable[tuple[str, torch.Tensor]], shared_amax: dict[str, torch.Tensor] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each (HF name, tensor) as the engine loads it: quantized pairs in SGLang's layout (a fused
-        expert tensor as its experts' per-expert pairs), or as is.
+    ) -> Iterator[tuple[str, torch.Tensor | quant.Quantized]]:
+        """Each (HF name, tensor) of `named`, quantized where the recipe says (SGLang's per-expert
+        names for a fused expert tensor), else as is: the one path of export and conversion.
 
         shared_amax: NVFP4 group amax by fusion_key, when the caller computed it over the whole
-        checkpoint (convert_checkpoint: a group may straddle shards); else from consecutive tensors."""
+        checkpoint (convert_checkpoint: a group may straddle shards); else over the group's shards
+        in `named` (held back until all have passed)."""
         for run, amax in self._runs(named):
             for name, t in run:
                 if not self.quantizes(name, tuple(t.shape)):
@@ -247,8 +262,18 @@ class Recipe:
                 key = fusion_key(name)
                 if shared_amax is not None and key is not None and key in shared_amax:
                     amax = shared_amax[key]
-                for n, q in self._quantized_pairs(name, t, amax):
-                    yield from quant.to_checkpoint(n, q)
+                yield from self._quantized_pairs(name, t, amax)
+
+    def export(
+        self, named: Iterable[tuple[str, torch.Tensor]], shared_amax: dict[str, torch.Tensor] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each (HF name, tensor) as the engine loads it: quantized pairs in SGLang's layout (a fused
+        expert tensor as its experts' per-expert pairs), or as is (see `quantized`)."""
+        for name, x in self.quantized(named, shared_amax):
+            if isinstance(x, quant.Quantized):
+                yield from quant.to_checkpoint(name, x)
+            else:
+                yield name, x
 
     def served(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """What an engine holds after loading `export(named)`, under the names it holds them by:
