@@ -167,21 +167,28 @@ def test_precision_check_runs_the_five_steps_in_order(
     )
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 def test_precision_check_on_a_sharded_moe_checkpoint(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_checkpoint: Callable[[str], Path]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_checkpoint: Callable[[str], Path], precision: str
 ) -> None:
-    """A real HF-layout Qwen3-MoE (sharded, with an index): routed experts stay BF16 at every stage
-    (one `...mlp.experts` entry per MoE layer in ignored_layers), the attention is quantized."""
+    """A real HF-layout Qwen3-MoE (sharded, with an index): mxfp8 quantizes the routed experts per
+    expert at every stage (8 experts x 3 projections x 2 layers + 8 attention projections); fp8's
+    [128, 128] blocks do not fit its experts (I = 32, which SGLang's Fp8MoEMethod refuses), so they
+    stay BF16 at every stage (one `...mlp.experts` entry per MoE layer) and the attention is quantized."""
     doc = yaml.safe_load(FIXTURE.read_text())
     doc["spec"]["model"].update(checkpoint=str(hf_checkpoint("qwen3-moe")), family="qwen3")
-    doc["spec"]["rollout"]["precision"] = "fp8"
+    doc["spec"]["rollout"]["precision"] = precision
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     args = ["precision-check", str(manifest), "--cache-dir", str(tmp_path / "c"), "--samples", "2", "--json"]
     assert main(args) == 0
     steps = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and all(s["passed"] for s in steps), steps
-    assert "routed expert" in steps[1]["detail"] and steps[1]["metrics"]["quantized"] > 0
+    if precision == "mxfp8":
+        assert steps[1]["metrics"] == {"quantized": 56.0, "exceptions": 0.0}, steps[1]
+    else:
+        assert "routed experts: intermediate size 32" in steps[1]["detail"]
+        assert steps[1]["metrics"] == {"quantized": 8.0, "exceptions": 2.0}, steps[1]
 
 
 def test_precision_check_needs_a_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

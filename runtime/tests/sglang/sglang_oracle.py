@@ -262,3 +262,46 @@ def is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
     """Whether SGLang leaves the layer at `prefix` (its fused name, e.g. `...self_attn.qkv_proj`)
     unquantized under `ignored`; raises ValueError where SGLang does (a fused layer quantized in part)."""
     return bool(_layer_skipped()(prefix, ignored))
+
+
+# -- routed experts (FusedMoE) -------------------------------------------------------------------
+
+
+def _function_from(relative: str, name: str, owner: str | None = None, extra: tuple[str, ...] = ()) -> Any:
+    """A function of an installed sglang module compiled from its source (decorators dropped; a
+    method of class `owner` as a plain function), with the module-level functions `extra` it calls."""
+    import re
+
+    tree = ast.parse(source(relative).read_text())
+    scope: list[ast.stmt] = tree.body
+    if owner is not None:
+        scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner).body
+    fn = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    fn.decorator_list = []
+    helpers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in extra]
+    namespace: dict[str, Any] = {"List": list, "Tuple": tuple, "Optional": typing.Optional, "re": re,
+                                 "lru_cache": functools.lru_cache}  # fmt: skip
+    module = ast.Module(body=[*helpers, fn], type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), f"sglang:{relative}", "exec"), namespace)
+    return namespace[name]
+
+
+def expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
+    """SGLang's FusedMoE.make_expert_params_mapping(gate_proj, down_proj, up_proj, E), as Qwen3-MoE's
+    load_weights calls it: (param prefix, checkpoint name part, expert id, shard id)."""
+    fn = _function_from("srt/layers/moe/fused_moe_triton/layer.py", "make_expert_params_mapping", "FusedMoE")
+    return list(fn(None, "gate_proj", "down_proj", "up_proj", num_experts))
+
+
+def modelopt_excludes(prefix: str, exclude_modules: list[str]) -> bool:
+    """SGLang's ModelOptQuantConfig.is_layer_excluded: whether a ModelOpt checkpoint's
+    exclude_modules leave the layer at `prefix` (a FusedMoE's `...mlp.experts`) unquantized."""
+    import types
+
+    fn = _function_from(
+        "srt/layers/quantization/modelopt_quant.py",
+        "is_layer_excluded",
+        "ModelOptQuantConfig",
+        ("_compile_exclusion_pattern",),
+    )
+    return bool(fn(types.SimpleNamespace(exclude_modules=exclude_modules), prefix))
