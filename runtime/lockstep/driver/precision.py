@@ -87,7 +87,7 @@ def _quantizer(ctx: _Ctx) -> Check:
     """(1) export -> safetensors -> load gives bit-identical dequantized weights."""
     s = ctx.recipe.scheme
     bad, n = [], 0
-    for name, q in ctx.recipe.quantized(ctx.weights.items()):  # routed experts per expert
+    for name, q in ctx.recipe.quantized(ctx.weights.items()):  # expert weights per expert
         if not isinstance(q, quant.Quantized):
             continue
         n += 1
@@ -107,7 +107,7 @@ def _exceptions(ctx: _Ctx) -> Check:
     """(2) the same tensors stay BF16 at conversion, training forward, export and engine load."""
     r = ctx.recipe
     shapes = [(n, tuple(t.shape)) for n, t in ctx.weights.items()]
-    quantized = r.quantized_names(shapes)  # SGLang's names: routed experts per expert
+    quantized = r.quantized_names(shapes)  # SGLang's names: expert weights per expert
     kept = r.ignored(shapes)
     ctx.served_dir = convert_checkpoint(ctx.model_dir, ctx.work / "served", r)  # stage 1
     config = json.loads((ctx.served_dir / "config.json").read_text())["quantization_config"]

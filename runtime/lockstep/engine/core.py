@@ -240,7 +240,7 @@ class ReferenceEngine:
         # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
         self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
         self._aliases: dict[str, torch.Tensor] = experts.views(self._params)
-        """Names an update may also use, onto live storage: routed experts per expert and projection
+        """Names an update may also use, onto live storage: expert weights per expert and projection
         (SGLang's names, views into the fused 3-D parameters) and, NVFP4, each layer's input_scale."""
         self.scheme: Scheme | None = None
         """The serving weight format when the checkpoint was quantized (weights arrive quantized and

@@ -1,6 +1,6 @@
-"""Routed experts, per expert: the two layouts of one MoE layer's experts and the forward over them.
+"""Expert weights, per expert: the two layouts of one MoE layer's experts and the forward over them.
 
-Why it exists: a MoE layer's routed experts have two layouts. On disk (HF hub checkpoints) and in
+Why it exists: a MoE layer's expert weights have two layouts. On disk (HF hub checkpoints) and in
 SGLang's loader they are 2-D weights per expert and projection, `<layer>.experts.<e>.gate_proj.weight`
 [I, H], `up_proj` [I, H], `down_proj` [H, I]; SGLang's FusedMoE maps those names onto its fused
 `w13_weight` / `w2_weight` (and `<name>_scale_inv`, `_scale`, `_scale_2`, `input_scale` onto the
@@ -36,7 +36,7 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True, slots=True)
 class ExpertTensor:
-    """What a routed-expert tensor name says: its MoE layer, and expert and projection when per-expert."""
+    """What a expert tensor name says: its MoE layer, and expert and projection when per-expert."""
 
     layer: str
     """The MoE layer's experts module (`model.layers.3.mlp.experts`: SGLang's FusedMoE prefix)."""
@@ -58,7 +58,7 @@ class ExpertTensor:
 
 
 def parse(name: str) -> ExpertTensor | None:
-    """The routed-expert tensor `name` names, or None (dense weights, shared experts, routers)."""
+    """The expert tensor `name` names, or None (dense weights, shared experts, routers)."""
     m = PER_EXPERT.match(name)
     if m:
         return ExpertTensor(m["layer"], int(m["e"]), m["proj"])

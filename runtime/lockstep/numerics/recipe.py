@@ -14,13 +14,13 @@ spec.model.bf16Modules) decides, by tensor name and shape, and every stage asks 
 compares checksums against it (the quantization error is allowed, but only the quantizer's own).
 
 What is quantized: 2-D linear layer weights (`*_proj.weight`, MLA's `kv_a_proj_with_mqa`, the DSA
-indexer's `wq_b` / `wk`: LINEAR) and routed experts, per expert and projection (lockstep.numerics.experts:
+indexer's `wq_b` / `wk`: LINEAR) and expert weights, per expert and projection (lockstep.numerics.experts:
 the trainer's fused 3-D tensors are split into SGLang's per-expert names); embeddings, norms, routers
 and lm_head stay in the checkpoint dtype, as in SGLang's FP8 checkpoints, and so do the linear layers
 SGLang builds unquantized (UNQUANTIZED). A projection is an exception when a bf16Modules pattern
 matches its module name (fnmatch) or that of a projection SGLang fuses it with (q/k/v, gate/up:
 FUSED_SHARDS), or when its contraction axis is not a whole number of blocks (MXFP8: 32, NVFP4: 16).
-A MoE layer's routed experts are one layer to SGLang (FusedMoE: quantized or skipped whole), so they
+A MoE layer's expert weights are one layer to SGLang (FusedMoE: quantized or skipped whole), so they
 are decided together (`_decide_experts`): BF16 when a pattern matches the layer (`...mlp.experts`) or
 an expert projection with the expert index written `*` (`...mlp.experts.*.down_proj`), or when
 their sizes break SGLang's MoE loaders (I or H not a whole number of MXFP8/NVFP4 blocks; fp8: I not
@@ -152,7 +152,7 @@ class Recipe:
         return Decision(True, "quantized")
 
     def _decide_experts(self, layer: str, inter: int, hidden: int) -> Decision:
-        """One MoE layer's routed experts (I = inter, H = hidden), decided whole (see the module doc)."""
+        """One MoE layer's expert weights (I = inter, H = hidden), decided whole (see the module doc)."""
         names = [layer] + [f"{layer}.*.{p}" for p in experts.PROJECTIONS]
         for pattern in self.bf16_modules:
             if any(fnmatch.fnmatchcase(n, pattern) for n in names):
@@ -164,13 +164,13 @@ class Recipe:
             if inter % bn:
                 return Decision(
                     False,
-                    f"routed experts: intermediate size {inter} is not a multiple of the fp8 block's "
+                    f"expert weights: intermediate size {inter} is not a multiple of the fp8 block's "
                     f"{bn} rows (SGLang's Fp8MoEMethod refuses it)",
                 )
         elif inter % bk or hidden % bk:
             return Decision(
                 False,
-                f"routed experts: sizes I={inter}, H={hidden} are not multiples of the {bk}-wide blocks",
+                f"expert weights: sizes I={inter}, H={hidden} are not multiples of the {bk}-wide blocks",
             )
         return Decision(True, "quantized")
 
@@ -297,7 +297,7 @@ class Recipe:
     # -- stage 2: training forward --------------------------------------------------------------
 
     def install_training(self, model: Any) -> list[str]:
-        """Make the model's quantized linear layers and routed experts compute with
+        """Make the model's quantized linear layers and expert weights compute with
         fake_quantize(weight) (gradients pass straight through to the full-precision weight), NVFP4
         also with fake-quantized inputs (w4a4, `install_activations` with NVFP4_INPUT_SCALE); returns
         the module names it covered.

@@ -187,7 +187,7 @@ def test_precision_check_on_a_sharded_moe_checkpoint(
     if precision == "mxfp8":
         assert steps[1]["metrics"] == {"quantized": 56.0, "exceptions": 0.0}, steps[1]
     else:
-        assert "routed experts: intermediate size 32" in steps[1]["detail"]
+        assert "expert weights: intermediate size 32" in steps[1]["detail"]
         assert steps[1]["metrics"] == {"quantized": 8.0, "exceptions": 2.0}, steps[1]
 
 
