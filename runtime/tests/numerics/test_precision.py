@@ -132,6 +132,23 @@ def test_mxfp8_train_and_serve_with_true_on_policy_is_exact(tmp_path: Path) -> N
     assert [r["train_rollout_logprob_abs_diff"] for r in rows] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("transport", ["auto", "broadcast"])
+def test_mxfp8_rollout_of_a_moe_model_with_quantized_experts_runs_end_to_end(tmp_path: Path, transport: str) -> None:
+    """builtin:tiny-moe, experts quantized per expert: each update splits the trainer's fused expert
+    tensors into SGLang's per-expert pairs, the engine writes them into its fused experts, and the
+    pre-flight finds every engine tensor equal to the served view."""
+    rows = _run(
+        tmp_path,
+        {
+            "spec.model.checkpoint": "builtin:tiny-moe",
+            "spec.rollout.precision": "mxfp8",
+            "spec.weightSync": {"transport": transport, "checkWeightUpdateEqual": True},
+        },
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0.0 < r["train_rollout_logprob_abs_diff"] < 0.1 for r in rows), rows
+
+
 def test_fp8_rollout_over_broadcast_runs_end_to_end(tmp_path: Path) -> None:
     """Quantized pushes travel over the broadcast transport (gloo here) too, pre-flight included."""
     rows = _run(
