@@ -113,12 +113,17 @@ ActView = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(slots=True)
 class ExpertsHooks:
-    """What the experts forward passes its weights and inputs through (identity when None)."""
+    """What the experts forward passes its weights and inputs through (identity when None), and the
+    kernels it computes with (torch's when None)."""
 
     gate_up: WeightView | None = None
     down: WeightView | None = None
     gate_up_input: ActView | None = None
     down_input: ActView | None = None
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """x [n, in], w [out, in] -> x w^T: the batch-invariant kernel under true on-policy."""
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The activation of the gate (the module's act_fn when None)."""
 
 
 HOOKS_ATTR = "_lockstep_experts_hooks"
@@ -154,10 +159,80 @@ def _forward(
             w2 = hooks.down(w2)
         if hooks.gate_up_input is not None:
             x = hooks.gate_up_input(x)
-        gate, up = torch.nn.functional.linear(x, w13).chunk(2, dim=-1)
-        h = m.act_fn(gate) * up
+        linear = hooks.linear or torch.nn.functional.linear
+        gate, up = linear(x, w13).chunk(2, dim=-1)
+        h = (hooks.act or m.act_fn)(gate) * up
         if hooks.down_input is not None:
             h = hooks.down_input(h)
-        y = torch.nn.functional.linear(h, w2) * top_k_weights[token, pos, None]
+        y = linear(h, w2) * top_k_weights[token, pos, None]
+        # each token gets its experts' outputs added in expert order, whatever else the batch holds
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+# ----------------------------------------------------------------------- true on-policy (MoE)
+
+GATES_AT_ATTR = "_lockstep_gates_at"
+"""A router may carry `gates_at(logits, ids) -> gate values`: the gate values its forward computes,
+at given experts (R3 replay computes the replayed experts' gates with it)."""
+
+
+def is_topk_softmax_router(router: Any) -> bool:
+    """transformers' Qwen3-MoE router (softmax over the experts, top-k, optional renormalisation):
+    the one the exact MoE path rebuilds (GLM's sigmoid / grouped routers are not)."""
+    return type(router).__name__.endswith("TopKRouter") and hasattr(router, "norm_topk_prob")
+
+
+def install_exact(model: Any, linear: Callable[..., torch.Tensor], exp: Callable[..., torch.Tensor],
+                  rowsum: Callable[..., torch.Tensor], silu: Callable[..., torch.Tensor]) -> int:  # fmt: skip
+    """True on-policy for MoE blocks (router + experts, transformers >= 5): every router computes
+    its logits with the batch-invariant `linear`, its softmax with `exp` and `rowsum` (each row's
+    value independent of the rows beside it), its top-k exactly; the experts run `_forward` on the
+    same kernels. Each token's output is then a function of that token alone, so the engine's
+    decode and the trainer's packed batch give the same bits (lockstep.numerics.exact calls this
+    with its kernels). Returns the MoE blocks covered; raises NotImplementedError for a router or
+    experts module this does not rebuild."""
+    n = 0
+    for module in model.modules():
+        router, experts_module = getattr(module, "gate", None), getattr(module, "experts", None)
+        if router is None or experts_module is None or not hasattr(router, "top_k"):
+            continue
+        if not is_topk_softmax_router(router) or not hasattr(experts_module, "gate_up_proj"):
+            raise NotImplementedError(
+                f"{type(module).__name__}: true on-policy covers Qwen3-MoE-style blocks (softmax top-k "
+                f"router, fused experts); {type(router).__name__} is not one; set spec.algorithm.trueOnPolicy to false"
+            )
+        if any(hasattr(module, a) for a in ("shared_expert", "shared_experts")):
+            raise NotImplementedError(
+                f"{type(module).__name__}: true on-policy does not cover shared experts yet"
+            )
+        _install_exact_router(router, linear, exp, rowsum)
+        hooks = getattr(experts_module, HOOKS_ATTR, None) or ExpertsHooks()
+        hooks.linear = lambda x, w: linear(x, w, None)
+        hooks.act = silu
+        install_forward(experts_module, hooks)
+        n += 1
+    return n
+
+
+def _install_exact_router(router: Any, linear: Callable[..., torch.Tensor], exp: Callable[..., torch.Tensor],
+                          rowsum: Callable[..., torch.Tensor]) -> None:  # fmt: skip
+    def probs_of(logits: torch.Tensor) -> torch.Tensor:
+        z = logits.float()
+        e = exp(z - z.amax(dim=-1, keepdim=True))
+        return e / rowsum(e)
+
+    def normalise(gates: torch.Tensor) -> torch.Tensor:
+        return gates / rowsum(gates) if router.norm_topk_prob else gates
+
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = hidden.reshape(-1, router.hidden_dim)
+        logits = linear(h, router.weight, None)  # [N, E]
+        top, ids = torch.topk(probs_of(logits), router.top_k, dim=-1)
+        return logits, normalise(top).to(logits.dtype), ids
+
+    def gates_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return normalise(probs_of(logits).gather(1, ids)).to(logits.dtype)
+
+    router.forward = forward
+    setattr(router, GATES_AT_ATTR, gates_at)

@@ -133,7 +133,9 @@ def test_mxfp8_train_and_serve_with_true_on_policy_is_exact(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast"])
-def test_mxfp8_rollout_of_a_moe_model_with_quantized_experts_runs_end_to_end(tmp_path: Path, transport: str) -> None:
+def test_mxfp8_rollout_of_a_moe_model_with_quantized_experts_runs_end_to_end(
+    tmp_path: Path, transport: str
+) -> None:
     """builtin:tiny-moe, experts quantized per expert: each update splits the trainer's fused expert
     tensors into SGLang's per-expert pairs, the engine writes them into its fused experts, and the
     pre-flight finds every engine tensor equal to the served view."""
