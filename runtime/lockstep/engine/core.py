@@ -401,6 +401,19 @@ class ReferenceEngine:
         persistent buffers."""
         return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
+    def update_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of every tensor a full weight update carries: the weights as held, but for a
+        quantized engine its quantized weights and scales in the converted checkpoint's layout (a
+        fused expert tensor whose experts arrive per expert is not sent itself)."""
+        held = self.named_weights()
+        per_expert = {
+            n for n, t in held.items() if experts.parse(n) and t.dim() == 3
+            and all(e in self.quantized_layout for e, _ in experts.split(n, t))
+        }  # fmt: skip
+        skip = set(self.quantized_layout) | per_expert
+        out = {n: (t.dtype, tuple(t.shape)) for n, t in held.items() if n not in skip}
+        return out | self.quantized_layout
+
     @torch.no_grad()
     def stage_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False, owned: bool = False
