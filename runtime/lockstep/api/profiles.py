@@ -52,9 +52,7 @@ class Profile:
     sglang_args: tuple[str, ...] = SGLANG_TRUE_ON_POLICY_ARGS
     """Arguments appended to `python -m sglang.launch_server` for this profile."""
     dense_only: bool = True
-    """MoE checkpoints of the family are refused at start (no batch-invariant expert dispatch).
-    Informational: the refusal itself is lockstep.numerics.exact.apply's, which covers Qwen3-MoE-style
-    blocks (the tiny family's builtin:tiny-moe) and refuses the others."""
+    """MoE checkpoints of the family are refused at start (no batch-invariant expert dispatch)."""
 
     def covers(self, family: str, variant: str | None) -> bool:
         return family == self.family and (self.variants is None or variant in self.variants)
