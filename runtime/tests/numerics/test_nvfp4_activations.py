@@ -125,9 +125,10 @@ def test_an_engine_refuses_an_nvfp4_update_without_its_input_scale(tmp_path: Pat
 def test_nvfp4_train_and_serve_quantizes_activations_on_both_sides(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`lockstep precision-check` on builtin:tiny-moe in NVFP4 (trainer and engines): the trainer's
-    forward quantizes the same activations as the engine, so the served-view trainer and the engine
-    agree to kernel noise on the sampled tokens (without the trainer's half they are ~1e-2 apart)."""
+    """`lockstep precision-check` on builtin:tiny-moe in NVFP4 (trainer and engines) with true
+    on-policy: the trainer's forward quantizes the same weights and activations as the engine, on the
+    same kernels, so the logprobs of the sampled tokens are equal to the bit (without the trainer's
+    activation quantization they are ~1e-2 apart)."""
     import json
 
     import yaml
@@ -136,6 +137,7 @@ def test_nvfp4_train_and_serve_quantizes_activations_on_both_sides(
     doc = yaml.safe_load((Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml").read_text())
     doc["spec"]["model"]["checkpoint"] = "builtin:tiny-moe"
     doc["spec"]["rollout"]["precision"] = doc["spec"]["trainer"]["precision"] = "nvfp4"
+    doc["spec"]["algorithm"]["trueOnPolicy"] = True
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     args = ["precision-check", str(manifest), "--cache-dir", str(tmp_path / "c"), "--samples", "2", "--json"]
@@ -143,4 +145,5 @@ def test_nvfp4_train_and_serve_quantizes_activations_on_both_sides(
     steps = json.loads(capsys.readouterr().out)
     assert all(s["passed"] for s in steps), steps
     assert steps[1]["metrics"]["quantized"] == 56.0  # 8 attention projections + 2 x 8 x 3 expert weights
-    assert steps[3]["metrics"]["served_view_max_abs_diff"] < 1e-5
+    assert steps[3]["metrics"]["served_view_max_abs_diff"] == 0.0
+    assert steps[3]["metrics"]["train_rollout_logprob_abs_diff"] == 0.0
