@@ -305,3 +305,39 @@ def modelopt_excludes(prefix: str, exclude_modules: list[str]) -> bool:
         ("_compile_exclusion_pattern",),
     )
     return bool(fn(types.SimpleNamespace(exclude_modules=exclude_modules), prefix))
+
+
+def moe_parameter_shapes(relative: str, cls: str, param: str, env: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The shapes SGLang's MoE method `cls` creates parameter `param` with, one per create_weights
+    branch whose size expressions `env` can evaluate (the positional arguments of the torch.empty /
+    ones / zeros / scale_init call that allocates it, read from the installed source)."""
+    tree = ast.parse(source(relative).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    variables = {
+        call.args[1].id
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "register_parameter" and len(call.args) == 2
+        and isinstance(call.args[0], ast.Constant) and call.args[0].value == param
+        and isinstance(call.args[1], ast.Name)
+    }  # fmt: skip
+    allocators = {"empty", "ones", "zeros", "scale_init"}
+    shapes: list[tuple[int, ...]] = []
+    for assign in ast.walk(node):
+        if not (
+            isinstance(assign, ast.Assign)
+            and any(getattr(t, "id", None) in variables for t in assign.targets)
+        ):
+            continue
+        for call in ast.walk(assign.value):
+            name = (
+                getattr(call.func, "attr", getattr(call.func, "id", "")) if isinstance(call, ast.Call) else ""
+            )
+            if name in allocators:
+                try:
+                    shapes.append(tuple(int(eval(compile(ast.Expression(a), "sglang", "eval"), {}, env))
+                                        for a in call.args))  # type: ignore[arg-type]  # fmt: skip
+                except (NameError, AttributeError, TypeError):
+                    pass
+                break
+    return shapes

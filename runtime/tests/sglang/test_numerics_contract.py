@@ -23,6 +23,7 @@ from sglang_oracle import (
     expert_params_mapping,
     is_layer_skipped,
     modelopt_excludes,
+    moe_parameter_shapes,
     parse_server_args,
     require_pinned_sglang,
     source,
@@ -258,3 +259,42 @@ def test_sglang_skips_exactly_the_moe_layers_we_keep_bf16(fmt: Format, pattern: 
             skipped = is_layer_skipped(prefix, qc["ignored_layers"])
         quantized = any(n.startswith(f"{prefix}.0.gate_proj.weight_scale") for n in tensors)
         assert quantized != skipped, (prefix, pattern, qc)
+
+
+@pytest.mark.parametrize("fmt", list(MOE_SCHEMES))
+def test_our_expert_weights_fill_sglangs_moe_parameters_exactly(fmt: Format, tmp_path: Path) -> None:
+    """Stacked SGLang's way (per expert, gate rows then up rows into w13), the weights and block
+    scales we export have the shapes SGLang's MoE method allocates for them, evaluated from its
+    create_weights source with the tiny MoE's sizes."""
+    import types
+
+    import torch
+    from lockstep.numerics.recipe import Recipe
+
+    _, base = _tiny_moe(tmp_path)
+    layer, num_experts, inter, hidden = "model.layers.0.mlp.experts", 8, 32, 64
+    scheme = MOE_SCHEMES[fmt]
+    exported = dict(Recipe(scheme).export(base.items()))  # type: ignore[arg-type]
+    env = {
+        "num_experts": num_experts, "hidden_size": hidden, "intermediate_size_per_partition": inter,
+        "w13_num_shards": 2, "num_shards": 2, "w13_up_dim": 2 * inter, "w2_up_dim": inter,
+        "block_n": scheme.block[0], "block_k": scheme.block[1],
+        "layer": types.SimpleNamespace(num_local_experts=num_experts),
+        "self": types.SimpleNamespace(quant_config=types.SimpleNamespace(group_size=16)),
+    }  # fmt: skip
+    relative, cls = MOE_METHODS[fmt]
+    suffixes = {
+        n.removeprefix(f"{layer}.0.gate_proj.") for n in exported if n.startswith(f"{layer}.0.gate_proj.")
+    }
+    checked = 0
+    for suffix in sorted(suffixes):
+        if exported[f"{layer}.0.gate_proj.{suffix}"].dim() < 2:
+            continue  # per-tensor scales (weight_scale_2, input_scale) load into per-expert slots
+        w13 = torch.stack([torch.cat([exported[f"{layer}.{e}.{p}.{suffix}"] for p in ("gate_proj", "up_proj")])
+                           for e in range(num_experts)])  # fmt: skip
+        w2 = torch.stack([exported[f"{layer}.{e}.down_proj.{suffix}"] for e in range(num_experts)])
+        for prefix, fused in (("w13_", w13), ("w2_", w2)):
+            shapes = moe_parameter_shapes(relative, cls, prefix + suffix, env)
+            assert tuple(fused.shape) in shapes, (prefix + suffix, tuple(fused.shape), shapes)
+            checked += 1
+    assert checked == 4  # weight and its block scale, for w13 and w2
