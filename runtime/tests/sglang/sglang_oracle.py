@@ -13,6 +13,7 @@ be imported here (its imports reach torchvision and CUDA kernels), so it is read
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -334,10 +335,9 @@ def moe_parameter_shapes(relative: str, cls: str, param: str, env: dict[str, Any
                 getattr(call.func, "attr", getattr(call.func, "id", "")) if isinstance(call, ast.Call) else ""
             )
             if name in allocators:
-                try:
+                # a branch whose sizes need names env lacks (another variant) is not this one
+                with contextlib.suppress(NameError, AttributeError, TypeError):
                     shapes.append(tuple(int(eval(compile(ast.Expression(a), "sglang", "eval"), {}, env))
                                         for a in call.args))  # type: ignore[arg-type]  # fmt: skip
-                except (NameError, AttributeError, TypeError):
-                    pass
                 break
     return shapes
