@@ -120,7 +120,7 @@ class Recipe:
         for pattern in self.bf16_modules:
             if ONE_EXPERT.search(pattern):
                 raise ValueError(
-                    f"bf16Modules pattern {pattern!r} names one routed expert; SGLang quantizes a MoE "
+                    f"spec.model.bf16Modules: {pattern!r} names one expert; SGLang quantizes a MoE "
                     "layer's experts as one FusedMoE: name the layer (`model.layers.N.mlp.experts`) or "
                     "every expert (`*.experts.*.down_proj`)"
                 )

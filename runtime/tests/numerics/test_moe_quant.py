@@ -128,7 +128,9 @@ def test_an_expert_exception_keeps_its_whole_moe_layer_bf16_at_all_four_stages(
 
 
 def test_a_pattern_naming_one_expert_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"names one routed expert.*model.layers.N.mlp.experts"):
+    with pytest.raises(
+        ValueError, match=r"spec.model.bf16Modules.*names one expert.*model.layers.N.mlp.experts"
+    ):
         Recipe(SCHEMES[Format.FP8], ("model.layers.0.mlp.experts.3.down_proj",))
 
 
