@@ -402,16 +402,15 @@ class ReferenceEngine:
         return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
     def update_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """(dtype, shape) of every tensor a full weight update carries: the weights as held, but for a
-        quantized engine its quantized weights and scales in the converted checkpoint's layout (a
-        fused expert tensor whose experts arrive per expert is not sent itself)."""
-        held = self.named_weights()
-        per_expert = {
-            n for n, t in held.items() if experts.parse(n) and t.dim() == 3
-            and all(e in self.quantized_layout for e, _ in experts.split(n, t))
-        }  # fmt: skip
-        skip = set(self.quantized_layout) | per_expert
-        out = {n: (t.dtype, tuple(t.shape)) for n, t in held.items() if n not in skip}
+        """(dtype, shape) of every tensor a full weight update carries, by SGLang's names: the weights
+        as held, fused expert tensors as their per-expert weights (the weight pipeline sends them
+        so), and for a quantized engine its quantized weights and scales in the converted
+        checkpoint's layout."""
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for n, t in self.named_weights().items():
+            x = experts.parse(n)
+            parts = experts.split(n, t) if x is not None and x.expert is None and t.dim() == 3 else [(n, t)]
+            out.update({p: (v.dtype, tuple(v.shape)) for p, v in parts})
         return out | self.quantized_layout
 
     @torch.no_grad()

@@ -66,7 +66,20 @@ def is_expert(name: str) -> bool:
 
 
 def identity_converter(name: str, tensor: torch.Tensor) -> list[NamedTensor]:
-    """The converter for backends that already hold HF names and layout (FSDP2)."""
+    """The identity: for backends whose converter already emits SGLang's names and layout."""
+    return [(name, tensor)]
+
+
+def hf_converter(name: str, tensor: torch.Tensor) -> list[NamedTensor]:
+    """The converter for backends holding transformers' names and layout (FSDP2): the identity, but
+    a fused 3-D expert tensor (`...mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
+    transformers >= 5) leaves as its per-expert weights (`...mlp.experts.<e>.gate_proj.weight`,
+    views), the names SGLang's MoE load_weights maps onto its FusedMoE (a fused name it drops)."""
+    from lockstep.numerics import experts
+
+    x = experts.parse(name)
+    if x is not None and x.expert is None and tensor.dim() == 3:
+        return list(experts.split(name, tensor))
     return [(name, tensor)]
 
 
@@ -167,7 +180,7 @@ def prepare_buckets(
     config: PipelineConfig | None = None,
     *,
     gather: Gather = gather_full,
-    convert: Converter = identity_converter,
+    convert: Converter = hf_converter,
     expert_gather: ExpertGather | None = None,
 ) -> Iterator[Bucket]:
     """The whole pipeline: gather -> convert -> size-bounded buckets, dense first then experts.

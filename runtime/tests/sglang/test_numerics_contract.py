@@ -298,3 +298,16 @@ def test_our_expert_weights_fill_sglangs_moe_parameters_exactly(fmt: Format, tmp
             assert tuple(fused.shape) in shapes, (prefix + suffix, tuple(fused.shape), shapes)
             checked += 1
     assert checked == 4  # weight and its block scale, for w13 and w2
+
+
+def test_every_expert_tensor_a_bf16_update_carries_is_one_sglangs_moe_loader_takes(tmp_path: Path) -> None:
+    """Without a low-precision recipe too: the weight pipeline of every bucketed transport (broadcast,
+    cuda-ipc, p2p) sends the trainer's fused expert tensors under SGLang's per-expert names (a fused
+    name would be dropped by SGLang's Qwen3-MoE load_weights without a word)."""
+    from lockstep.weights.pipeline import prepare_buckets
+
+    _, base = _tiny_moe(tmp_path)
+    names = [n for b in prepare_buckets(base.items()) for n in b.names if ".experts." in n]  # type: ignore[arg-type]
+    mapping = expert_params_mapping(8)
+    assert len(names) == 2 * 8 * 3
+    assert all(_sglang_expert_param(n, mapping) is not None for n in names), names[:4]

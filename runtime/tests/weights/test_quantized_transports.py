@@ -158,3 +158,21 @@ def test_every_transport_carries_quantized_expert_weights_per_expert(
     finally:
         transport.close()
         server.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_every_transport_carries_bf16_expert_weights_per_expert(
+    kind: str, moe_served: tuple[Recipe, Path, Path], tmp_path: Path
+) -> None:
+    """No recipe: the bucketed transports send the fused expert tensors under SGLang's per-expert
+    names too (the pipeline's hf_converter), and a BF16 engine writes them into its fused experts."""
+    _, src, _ = moe_served
+    server = EngineServer(src, allow_tensor_updates=True)
+    transport = _transport(kind, server.url, tmp_path, src)
+    try:
+        named = export(trainer_model(src, seed=3))
+        transport.update_weights(named, 1)
+        _holds(server, dict(named), 1)
+    finally:
+        transport.close()
+        server.close()
