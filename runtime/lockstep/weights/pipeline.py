@@ -3,9 +3,9 @@
 Why it exists: a weight update has two jobs, preparing serving-ready tensors from the trainer's sharded
 layout and moving them. Preparing is the same for broadcast, CUDA IPC, disk-delta and P2P, so it is
 done once here: gather a shard into the full tensor, convert trainer names and layout to HF/SGLang's
-(for FSDP the identity, but fused expert tensors leave per expert), and fill size-bounded buckets in which an atomic unit (a weight and its
-scale, a fused group) never straddles two buckets; routed experts get their own buckets sized for the
-EP gather. docs/weights.md ("One pipeline, four transports") spells it out.
+(for FSDP the identity, but fused expert tensors leave per expert), and fill size-bounded buckets in
+which an atomic unit (a weight and its scale, a fused group) never straddles two buckets; routed
+experts get their own buckets sized for the EP gather. docs/weights.md ("One pipeline, four transports") spells it out.
 
 Who calls it: the transports (broadcast.py, ipc.py, p2p.py) and the disk-delta publisher; pure apart
 from the gather hooks, golden-tested in runtime/tests/weights.
