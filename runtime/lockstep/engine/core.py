@@ -977,5 +977,10 @@ def _load_quantized(
     mismatched = sorted({str(m[0]) for m in info.get("mismatched_keys") or ()} - loaded)
     if missing or mismatched:
         raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join((missing + mismatched)[:5])}")
-    input_scales = {n: tensors[n].float().reshape(()) for n in layout if n.endswith(".input_scale")}
+    # NVFP4 is w4a4 with each layer's input_scale; a checkpoint without one gets SGLang's default (1.0)
+    input_scales = {
+        f"{name.removesuffix('.weight')}.input_scale": q.input_scale.float().reshape(())
+        for name, q in units
+        if q.input_scale is not None
+    }
     return layout, input_scales

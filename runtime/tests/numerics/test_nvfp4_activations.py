@@ -147,3 +147,23 @@ def test_nvfp4_train_and_serve_quantizes_activations_on_both_sides(
     assert steps[1]["metrics"]["quantized"] == 56.0  # 8 attention projections + 2 x 8 x 3 expert weights
     assert steps[3]["metrics"]["served_view_max_abs_diff"] == 0.0
     assert steps[3]["metrics"]["train_rollout_logprob_abs_diff"] == 0.0
+
+
+def test_an_nvfp4_checkpoint_without_input_scales_is_served_w4a4_under_sglangs_default(
+    tmp_path: Path,
+) -> None:
+    """A ModelOpt checkpoint that carries no input_scale: SGLang quantizes the activations under its
+    parameter's fill value 1.0, and so does the reference engine."""
+    src = materialize_builtin("builtin:tiny", tmp_path / "src", seed=0)
+    served_dir = convert_checkpoint(src, tmp_path / "served", Recipe(NVFP4))
+    ids = torch.tensor([[3, 10, 20, 30, 40, 50]])
+    with torch.no_grad():
+        want = ReferenceEngine.load(served_dir, context_length=64).model(ids).logits
+    tensors = load_file(str(served_dir / "model.safetensors"))
+    save_file(
+        {n: t for n, t in tensors.items() if not n.endswith(".input_scale")},
+        str(served_dir / "model.safetensors"),
+    )
+    with torch.no_grad():
+        got = ReferenceEngine.load(served_dir, context_length=64).model(ids).logits
+    assert float((got - want).abs().max()) < 1e-5  # (two engine instances: CPU BLAS noise at most)
