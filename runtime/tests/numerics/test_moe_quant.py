@@ -143,13 +143,15 @@ def test_fp8_experts_whose_size_sglang_cannot_block_stay_bf16(moe_dir: Path) -> 
     assert Recipe(Scheme.of(Format.FP8, (32, 128))).quantizes(f"{LAYER0}.2.down_proj.weight", (64, 32))
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "glm5"])
 def test_an_hf_per_expert_checkpoint_serves_the_trainers_served_view(
-    tmp_path: Path, hf_checkpoint: Callable[[str], Path]
+    tmp_path: Path, hf_checkpoint: Callable[[str], Path], family: str
 ) -> None:
-    """A sharded HF Qwen3-MoE (per-expert names on disk, gate and up of one expert possibly in two
-    shards) in NVFP4: the engine holds exactly what the trainer's fused tensors quantize to, and
-    each expert's gate and up carry one weight_scale_2 (SGLang keeps the gate's for w13)."""
-    src = hf_checkpoint("qwen3-moe")
+    """A sharded HF Qwen3-MoE or GLM-5 (per-expert names on disk, gate and up of one expert possibly
+    in two shards; GLM-5 with shared experts and MLA) in NVFP4: the engine holds exactly what the
+    trainer's fused tensors quantize to, and each expert's gate and up carry one weight_scale_2
+    (SGLang keeps the gate's for w13)."""
+    src = hf_checkpoint(family)
     recipe = Recipe(SCHEMES[Format.NVFP4])
     served_dir = convert_checkpoint(src, tmp_path / "served", recipe)
     converted: dict[str, torch.Tensor] = {}
