@@ -405,7 +405,8 @@ def _fake_quant_forward(module: Any, scheme: Scheme, siblings: list[Any]) -> Non
 
 def install_activations(model: Any, scales: dict[str, torch.Tensor]) -> list[str]:
     """NVFP4 w4a4 (SGLang's modelopt_fp4): every layer with an input scale in `scales` quantizes its
-    input (`quant.fake_quantize_activation`) before its matmul: a Linear `<module>.input_scale`, a
+    input (`quant.fake_quantize_activation`) before its matmul: a Linear under `<module>.input_scale`
+    (the max over the shards of the fused layer it belongs to, as SGLang's ModelOpt linear layer), a
     MoE layer its experts' gate/up inputs under the max of their `<layer>.<e>.{gate,up}_proj.input_scale`
     and their down inputs under the max of the `down_proj` ones (SGLang's cutlass / TRT-LLM MoE
     take the layer's max). The scales are read at each call, so an engine that receives new ones
@@ -414,9 +415,14 @@ def install_activations(model: Any, scales: dict[str, torch.Tensor]) -> list[str
     covered = []
     for mname, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and f"{mname}.input_scale" in scales:
-            s = scales[f"{mname}.input_scale"]
+            # one fused layer (q/k/v, gate/up) quantizes its one input under the max of its shards'
+            group = [f"{n.removesuffix('.weight')}.input_scale" for n in _group_members(f"{mname}.weight")]
+            shard_scales = [scales[n] for n in sorted(group) if n in scales]
             module.register_forward_pre_hook(
-                lambda _m, args, s=s: (_FakeQuantActivation.apply(args[0], s), *args[1:])
+                lambda _m, args, ss=shard_scales: (
+                    _FakeQuantActivation.apply(args[0], torch.stack(ss).amax()),
+                    *args[1:],
+                )
             )
             covered.append(mname)
         elif _is_experts(module) and f"{mname}.0.gate_proj.input_scale" in scales:

@@ -167,3 +167,23 @@ def test_an_nvfp4_checkpoint_without_input_scales_is_served_w4a4_under_sglangs_d
     with torch.no_grad():
         got = ReferenceEngine.load(served_dir, context_length=64).model(ids).logits
     assert float((got - want).abs().max()) < 1e-5  # (two engine instances: CPU BLAS noise at most)
+
+
+def test_a_fused_layer_quantizes_its_input_under_the_max_of_its_shards_input_scales(tmp_path: Path) -> None:
+    """SGLang's ModelOptFp4LinearMethod keeps one input scale per fused layer (qkv_proj: the max of
+    q's, k's and v's); a checkpoint whose shards carry different ones is served that way here too."""
+    src = materialize_builtin("builtin:tiny", tmp_path / "src", seed=0)
+    served_dir = convert_checkpoint(src, tmp_path / "served", Recipe(NVFP4))
+    tensors = load_file(str(served_dir / "model.safetensors"))
+    attn = "model.layers.0.self_attn"
+    for proj, s in (("q_proj", 0.3), ("k_proj", 1.7), ("v_proj", 0.6)):  # not powers of 2 apart
+        tensors[f"{attn}.{proj}.input_scale"] = torch.tensor(s)
+    save_file(tensors, str(served_dir / "model.safetensors"))
+    engine = ReferenceEngine.load(served_dir, context_length=64)
+    q = dict(engine.model.named_modules())[f"{attn}.q_proj"]
+    x = torch.randn(3, 64) * 4
+    with torch.no_grad():
+        got = q(x)
+        want = torch.nn.functional.linear(fake_quantize_activation(x, 1.7), q.weight)
+        own = torch.nn.functional.linear(fake_quantize_activation(x, 0.3), q.weight)
+    assert torch.equal(got, want) and not torch.equal(got, own)
