@@ -375,15 +375,6 @@ RULES: Final[tuple[Rule, ...]] = (
         "or remove stopAtLoss",
     ),
     Rule(
-        "kl-reference-after-warm-start",
-        AlgorithmSpec,
-        field("sftWarmStart.steps").gt(0).implies(field("kl.coef").eq(0.0)),
-        "kl.coef",
-        "the KL reference is the checkpoint as loaded, so after an SFT warm start it would pull RL back "
-        "towards the policy before SFT (a reference at the warm-started policy is not built): set "
-        "algorithm.kl.coef to 0 or sftWarmStart.steps to 0",
-    ),
-    Rule(
         "mismatch-bounds-ordered",
         MismatchSpec,
         field("low").lt(field("high")),

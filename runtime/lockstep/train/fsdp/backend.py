@@ -115,14 +115,15 @@ class FSDPBackend:
         self.last_routing = RoutingRecord()
         """R3 counts of the last compute_logprobs or train_step on this rank (summed over micro-batches)."""
 
-    def _build_model(self, frozen: bool = False) -> Any:
+    def _build_model(self, frozen: bool = False, path: Path | None = None) -> Any:
+        """The policy (or, frozen, the reference) from `path` (default: the configured checkpoint)."""
         import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = torch.bfloat16 if self.config.dtype == "bfloat16" else torch.float32
-        path = self.config.model_path
+        path = self.config.model_path if path is None else Path(path)
         model: Any
         if ckpt.has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -185,6 +186,17 @@ class FSDPBackend:
             for start in range(0, batch.size, mbs):
                 parts.append(self._forward_logprobs(model, batch.rows(start, start + mbs), start).cpu())
         return torch.cat(parts) * batch.loss_mask
+
+    def set_reference(self, directory: Path) -> None:
+        if self.ref_model is None:
+            raise ValueError("set_reference needs FSDPConfig.with_ref=True (the manifest's kl_coef > 0)")
+        if not ckpt.has_weights(Path(directory)):
+            raise FileNotFoundError(f"set_reference: no safetensors weights in {directory}")
+        import torch
+
+        # Building a model may draw from the RNG; the run's RNG stream stays as if it had not happened.
+        with torch.random.fork_rng(devices=[self.device] if self.device_type == "cuda" else []):
+            self.ref_model = self._build_model(frozen=True, path=Path(directory))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> StepResult:
         import torch
