@@ -62,7 +62,7 @@ class FSDPConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16."""
     with_ref: bool = False
-    """Keep a frozen copy of the initial policy for `compute_logprobs(role="ref")` (KL)."""
+    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint until `set_reference`."""
     r3_replay: bool = True
     """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
     measures r3_routing_mismatch (what replay would fix)."""
