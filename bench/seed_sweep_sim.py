@@ -51,7 +51,7 @@ def parse() -> argparse.Namespace:
         ("ent", float, 0.0), ("klsft", float, 0.0), ("adv", str, "grpo"), ("mb", int, 1),
         ("eps-lo", float, 0.2), ("eps-hi", float, 0.2), ("hidden", int, 0), ("layers", int, 2),
         ("heads", int, 4), ("kv", int, 2), ("hd", int, 16), ("inter", int, 0), ("probe", int, 0),
-        ("log", str, None),
+        ("log", str, None), ("sft-min-digits", int, 3), ("rl-min-digits", int, 3), ("sft-long-steps", int, 0),
     ]:  # fmt: skip
         p.add_argument(f"--{name}", type=kind, default=default)
     return p.parse_args()
@@ -77,10 +77,24 @@ class Sim:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.ref: Any = None
         self.errs: dict[str, Any] = {}
+        self._idx: dict[tuple[int, int], list[int]] = {}
 
-    def prompt(self, index: int, split: str = "train") -> tuple[list[int], str]:
+    def prompt(self, index: int, split: str = "train", min_digits: int = 3) -> tuple[list[int], str]:
+        """The index-th item (train: the index-th of those with >= min_digits digits)."""
+        if split == "train" and min_digits > 3:
+            index = self._filtered(index, min_digits)
         item = self.task.item(index, split)  # type: ignore[arg-type]
         return [USER_ID, *encode(item.messages[0]["content"]), ASSISTANT_ID], item.answer
+
+    def _filtered(self, index: int, min_digits: int) -> int:
+        base = SFT_ITEM_BASE if index >= SFT_ITEM_BASE else 0
+        cache = self._idx.setdefault((base, min_digits), [])
+        pos = base + (cache[-1] - base + 1 if cache else 0)
+        while len(cache) <= index - base:
+            if len(self.task.item(pos, "train").answer) >= min_digits:
+                cache.append(pos)
+            pos += 1
+        return cache[index - base]
 
     def logprobs(self, rows: list[Row], temp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """Per-token logprobs [B, T-1] of the responses, the loss mask, the advantages, the logits."""
@@ -217,7 +231,10 @@ def warm_start(sim: Sim) -> int:
     for k in range(a.sft_steps):
         rows: list[Row] = []
         for j in range(rows_per_step):
-            p, ans = sim.prompt(SFT_ITEM_BASE + k * rows_per_step + j)
+            p, ans = sim.prompt(
+                SFT_ITEM_BASE + k * rows_per_step + j,
+                min_digits=a.sft_min_digits if (k < a.sft_long_steps or not a.sft_long_steps) else 3,
+            )
             rows.append((p, [*encode(ans), EOS_ID], None))
         sim.step(rows, a.sft_lr)
         losses.append(sim.last_loss)
@@ -237,7 +254,7 @@ def collect(sim: Sim, consumed: int, gen: torch.Generator) -> tuple[list[Any], l
     a, groups, exact, generated = sim.a, [], [], 0
     while True:
         need = a.batch - len(groups)
-        items = [sim.prompt(consumed + i) for i in range(need)]
+        items = [sim.prompt(consumed + i, min_digits=a.rl_min_digits) for i in range(need)]
         consumed, generated = consumed + need, generated + need
         resps = sim.generate([p for p, _ in items for _ in range(a.n)], a.temp, gen)
         for g, (p, ans) in enumerate(items):

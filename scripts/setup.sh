@@ -22,7 +22,7 @@ fi
 # SGLang as the contract tests' oracle (runtime/tests/sglang): its own ServerArgs parser, routes and
 # request structs. Never imported by the runtime (an import-linter contract). It cannot run here, so the
 # wheel goes in without its dependencies, plus the few small modules its argument parser and request
-# structs import. The version is SGLANG_VERSION in operator/lockstep_operator/resources/sglang.py.
+# structs import. The version is SGLANG_VERSION in runtime/lockstep/api/profiles.py.
 sglang_version=0.5.23
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$sglang_version')" 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"

@@ -248,3 +248,14 @@ def test_a_different_recipe_never_reuses_another_conversion() -> None:
     assert len(dirs) == 4
     assert serving_dir(base, Precision.FP8) == serving_dir(base.model_copy(), Precision.FP8)  # stable
     assert "initContainers" not in pods(job("/models/qwen3-0.6b"))["engine"]["spec"]  # bf16: nothing
+
+
+def test_a_new_conversion_layout_never_reuses_an_older_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared claim keeps conversions across runs: one written before the layout changed (e.g.
+    expert weights kept BF16) must not be served to engines that receive the new layout."""
+    import lockstep_operator.resources.model as model_resources
+
+    base = quantized("Qwen/Qwen3-0.6B").spec.model
+    now = serving_dir(base, Precision.NVFP4)
+    monkeypatch.setattr(model_resources, "SERVING_LAYOUT", model_resources.SERVING_LAYOUT - 1)
+    assert serving_dir(base, Precision.NVFP4) != now

@@ -106,14 +106,22 @@ class ModelConvert:
     """Image with the `lockstep` CLI (the runtime image, which reads local checkpoints as the ranks do)."""
 
 
+SERVING_LAYOUT = 2
+"""Version of the converted checkpoint's layout, part of `serving_dir`'s key: bump it when the
+conversion writes other tensors for the same recipe, so a shared volume's older conversion is never
+served to engines that receive the new layout (2: expert weights quantized per expert, NVFP4's
+input_scale and one weight_scale_2 per fused layer)."""
+
+
 def serving_dir(model: ModelSpec, precision: Precision) -> str:
     """The directory holding `model` converted to `precision` (pure and stable: every engine pod of
-    the job agrees, and a different recipe never reuses another's files)."""
+    the job agrees, and a different recipe or conversion layout never reuses another's files)."""
     key = json.dumps(
         {
             "checkpoint": model.checkpoint,
             "precision": precision.value,
             "bf16Modules": list(model.bf16_modules),
+            "layout": SERVING_LAYOUT,
         },
         sort_keys=True,
     )

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lockstep.api.profiles import SGLANG_QUANTIZATION, SGLANG_TRUE_ON_POLICY_ARGS, profile_for
+from lockstep.api.profiles import (
+    SGLANG_QUANTIZATION,
+    SGLANG_TRUE_ON_POLICY_ARGS,
+    SGLANG_TRUE_ON_POLICY_ENV,
+    profile_for,
+)
+from lockstep.api.profiles import SGLANG_VERSION as SGLANG_VERSION  # the pin (the trainer reads it too)
 from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
 
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
-
-SGLANG_VERSION = "0.5.23"
-"""The SGLang release these flags and the runtime's HTTP contract are checked against (the engine
-image's SGLang must match; scripts/setup.sh installs the same for the contract tests)."""
 
 MTP_FLAGS = (
     "--speculative-algorithm", "EAGLE",
@@ -38,8 +40,9 @@ MTP_FLAGS = (
 )  # fmt: skip
 """Speculative decoding with the model's own MTP layers as the draft (SGLang's DeepSeek/GLM recipe)."""
 
-TRUE_ON_POLICY_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-"""Environment of true-on-policy engines: a fixed NCCL reduction order and deterministic cuBLAS."""
+TRUE_ON_POLICY_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **SGLANG_TRUE_ON_POLICY_ENV}
+"""Environment of true-on-policy engines: a fixed NCCL reduction order, deterministic cuBLAS, and
+SGLang's batch-invariant matmul on the Triton kernel the trainer runs too."""
 
 Disaggregation = Literal["prefill", "decode"]
 """The role of one server of a prefill-decode pair."""

@@ -10,6 +10,12 @@ A profile names the model (`family`, and the `variant`s it covers; `None` covers
 the kernel settings both sides need, and the SGLang server arguments that turn them on in an engine
 pod (`sglang_args`; the operator renders them, the reference engine takes the same switches).
 
+Two kernel sets can run a profile's trainer (`trainer_kernels_for`): `lockstep` (the exact kernels of
+lockstep.numerics, which the reference engine runs too) when the rollout engine is the reference
+engine, and `sglang` (lockstep.numerics.sglang_kernels: the trainer computes as stock SGLang's
+`--rl-on-policy-target fsdp` path does) when the rollout engine is SGLang; only profiles with
+`sglang_kernels` admit `engine: sglang` (rule `true-on-policy-sglang-kernels`).
+
 `sglang_args_for(spec)` is the one place that turns a job's numerics (true on-policy, serving
 precision, KV-cache dtype) into SGLang server arguments.
 
@@ -22,7 +28,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from lockstep.api.rljob import KVCacheDtype, Precision, RLJobSpec
+from lockstep.api.rljob import Engine, KVCacheDtype, Precision, RLJobSpec
+
+SGLANG_VERSION: Final = "0.5.23"
+"""The SGLang release the engine flags, the HTTP contract and the trainer's `sglang` kernels are
+checked against (the engine image's SGLang, and the trainer image's for kernels `sglang`, must match;
+scripts/setup.sh installs the same for the contract tests)."""
+
+SGLANG_TRUE_ON_POLICY_ENV: Final[dict[str, str]] = {"SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_DEEPGEMM": "0"}
+"""Environment of true-on-policy SGLang engines and of a trainer on kernels `sglang`: SGLang's
+batch-invariant matmul on its Triton persistent kernel on both sides (DeepGEMM is taken only where
+deep_gemm imports, so two images could otherwise run different GEMMs)."""
 
 SGLANG_TRUE_ON_POLICY_ARGS: Final[tuple[str, ...]] = (
     "--enable-deterministic-inference",
@@ -46,13 +62,18 @@ class Profile:
     variants: tuple[str, ...] | None
     """spec.model.variant values it covers; None covers every variant (and none)."""
     attention: str
-    """The attention both sides run: `lockstep_exact` (lockstep.numerics.kernels.attention)."""
+    """The attention both sides run with the `lockstep` kernels: `lockstep_exact`
+    (lockstep.numerics.kernels.attention). With the `sglang` kernels it is FlashAttention-3."""
     matmul: str
-    """The matmul both sides run: fixed tiles, fp32 accumulation, inner tiles added in order."""
+    """The matmul both sides run with the `lockstep` kernels: fixed tiles, fp32 accumulation, inner
+    tiles added in order. With the `sglang` kernels it is SGLang's Triton persistent matmul."""
     sglang_args: tuple[str, ...] = SGLANG_TRUE_ON_POLICY_ARGS
     """Arguments appended to `python -m sglang.launch_server` for this profile."""
     dense_only: bool = True
     """MoE checkpoints of the family are refused at start (no batch-invariant expert dispatch)."""
+    sglang_kernels: bool = False
+    """Whether the trainer can compute as stock SGLang's on-policy path does for these models
+    (lockstep.numerics.sglang_kernels, Qwen3 dense), so `rollout.engine: sglang` is admitted."""
 
     def covers(self, family: str, variant: str | None) -> bool:
         return family == self.family and (self.variants is None or variant in self.variants)
@@ -63,9 +84,17 @@ ORDERED_MATMUL: Final = "tiled-fp32-ordered"
 
 PROFILES: Final[tuple[Profile, ...]] = (
     Profile("tiny", "tiny", None, EXACT_ATTENTION, ORDERED_MATMUL),
-    Profile("qwen3-dense-small", "qwen3", ("0.6b", "1.7b", "4b"), EXACT_ATTENTION, ORDERED_MATMUL),
+    Profile(
+        "qwen3-dense-small",
+        "qwen3",
+        ("0.6b", "1.7b", "4b"),
+        EXACT_ATTENTION,
+        ORDERED_MATMUL,
+        sglang_kernels=True,
+    ),
 )
-"""Registered profiles: the tiny family (CPU runs and tests) and dense Qwen3 0.6B / 1.7B / 4B."""
+"""Registered profiles: the tiny family (CPU runs and tests, reference engine only) and dense Qwen3
+0.6B / 1.7B / 4B (either engine)."""
 
 TRUE_ON_POLICY_FAMILIES: Final[tuple[str, ...]] = tuple(p.family for p in PROFILES if p.variants is None)
 """Families registered whole (any variant)."""
@@ -74,6 +103,27 @@ TRUE_ON_POLICY_PROFILES: Final[tuple[str, ...]] = tuple(
     f"{p.family}-{v}" for p in PROFILES for v in (p.variants or ())
 )
 """`family-variant` pairs registered one by one."""
+
+
+SGLANG_KERNEL_PROFILES: Final[tuple[str, ...]] = tuple(
+    f"{p.family}-{v}" for p in PROFILES if p.sglang_kernels for v in (p.variants or ())
+)
+"""`family-variant` pairs whose trainer can compute as stock SGLang does (engine: sglang admitted)."""
+
+LOCKSTEP_KERNELS: Final = "lockstep"
+SGLANG_KERNELS: Final = "sglang"
+
+
+def trainer_kernels_for(spec: RLJobSpec, *, embedded_engines: bool = False) -> str | None:
+    """The trainer's kernel set for a job: None without true on-policy; `sglang` against stock SGLang
+    engines (lockstep.numerics.sglang_kernels); `lockstep` against the reference engine
+    (lockstep.numerics.exact, which the engine runs too), also whenever the engines are the reference
+    engines `lockstep run` embeds (`embedded_engines`), whatever spec.rollout.engine says."""
+    if not spec.algorithm.true_on_policy:
+        return None
+    if embedded_engines or spec.rollout.engine is not Engine.SGLANG:
+        return LOCKSTEP_KERNELS
+    return SGLANG_KERNELS
 
 
 def profile_for(family: str, variant: str | None) -> Profile | None:

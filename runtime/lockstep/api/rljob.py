@@ -143,7 +143,8 @@ class MismatchSpec(ApiModel):
 
 
 class KLSpec(ApiModel):
-    """KL penalty against the reference policy: the checkpoint as loaded (so not with an SFT warm start)."""
+    """KL penalty against the reference policy: the policy RL starts from (the warm-started one after an
+    SFT warm start, else the checkpoint as loaded)."""
 
     coef: float = Field(default=0.0, ge=0.0, le=100.0)
     """Coefficient of the KL loss; 0 disables it (and the reference model is not loaded)."""

@@ -21,7 +21,12 @@ from pydantic import BaseModel
 
 from lockstep.api.cel import Expr, field, has, old
 from lockstep.api.common import NAME_PATTERN, KubeObject
-from lockstep.api.profiles import TRUE_ON_POLICY_FAMILIES, TRUE_ON_POLICY_PROFILES, registered_names
+from lockstep.api.profiles import (
+    SGLANG_KERNEL_PROFILES,
+    TRUE_ON_POLICY_FAMILIES,
+    TRUE_ON_POLICY_PROFILES,
+    registered_names,
+)
 from lockstep.api.rljob import (
     AlgorithmSpec,
     Autoscaling,
@@ -172,6 +177,39 @@ RULES: Final[tuple[Rule, ...]] = (
         "true-on-policy has profiles only for the models "
         + registered_names()
         + " (lockstep.api.profiles): set algorithm.trueOnPolicy to false or use a registered model",
+    ),
+    Rule(
+        "true-on-policy-sglang-kernels",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            has("model.variant")
+            & (field("model.family") + "-" + field("model.variant")).in_(list(SGLANG_KERNEL_PROFILES))
+        ),
+        "rollout.engine",
+        "true-on-policy against stock SGLang needs a trainer that computes as SGLang does, built for "
+        + ", ".join(SGLANG_KERNEL_PROFILES)
+        + " (lockstep.numerics.sglang_kernels): set rollout.engine to reference or use one of these models",
+    ),
+    Rule(
+        "true-on-policy-sglang-bf16",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.precision").eq("bf16")
+        ),
+        "rollout.precision",
+        "the trainer reproduces SGLang's bf16 path only (its FP8 / MXFP8 / NVFP4 GEMMs are other kernels): "
+        "set rollout.precision to bf16 with trueOnPolicy against SGLang, or rollout.engine to reference",
+    ),
+    Rule(
+        "true-on-policy-sglang-one-gpu-per-layer",
+        RLJobSpec,
+        (field("algorithm.trueOnPolicy").eq(True) & field("rollout.engine").eq("sglang")).implies(
+            field("rollout.tensorParallel").eq(1)
+        ),
+        "rollout.tensorParallel",
+        "SGLang's on-policy target `fsdp` has no tensor-parallel form (a row-parallel layer adds its shards' "
+        "partial sums in another order than the trainer's whole matmul): set rollout.tensorParallel to 1 "
+        "with trueOnPolicy against SGLang",
     ),
     Rule(
         "true-on-policy-fsdp",
@@ -373,15 +411,6 @@ RULES: Final[tuple[Rule, ...]] = (
         "stopAtLoss",
         "stopAtLoss ends a warm start that must run: set sftWarmStart.steps (the most SFT steps) above 0 "
         "or remove stopAtLoss",
-    ),
-    Rule(
-        "kl-reference-after-warm-start",
-        AlgorithmSpec,
-        field("sftWarmStart.steps").gt(0).implies(field("kl.coef").eq(0.0)),
-        "kl.coef",
-        "the KL reference is the checkpoint as loaded, so after an SFT warm start it would pull RL back "
-        "towards the policy before SFT (a reference at the warm-started policy is not built): set "
-        "algorithm.kl.coef to 0 or sftWarmStart.steps to 0",
     ),
     Rule(
         "mismatch-bounds-ordered",

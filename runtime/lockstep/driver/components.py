@@ -169,6 +169,7 @@ def build_components(
             closers,
             trainer_url,
             trainer_timeout_s,
+            embedded_engines=bool(engines),
         )
         rollout = _build_rollout(job, settings, tokenizer, task, clients)
         metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
@@ -260,14 +261,17 @@ def _build_trainer(
     closers: list[Callable[[], None]],
     trainer_url: str | None,
     trainer_timeout_s: float,
+    *,
+    embedded_engines: bool = False,
 ) -> Trainer:
-    """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process."""
+    """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process (whose true
+    on-policy kernels match the reference engines this process embeds, if it does)."""
     if trainer_url is not None:
         remote = RemoteTrainer(trainer_url, run_dir=run_dir)
         closers.append(remote.close)
         remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
         return remote
-    backend = build_backend(job, settings.trainer, model_dir)
+    backend = build_backend(job, settings.trainer, model_dir, embedded_engines=embedded_engines)
     closers.append(backend.close)
     parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, engine_urls, closers)
     return LocalTrainer(parts)

@@ -30,7 +30,7 @@ from lockstep.driver.engines import start_reference_engine
 from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.models.hub_data import resolve_data
 from lockstep.numerics import quant
-from lockstep.numerics.recipe import Recipe, convert_checkpoint, is_linear, recipe_of, training_recipe
+from lockstep.numerics.recipe import Recipe, convert_checkpoint, recipe_of, training_recipe
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
@@ -87,16 +87,15 @@ def _quantizer(ctx: _Ctx) -> Check:
     """(1) export -> safetensors -> load gives bit-identical dequantized weights."""
     s = ctx.recipe.scheme
     bad, n = [], 0
-    for name, w in ctx.weights.items():
-        if not ctx.recipe.quantizes(name, tuple(w.shape)):
+    for name, q in ctx.recipe.quantized(ctx.weights.items()):  # expert weights per expert
+        if not isinstance(q, quant.Quantized):
             continue
         n += 1
-        q = quant.quantize(w, s)
         path = ctx.work / "q.safetensors"
         save_file(dict(quant.to_checkpoint(name, q)), str(path))
         back, _ = quant.from_checkpoint(name, load_file(str(path)), s)
-        served = quant.dequantize(q, w.dtype)
-        if back is None or not torch.equal(quant.dequantize(back, w.dtype), served):
+        served = quant.dequantize(q)
+        if back is None or not torch.equal(quant.dequantize(back), served):
             bad.append(f"{name}: load differs from export")
     detail = f"{n} tensors bit-exact from export to load ({s.format}, blocks {list(s.block)})"
     return Check(
@@ -108,7 +107,7 @@ def _exceptions(ctx: _Ctx) -> Check:
     """(2) the same tensors stay BF16 at conversion, training forward, export and engine load."""
     r = ctx.recipe
     shapes = [(n, tuple(t.shape)) for n, t in ctx.weights.items()]
-    quantized = {n for n, s in shapes if r.quantizes(n, s)}
+    quantized = r.quantized_names(shapes)  # SGLang's names: expert weights per expert
     kept = r.ignored(shapes)
     ctx.served_dir = convert_checkpoint(ctx.model_dir, ctx.work / "served", r)  # stage 1
     config = json.loads((ctx.served_dir / "config.json").read_text())["quantization_config"]
@@ -122,7 +121,8 @@ def _exceptions(ctx: _Ctx) -> Check:
         if n.removesuffix(".weight") + ".weight_scale_2" in converted
         or n.removesuffix(".weight") + ".weight_scale_inv" in converted
     }
-    stage3_q = {n for n, _ in r.export(ctx.weights.items()) if n in quantized and n in converted}
+    exported = {n for n, _ in r.export(ctx.weights.items())}
+    stage3_q = {n for n in quantized if n in exported and n in converted and _has_scale(n, exported)}
     problems = []
     if stage1 != set(kept) or stage1_q != quantized:
         problems.append("conversion")
@@ -132,11 +132,17 @@ def _exceptions(ctx: _Ctx) -> Check:
     if train is not None and train != r:  # stage 2 exists when the trainer trains in the format
         problems.append("training forward (trainer.precision must equal rollout.precision)")
     reasons = sorted(
-        {r.decide(n, s).reason for n, s in shapes if is_linear(n) and len(s) == 2} - {"quantized"}
+        {r.decide(n, s).reason for n, s in shapes if r.decide(n, s).reason != "not a linear weight"}
+        - {"quantized"}
     )
     detail = f"{len(quantized)} quantized, {len(kept)} BF16 exceptions ({'; '.join(reasons) or 'none'})"
     return Check(2, "exception alignment", not problems, ("differs at " + ", ".join(problems)) if problems else detail,
                  {"quantized": float(len(quantized)), "exceptions": float(len(kept))})  # fmt: skip
+
+
+def _has_scale(name: str, names: set[str]) -> bool:
+    module = name.removesuffix(".weight")
+    return any(f"{module}.{suffix}" in names for suffix in quant.SCALE_SUFFIXES)
 
 
 def _update_and_logprobs(ctx: _Ctx, samples: int) -> list[Check]:

@@ -50,7 +50,7 @@ import torch
 from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
 from lockstep.models.tokenizer import ChatTokenizer
-from lockstep.numerics import exact, quant, recipe
+from lockstep.numerics import exact, experts, quant, recipe
 from lockstep.numerics.quant import Scheme
 from lockstep.serving.payloads import SamplingParams
 
@@ -239,6 +239,9 @@ class ReferenceEngine:
         # Weights by HF name: parameters (incl. a tied lm_head) and the persistent buffers a checkpoint also
         # holds (GLM's router e_score_correction_bias), i.e. what the trainer's state dict exports.
         self._params = {**dict(model.named_parameters(remove_duplicate=False)), **_persistent_buffers(model)}
+        self._aliases: dict[str, torch.Tensor] = experts.views(self._params)
+        """Names an update may also use, onto live storage: expert weights per expert and projection
+        (SGLang's names, views into the fused 3-D parameters) and, NVFP4, each layer's input_scale."""
         self.scheme: Scheme | None = None
         """The serving weight format when the checkpoint was quantized (weights arrive quantized and
         are dequantized on load, lockstep.numerics.recipe.receive); None for bf16/fp32 serving."""
@@ -299,7 +302,7 @@ class ReferenceEngine:
                 path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
             )
             model, info = loaded
-            layout = _load_quantized(model, path, scheme, dtype, info)
+            layout, input_scales = _load_quantized(model, path, scheme, dtype, info)
         model = model.to(dev)
         if true_on_policy:
             exact.apply(model, dev)
@@ -312,6 +315,11 @@ class ReferenceEngine:
         engine.scheme = scheme
         if scheme is not None:
             engine.quantized_layout = layout
+            # NVFP4 is w4a4: the activations are quantized under the input scales that arrived
+            scales = {n: t.to(dev) for n, t in input_scales.items()}
+            if scales:
+                engine._aliases.update(scales)
+                recipe.install_activations(model, scales)
         return engine
 
     @property
@@ -393,6 +401,18 @@ class ReferenceEngine:
         persistent buffers."""
         return {n: p.data for n, p in self.model.named_parameters()} | _persistent_buffers(self.model)
 
+    def update_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of every tensor a full weight update carries, by SGLang's names: the weights
+        as held, fused expert tensors as their per-expert weights (the weight pipeline sends them
+        so), and for a quantized engine its quantized weights and scales in the converted
+        checkpoint's layout."""
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for n, t in self.named_weights().items():
+            x = experts.parse(n)
+            parts = experts.split(n, t) if x is not None and x.expert is None and t.dim() == 3 else [(n, t)]
+            out.update({p: (v.dtype, tuple(v.shape)) for p, v in parts})
+        return out | self.quantized_layout
+
     @torch.no_grad()
     def stage_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], *, cast: bool = False, owned: bool = False
@@ -416,6 +436,8 @@ class ReferenceEngine:
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"load_weights: {name!r} is a {type(t).__name__}, not a tensor")
             p = self._params.get(name)
+            if p is None:
+                p = self._aliases.get(name)
             if p is None:
                 raise KeyError(f"load_weights: {name!r} is not a parameter of this model (HF names expected)")
             if tuple(t.shape) != tuple(p.shape):
@@ -499,6 +521,8 @@ class ReferenceEngine:
                 targets.append(None)
                 continue
             p = self._params.get(name)
+            if p is None:
+                p = self._aliases.get(name)
             if p is None:
                 raise KeyError(f"{name!r} is not a parameter of this model (HF names expected)")
             if tuple(shape) != tuple(p.shape):
@@ -918,10 +942,12 @@ def _check_sampling(p: SamplingParams) -> None:
 
 def _load_quantized(
     model: Any, path: Path, scheme: Scheme, dtype: torch.dtype, info: dict[str, Any]
-) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, torch.Tensor]]:
     """Overwrite `model`'s quantized weights (loaded by transformers from their raw bytes) with the
-    exact dequantization of the checkpoint at `path`; returns the layout of the quantized weights and
-    their scales (ReferenceEngine.quantized_layout). Raises naming what the checkpoint lacks."""
+    exact dequantization of the checkpoint at `path` (per-expert weights into their slices of the
+    fused experts); returns the layout of the quantized weights and their scales
+    (ReferenceEngine.quantized_layout) and NVFP4's input scales by name. Raises naming what the
+    checkpoint lacks."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -935,13 +961,26 @@ def _load_quantized(
             units.append((name, q))
             layout.update({n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in used})
     params = dict(model.named_parameters())  # tied lm_head listed once, as the checkpoint has it
+    views = experts.views(params)
     with torch.no_grad():
         for name, q in units:
-            if name not in params:
+            target = params.get(name, views.get(name))
+            if target is None:
                 raise KeyError(f"{path}: {name!r} is not a parameter of {type(model).__name__}")
-            params[name].copy_(quant.dequantize(q, dtype))
-    missing = sorted(set(info.get("missing_keys") or ()) - {n for n, _ in units})
-    mismatched = sorted({str(m[0]) for m in info.get("mismatched_keys") or ()} - {n for n, _ in units})
+            target.copy_(quant.dequantize(q, dtype))
+    loaded = {n for n, _ in units}
+    loaded |= {
+        n for n, t in params.items() if experts.parse(n) and t.dim() == 3
+        and all(e in loaded for e, _ in experts.split(n, t))
+    }  # fmt: skip
+    missing = sorted(set(info.get("missing_keys") or ()) - loaded)
+    mismatched = sorted({str(m[0]) for m in info.get("mismatched_keys") or ()} - loaded)
     if missing or mismatched:
         raise ValueError(f"{path}: the quantized checkpoint lacks {', '.join((missing + mismatched)[:5])}")
-    return layout
+    # NVFP4 is w4a4 with each layer's input_scale; a checkpoint without one gets SGLang's default (1.0)
+    input_scales = {
+        f"{name.removesuffix('.weight')}.input_scale": q.input_scale.float().reshape(())
+        for name, q in units
+        if q.input_scale is not None
+    }
+    return layout, input_scales

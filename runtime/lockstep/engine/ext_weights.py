@@ -49,13 +49,8 @@ def _receiver(app: web.Application, engine: ReferenceEngine) -> P2PReceiver:
     holder = app[_RECEIVER]
     if "receiver" not in holder:
         # A quantized engine receives its quantized weights and scales in the converted checkpoint's
-        # layout (SGLang's), and dequantizes them on commit like every other update.
-        expected = {
-            n: (t.dtype, tuple(t.shape))
-            for n, t in engine.named_weights().items()
-            if n not in engine.quantized_layout
-        } | engine.quantized_layout
-        holder["receiver"] = P2PReceiver(expected)
+        # layout (SGLang's, expert weights per expert), and dequantizes them on commit like every other update.
+        holder["receiver"] = P2PReceiver(engine.update_layout())
     receiver: P2PReceiver = holder["receiver"]
     return receiver
 

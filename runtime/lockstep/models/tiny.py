@@ -7,6 +7,7 @@ the same HF-layout checkpoint code as a real Qwen3 (safetensors + config.json, H
 
 Built-in checkpoints (the strings manifests and the CLI accept as a model path):
 - `builtin:tiny`   -- `tiny_config()`: vocab 96, hidden 64, 2 layers, tied embeddings (~0.1M params).
+- `builtin:tiny-deep` -- `tiny_config(num_hidden_layers=3)`: the same with a third layer (~0.15M params).
 - `builtin:bigger` -- `bigger_config()`: Qwen3-0.6B-shaped (hidden 1024, 28 layers, vocab 151936,
   ~0.6B params), random-init, for GPU benchmarks only.
 - `builtin:tiny-moe` -- `tiny_moe_config()`: Qwen3-MoE (2 layers of 8 experts, top-2), same tokenizer
@@ -203,10 +204,20 @@ def bigger_config(**overrides: Any) -> Qwen3Config:
 
 BUILTIN_SPECS: dict[str, str] = {
     "tiny": "tiny_config(): vocab 96, hidden 64, 2 layers, tied embeddings; for CPU runs and tests",
+    "tiny-deep": "tiny_config(num_hidden_layers=3): builtin:tiny with a third layer; the reverse task's "
+    "lookup of middle digits forms on more data seeds (bench/results/seed_sweep_2026-12-03_notes.md)",
     "bigger": "bigger_config(): Qwen3-0.6B-shaped random init; for GPU benchmarks",
     "tiny-moe": "tiny_moe_config(): Qwen3-MoE, vocab 96, hidden 64, 2 layers of 8 experts top-2; for R3",
 }
 """Built-in checkpoint names (used as `builtin:<name>`) and what each is."""
+
+
+_BUILTIN_CONFIGS: dict[str, Any] = {
+    "tiny": tiny_config,
+    "tiny-deep": lambda: tiny_config(num_hidden_layers=3),
+    "bigger": bigger_config,
+}
+"""The dense built-ins' configs (tiny-moe is written by write_tiny_moe)."""
 
 
 def is_builtin(model: str) -> bool:
@@ -236,7 +247,7 @@ def materialize_builtin(name: str, directory: str | os.PathLike[str], seed: int 
     # Init on CPU under a private generator so the weights do not depend on the caller's RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_config() if short == "tiny" else bigger_config())
+        model = Qwen3ForCausalLM(_BUILTIN_CONFIGS[short]())
     model.save_pretrained(d, safe_serialization=True)
     save_tokenizer(d)
     return d

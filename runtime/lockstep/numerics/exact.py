@@ -15,8 +15,10 @@ The logprob of a sampled token is kernels.token_logprobs on both sides. Matmuls 
 the tiles of `tiles_for(device)`; TF32 is switched off, since it is a process-wide setting that the
 two sides could otherwise hold differently.
 
-Scope: dense models (Qwen3 and the tiny family); a MoE block's expert dispatch is not rebuilt here,
-so `apply` refuses MoE models. Registered profiles: lockstep.api.profiles.
+Scope: dense Qwen3 and the tiny family, and Qwen3-MoE-style MoE blocks (the tiny MoE): their router
+(logits, softmax, top-k) and experts are rebuilt on the same kernels by
+lockstep.numerics.experts.install_exact; other MoE blocks are refused. Registered profiles:
+lockstep.api.profiles.
 Who calls it: lockstep.train.fsdp (trainer), lockstep.engine (reference engine).
 """
 
@@ -71,15 +73,20 @@ def apply(model: Any, device: torch.device | str) -> Tiles:
 
     Raises NotImplementedError, naming the fix, for a model these kernels do not cover.
     """
-    if is_moe(model):
-        raise NotImplementedError(
-            f"{type(model).__name__}: true on-policy covers dense models only (a MoE block's expert "
-            "dispatch has no batch-invariant kernel here); set spec.algorithm.trueOnPolicy to false"
-        )
     act = str(getattr(model.config, "hidden_act", "silu"))
     if act != "silu":
         raise NotImplementedError(f"hidden_act {act!r}: true on-policy kernels implement silu only")
     tiles = tiles_for(device)
+    if is_moe(model):  # router and experts on the same kernels (refuses the blocks it does not rebuild)
+        from lockstep.numerics import experts
+
+        experts.install_exact(
+            model,
+            linear=lambda x, w, b: kernels.linear(x, w, b, tiles),
+            exp=lambda x: kernels.exp(x, tiles),
+            rowsum=lambda x: kernels.rowsum(x, tiles),
+            silu=lambda x: kernels.silu(x, tiles),
+        )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for module in model.modules():
@@ -100,8 +107,9 @@ def _install(module: Any, tiles: Tiles) -> None:
         m.forward = lambda x: kernels.rms_norm(x, m.weight, _eps(m), tiles)
     elif name.endswith("RotaryEmbedding"):
 
-        def rotary(x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            cos, sin = kernels.rope(m.inv_freq, pos, float(m.attention_scaling), tiles)
+        def rotary(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # (Qwen3-MoE passes position_ids by keyword)
+            cos, sin = kernels.rope(m.inv_freq, position_ids, float(m.attention_scaling), tiles)
             return cos.to(x.dtype), sin.to(x.dtype)
 
         m.forward = rotary
@@ -140,6 +148,16 @@ def _exact_attention(
     tiles: Tiles = getattr(module, _TILES_ATTR)
     out = kernels.attention(query, key, value, visible, scale, tiles)  # [B, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def install_attention(model: Any, device: torch.device | str) -> None:
+    """Only the `lockstep_exact` attention (registered, with the device's tiles on every attention
+    module): the batch-invariant stand-in where another attention kernel is not available."""
+    tiles = tiles_for(device)
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "scaling"):
+            setattr(module, _TILES_ATTR, tiles)
+    _register_attention()
 
 
 def _register_attention() -> None:

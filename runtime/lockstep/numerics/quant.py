@@ -19,7 +19,17 @@ Formats (all scale the last axis, the contraction axis of a linear weight [out, 
   6) share an E4M3 scale, under one float32 per-tensor scale s2 = amax / (448 * 6); the block scale is
   amax_block / 6 / s2 rounded to E4M3, and w ~ q * (scale * s2). Stored as ModelOpt's `weight`
   (uint8, two values a byte, element 2i in the low nibble: torch.float4_e2m1fn_x2 bits),
-  `weight_scale` (float8_e4m3fn) and `weight_scale_2` (float32 scalar).
+  `weight_scale` (float8_e4m3fn), `weight_scale_2` (float32 scalar) and `input_scale` (float32
+  scalar, the activations' global scale). Projections SGLang fuses into one layer (q/k/v, gate/up,
+  an expert's gate/up) share one s2, from the group's amax (`group_amax`): SGLang keeps one
+  weight_scale_2 per fused layer (the max of the shards', or the gate's for MoE w13), so shards
+  quantized under different s2 would be served wrong.
+- NVFP4 activations (SGLang's modelopt_fp4 is w4a4): `fake_quantize_activation(x, input_scale)`
+  quantizes every 16 consecutive values of the contraction axis to E2M1 under an E4M3 scale
+  amax / 6 / input_scale, exactly the weights' rule with s2 = input_scale, and gives back what they
+  stand for. Lockstep writes no calibrated input_scale: it is NVFP4_INPUT_SCALE (1.0, the value
+  SGLang's ModelOpt linear layer holds when a checkpoint carries none), written into every NVFP4
+  checkpoint and update so the engines compute with the one that arrived.
 
 Who calls it: lockstep.numerics.recipe (which tensors), lockstep.weights.quantizing (export),
 lockstep.engine (load), lockstep.train.fsdp (fake-quant forward), `lockstep precision-check`.
@@ -43,6 +53,8 @@ MX_BLOCK = 32
 """Values per UE8M0 scale in MXFP8."""
 NVFP4_BLOCK = 16
 """Values per E4M3 scale in NVFP4."""
+NVFP4_INPUT_SCALE = 1.0
+"""The activations' global scale of every NVFP4 layer (no calibration; SGLang's default)."""
 DEFAULT_FP8_BLOCK = (128, 128)
 """weight_block_size when a quantization_config names none (DeepSeek-V3 / SGLang's default)."""
 
@@ -122,6 +134,8 @@ class Quantized:
     float8_e4m3fn [out, in/16] (nvfp4)."""
     scale2: torch.Tensor | None = None
     """float32 scalar per-tensor scale (nvfp4 only)."""
+    input_scale: torch.Tensor | None = None
+    """float32 scalar global scale of the layer's activations (nvfp4 only)."""
 
 
 def _blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -183,8 +197,21 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(b.shape[0], b.shape[1] * 2)
 
 
-def quantize(w: torch.Tensor, scheme: Scheme) -> Quantized:
-    """Quantize a 2-D weight [out, in] (any float dtype) in `scheme`; see the module doc for the rules."""
+def group_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The amax over the weights SGLang fuses into one layer (NVFP4's shared s2 comes from it)."""
+    amaxes = []
+    for t in tensors:
+        a = t.detach().abs().amax().float()
+        full = getattr(a, "full_tensor", None)  # a sharded (FSDP2 DTensor) parameter: the global amax
+        amaxes.append(full() if callable(full) else a)
+    return torch.stack(amaxes).amax()
+
+
+def quantize(w: torch.Tensor, scheme: Scheme, shared_amax: torch.Tensor | None = None) -> Quantized:
+    """Quantize a 2-D weight [out, in] (any float dtype) in `scheme`; see the module doc for the rules.
+
+    shared_amax (nvfp4): the amax of the fused group `w` belongs to (`group_amax`), from which s2 comes;
+    None: w's own."""
     if not scheme.aligned(tuple(w.shape)):
         raise ValueError(
             f"{scheme.format} cannot quantize a tensor of shape {tuple(w.shape)}: its contraction axis is "
@@ -203,13 +230,41 @@ def quantize(w: torch.Tensor, scheme: Scheme) -> Quantized:
         e = _mx_exponent(amax)
         q = to_e4m3(torch.ldexp(rows, -e[..., None].float()).reshape(w.shape))
         return Quantized(scheme, q, (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu))
-    tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=w.device)
+    if shared_amax is not None:
+        tensor_amax = shared_amax.detach().float().to(w.device)
+    else:
+        tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=w.device)
     s2 = torch.where(tensor_amax > 0, tensor_amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(tensor_amax))
-    scale = to_e4m3(amax / E2M1_MAX / s2)  # [out, in / 16]
+    scale, codes = _nvfp4_blocks(rows, amax, s2)
+    input_scale = torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32, device=w.device)
+    return Quantized(scheme, pack_e2m1(codes.reshape(w.shape)), scale, s2.float(), input_scale)
+
+
+def _nvfp4_blocks(
+    rows: torch.Tensor, amax: torch.Tensor, s2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of 16-value blocks `rows` [..., n / 16, 16] (amax [..., n / 16]) under the global scale
+    s2: the E4M3 block scales and the E2M1 codes (one rule for weights and activations)."""
+    scale = to_e4m3(amax / E2M1_MAX / s2)  # [..., n / 16]
     eff = scale.float() * s2  # the factor SGLang multiplies back
     scaled = torch.where(eff[..., None] > 0, rows / eff[..., None], torch.zeros_like(rows))
-    codes = e2m1_codes(scaled).reshape(w.shape)
-    return Quantized(scheme, pack_e2m1(codes), scale, s2.float())
+    return scale, e2m1_codes(scaled)
+
+
+def fake_quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | float) -> torch.Tensor:
+    """NVFP4 activations (w4a4): `x` [..., in] quantized per 16 consecutive values of its last axis
+    under the global scale `input_scale`, returned as the values they stand for, in x's dtype.
+
+    Emulated in float32: SGLang's kernel quantizes to FP4 and multiplies on FP4 tensor cores (it
+    computes the block scale's reciprocal with an approximate reciprocal, so a value on a rounding
+    tie may land one code apart); the values here are the format's."""
+    n = x.shape[-1]
+    if n % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4 activations: the contraction axis {n} is not a multiple of {NVFP4_BLOCK}")
+    rows = x.detach().float().reshape(*x.shape[:-1], n // NVFP4_BLOCK, NVFP4_BLOCK)
+    s2 = torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(())
+    scale, codes = _nvfp4_blocks(rows, rows.abs().amax(dim=-1), s2)
+    return (e2m1_values(codes) * (scale.float() * s2)[..., None]).reshape(x.shape).to(x.dtype)
 
 
 def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -239,14 +294,14 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return (vals.reshape(eff.shape[0], -1, NVFP4_BLOCK) * eff[..., None]).reshape(vals.shape).to(dtype)
 
 
-def fake_quantize(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, scheme: Scheme, shared_amax: torch.Tensor | None = None) -> torch.Tensor:
     """dequantize(quantize(w)) in w's dtype: what the engine serves for w (the training forward's view)."""
-    return dequantize(quantize(w, scheme), w.dtype)
+    return dequantize(quantize(w, scheme, shared_amax), w.dtype)
 
 
 # ------------------------------------------------------------------------ SGLang checkpoint layout
 
-SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2")
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
 """Tensor names that travel next to a quantized `<module>.weight`."""
 
 
@@ -258,10 +313,12 @@ def to_checkpoint(name: str, q: Quantized) -> list[tuple[str, torch.Tensor]]:
     if q.scheme.format is Format.MXFP8:
         return [(name, q.values), (f"{module}.weight_scale_inv", q.scale.view(torch.uint8))]
     assert q.scale2 is not None
+    input_scale = q.input_scale if q.input_scale is not None else torch.tensor(NVFP4_INPUT_SCALE)
     return [
         (name, q.values.view(torch.uint8)),
         (f"{module}.weight_scale", q.scale),
         (f"{module}.weight_scale_2", q.scale2.reshape(())),
+        (f"{module}.input_scale", input_scale.float().reshape(())),
     ]
 
 
@@ -270,20 +327,24 @@ def from_checkpoint(
 ) -> tuple[Quantized | None, list[str]]:
     """The quantized weight `name` as stored in `tensors` (SGLang layout), and the names it used.
 
-    Returns (None, []) when `name` carries no scale (a bf16 exception or a non-linear tensor).
+    Returns (None, []) when `name` carries no scale (a bf16 exception or a non-linear tensor). An
+    NVFP4 layer without `input_scale` gets NVFP4_INPUT_SCALE, as SGLang's does.
     """
     module = name.removesuffix(".weight")
     if scheme.format is Format.NVFP4:
         scale_name, s2_name = f"{module}.weight_scale", f"{module}.weight_scale_2"
+        in_name = f"{module}.input_scale"
         if scale_name not in tensors:
             return None, []
+        has_input = in_name in tensors
         q = Quantized(
             scheme,
             tensors[name].view(torch.uint8).view(torch.float4_e2m1fn_x2),
             tensors[scale_name].view(torch.float8_e4m3fn),
             tensors[s2_name].float(),
+            tensors[in_name].float() if has_input else torch.tensor(NVFP4_INPUT_SCALE),
         )
-        return q, [name, scale_name, s2_name]
+        return q, [name, scale_name, s2_name] + ([in_name] if has_input else [])
     scale_name = f"{module}.weight_scale_inv"
     if scale_name not in tensors:
         return None, []

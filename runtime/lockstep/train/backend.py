@@ -60,7 +60,16 @@ class TrainBackend(Protocol):
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
         """[B, T-1] float32 logprobs of the batch's own token IDs, no grad.
 
-        role="actor" uses the current weights; role="ref" the reference (initial) policy, for KL.
+        role="actor" uses the current weights; role="ref" the reference policy, for KL: the checkpoint
+        as loaded, or the weights `set_reference` loaded since.
+        """
+        ...
+
+    def set_reference(self, directory: Path) -> None:
+        """Load the reference policy (role="ref") from the HF-layout checkpoint in `directory`.
+
+        Who calls it: the trainer after an SFT warm start (the reference becomes the warm-started
+        policy RL starts from) and on resume. Raises ValueError without a reference (with_ref=False).
         """
         ...
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lockstep.api import Device, Precision, TrainerBackend
+from lockstep.api.profiles import trainer_kernels_for
 from lockstep.numerics.recipe import training_recipe
 from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 
@@ -23,9 +24,18 @@ if TYPE_CHECKING:
 
 
 def build_backend(
-    job: RLJob, model_dir: Path, *, lr: float, grad_clip: float, micro_batch_size: int, seed: int
+    job: RLJob,
+    model_dir: Path,
+    *,
+    lr: float,
+    grad_clip: float,
+    micro_batch_size: int,
+    seed: int,
+    embedded_engines: bool = False,
 ) -> TrainBackend:
-    """The backend spec.trainer.backend names, for the checkpoint at `model_dir` (one rank of it)."""
+    """The backend spec.trainer.backend names, for the checkpoint at `model_dir` (one rank of it).
+    embedded_engines: the engines are the reference engines of this process (true on-policy then
+    runs their kernels, lockstep.api.profiles.trainer_kernels_for)."""
     trainer = job.spec.trainer
     cuda = trainer.device is Device.CUDA
     common: dict[str, Any] = {
@@ -46,6 +56,7 @@ def build_backend(
             dtype="bfloat16" if bf16 else "float32",
             offload=str(trainer.offload),
             true_on_policy=job.spec.algorithm.true_on_policy,
+            kernels=trainer_kernels_for(job.spec, embedded_engines=embedded_engines) or "lockstep",
             train_recipe=training_recipe(job),
         )
     )

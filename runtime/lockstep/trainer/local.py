@@ -34,7 +34,14 @@ from lockstep.train.common.r3 import collate_routed_experts
 from lockstep.train.factory import build_backend as make_backend
 from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
 from lockstep.trainer.settings import TrainerSettings
-from lockstep.trainer.state import DriverState, checkpoints_dir, latest_checkpoint, save_checkpoint
+from lockstep.trainer.state import (
+    DriverState,
+    checkpoints_dir,
+    latest_checkpoint,
+    reference_dir,
+    save_checkpoint,
+    save_reference,
+)
 from lockstep.types import Group, SampleStatus
 from lockstep.weights.factory import build_transport
 from lockstep.weights.preflight import LogprobProbe, PreflightResult, check_weight_update_equal
@@ -96,7 +103,8 @@ class LocalTrainer:
     def warm_start(self) -> Iterator[dict[str, float]]:
         """The SFT warm start: `sft_steps` steps of NLL on the task's reference answers (assistant tokens
         only), with the RL optimizer, ending early at `sft_stop_at_loss`; items come from a train-split
-        offset (SFT_ITEM_BASE) so RL prompts are not the ones just imitated."""
+        offset (SFT_ITEM_BASE) so RL prompts are not the ones just imitated. With a KL term, the
+        warm-started policy then becomes its reference (saved as RUN_DIR/reference for resume)."""
         c, s = self.parts, self.parts.settings
         eos = [c.eos_id]
         if s.sft_learning_rate is not None:
@@ -120,6 +128,8 @@ class LocalTrainer:
                 )
                 break
         c.backend.set_learning_rate(s.learning_rate)
+        if s.loss.kl_coef > 0:  # the KL term compares with the policy RL starts from: the warm-started one
+            c.backend.set_reference(save_reference(c.backend, c.run_dir))
 
     def first_update(self, version: int) -> dict[str, float]:
         """The update before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
@@ -232,8 +242,17 @@ class LocalTrainer:
         path = latest_checkpoint(self.parts.run_dir)
         if path is None:
             return None
-        state = DriverState.from_dict(self.parts.backend.load(path))
+        c = self.parts
+        state = DriverState.from_dict(c.backend.load(path))
         self.rl_steps = state.step
+        if c.settings.loss.kl_coef > 0 and c.settings.sft_steps > 0 and state.sft_done:
+            reference = reference_dir(c.run_dir)
+            if not reference.is_dir():
+                raise FileNotFoundError(
+                    f"resume: {reference} (the warm-started policy, spec.algorithm.kl's reference) is "
+                    "missing; resume in the run dir that holds it, or start a new run dir"
+                )
+            c.backend.set_reference(reference)
         return state
 
     def preflight_result(self) -> PreflightResult | None:
@@ -284,8 +303,12 @@ def signal_metrics(batch: TrainBatch) -> dict[str, float]:
     return out
 
 
-def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> TrainBackend:
-    """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many)."""
+def build_backend(
+    job: RLJob, settings: TrainerSettings, model_dir: Path, *, embedded_engines: bool = False
+) -> TrainBackend:
+    """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many).
+    embedded_engines: the rollout engines are reference engines in this process (`lockstep run`
+    without engine URLs), whatever spec.rollout.engine says."""
     return make_backend(
         job,
         model_dir,
@@ -293,6 +316,7 @@ def build_backend(job: RLJob, settings: TrainerSettings, model_dir: Path) -> Tra
         grad_clip=settings.grad_clip,
         micro_batch_size=settings.micro_batch_size,
         seed=settings.seed,
+        embedded_engines=embedded_engines,
     )
 
 

@@ -124,6 +124,8 @@ def _run(backend: TrainBackend, group: Any, call: tuple[Any, ...]) -> Any:
         return backend.save(*args)  # ends in a barrier: every rank's files are written before a rename
     if name == "load":
         return backend.load(*args)
+    if name == "set_reference":
+        return backend.set_reference(*args)
     if name == "offload":
         return backend.offload()
     if name == "onload":
@@ -210,6 +212,9 @@ class LeaderBackend:
     def load(self, directory: Path) -> dict[str, Any]:
         extra: dict[str, Any] = self._mirror("load", Path(directory))
         return extra
+
+    def set_reference(self, directory: Path) -> None:
+        self._mirror("set_reference", Path(directory))
 
     def offload(self) -> None:
         self._mirror("offload")

@@ -8,7 +8,7 @@ it) is replaced atomically and durably, so after a crash at any instant `latest`
 checkpoint (save_checkpoint says how, a re-save of the same step included).
 
 Layout: RUN_DIR/checkpoints/step_NNNNNN/ (HF config + safetensors + optimizer + RNG + state) and
-RUN_DIR/checkpoints/latest.
+RUN_DIR/checkpoints/latest; with a KL term after an SFT warm start, RUN_DIR/reference/ (the KL reference).
 
 Who calls it: lockstep.trainer.local (LocalTrainer.save / load_latest: in the driver's process, or on
 the trainer ranks of a cluster, whose checkpoints then carry the driver's state), cli/driver.
@@ -59,6 +59,36 @@ class DriverState:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+REFERENCE = "reference"
+"""RUN_DIR/reference: the warm-started policy, the KL reference of a run with an SFT warm start."""
+
+
+def reference_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / REFERENCE
+
+
+def save_reference(backend: TrainBackend, run_dir: Path) -> Path:
+    """Save the backend's current weights as RUN_DIR/reference (HF layout) and return that directory.
+
+    Why: spec.algorithm.kl compares with the policy RL starts from; after an SFT warm start that is the
+    warm-started policy, which resume must find again (checkpoints hold the policy, not the reference).
+    Written like a checkpoint (rank 0 prepares a temporary directory, every rank writes its files, rank
+    0 fsyncs and renames it into place), once, before the first RL step: no checkpoint of the run exists
+    yet, so a crash here leaves a run that starts over with its warm start.
+    """
+    final, tmp = reference_dir(run_dir), Path(run_dir) / f".{REFERENCE}.tmp"
+    if backend.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    backend.save(tmp)
+    if backend.rank == 0:
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(Path(run_dir))
+    return final
 
 
 LATEST = "latest"

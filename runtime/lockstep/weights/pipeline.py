@@ -3,9 +3,9 @@
 Why it exists: a weight update has two jobs, preparing serving-ready tensors from the trainer's sharded
 layout and moving them. Preparing is the same for broadcast, CUDA IPC, disk-delta and P2P, so it is
 done once here: gather a shard into the full tensor, convert trainer names and layout to HF/SGLang's
-(the identity for FSDP), and fill size-bounded buckets in which an atomic unit (a weight and its
-scale, a fused group) never straddles two buckets; routed experts get their own buckets sized for the
-EP gather. docs/weights.md ("One pipeline, four transports") spells it out.
+(for FSDP the identity, but fused expert tensors leave per expert), and fill size-bounded buckets in
+which an atomic unit (a weight and its scale, a fused group) never straddles two buckets; routed
+experts get their own buckets sized for the EP gather. docs/weights.md ("One pipeline, four transports") spells it out.
 
 Who calls it: the transports (broadcast.py, ipc.py, p2p.py) and the disk-delta publisher; pure apart
 from the gather hooks, golden-tested in runtime/tests/weights.
@@ -33,8 +33,8 @@ ExpertGather = Callable[[list[NamedTensor]], list[NamedTensor]]
 """Per-bucket hook: this rank's local experts -> the experts of every EP rank (EP x as many)."""
 
 # Suffixes of tensors that travel with their weight: FP8 block scales (`weight_scale_inv`), per-tensor
-# scales (`weight_scale`, `input_scale`) and any other `*_scale` next to a `.weight`.
-_SCALE_RE = re.compile(r"\.(weight_scale_inv|weight_scale|input_scale|[a-z_]*_scale)$")
+# scales (`weight_scale`, NVFP4's `weight_scale_2`, `input_scale`) and any other `*_scale` next to a `.weight`.
+_SCALE_RE = re.compile(r"\.(weight_scale_inv|weight_scale_2|weight_scale|input_scale|[a-z_]*_scale)$")
 _EXPERT_RE = re.compile(r"\.experts\.")
 # Separate q/k/v (and gate/up) projections that SGLang stacks into one fused parameter.
 _FUSED_RE = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.")
@@ -66,7 +66,20 @@ def is_expert(name: str) -> bool:
 
 
 def identity_converter(name: str, tensor: torch.Tensor) -> list[NamedTensor]:
-    """The converter for backends that already hold HF names and layout (FSDP2)."""
+    """The identity: for backends whose converter already emits SGLang's names and layout."""
+    return [(name, tensor)]
+
+
+def hf_converter(name: str, tensor: torch.Tensor) -> list[NamedTensor]:
+    """The converter for backends holding transformers' names and layout (FSDP2): the identity, but
+    a fused 3-D expert tensor (`...mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
+    transformers >= 5) leaves as its per-expert weights (`...mlp.experts.<e>.gate_proj.weight`,
+    views), the names SGLang's MoE load_weights maps onto its FusedMoE (a fused name it drops)."""
+    from lockstep.numerics import experts
+
+    x = experts.parse(name)
+    if x is not None and x.expert is None and tensor.dim() == 3:
+        return list(experts.split(name, tensor))
     return [(name, tensor)]
 
 
@@ -167,7 +180,7 @@ def prepare_buckets(
     config: PipelineConfig | None = None,
     *,
     gather: Gather = gather_full,
-    convert: Converter = identity_converter,
+    convert: Converter = hf_converter,
     expert_gather: ExpertGather | None = None,
 ) -> Iterator[Bucket]:
     """The whole pipeline: gather -> convert -> size-bounded buckets, dense first then experts.

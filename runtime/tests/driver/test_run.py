@@ -122,6 +122,26 @@ def test_sft_target_lr_schedule_and_dynamic_sampling_through_the_loop(tmp_path: 
     assert _state(run_dir)["extra"]["prompts_consumed"] == sum(r["groups_generated"] for r in train)  # type: ignore[index]
 
 
+def test_kl_reference_is_the_warm_started_policy_and_survives_resume(tmp_path: Path, cache: Path) -> None:
+    """spec.algorithm.kl after an SFT warm start compares with the warm-started policy, not the checkpoint
+    as loaded: RL step 1 trains the policy the reference holds (KL exactly 0), and a resumed run reads the
+    same reference back from RUN_DIR/reference (the same KL as a run without the stop)."""
+    job = _manifest(tmp_path, {"spec.algorithm.kl": {"coef": 0.5}, "spec.schedule.saveInterval": 2})
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(["run", str(job), "--run-dir", str(straight), "--cache-dir", str(cache)]) == 0
+    train = read_jsonl(straight / "metrics.jsonl", "train")
+    assert train[0]["kl_ref"] == 0.0  # against the checkpoint as loaded: 0.03 after the 2 SFT steps
+    assert train[1]["kl_ref"] > 0.0 and train[2]["kl_ref"] > 0.0  # RL moved away from it
+    assert (straight / "reference" / "model.safetensors").is_file()
+
+    args = ["run", str(job), "--run-dir", str(stopped), "--cache-dir", str(cache)]
+    assert main([*args, "--steps", "2"]) == 0
+    assert main([*args, "--resume"]) == 0
+    resumed = read_jsonl(stopped / "metrics.jsonl", "train")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert resumed[2]["kl_ref"] == pytest.approx(train[2]["kl_ref"], rel=1e-4)
+
+
 def test_sigint_finishes_the_step_and_leaves_a_checkpoint(tmp_path: Path, cache: Path) -> None:
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"

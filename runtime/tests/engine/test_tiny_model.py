@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,9 @@ def test_builtin_checkpoints_are_deterministic(tmp_path: Path) -> None:
     assert digest(tmp_path / "cache" / "tiny-seed3") == digest(a)
     with pytest.raises(ValueError, match="unknown built-in model"):
         materialize_builtin("builtin:huge", tmp_path / "x")
+    deep = materialize_builtin("builtin:tiny-deep", tmp_path / "deep", seed=3)
+    assert json.loads((deep / "config.json").read_text())["num_hidden_layers"] == 3
+    assert json.loads((a / "config.json").read_text())["num_hidden_layers"] == 2
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"no config\.json"):
         resolve_checkpoint(str(tmp_path / "empty"))

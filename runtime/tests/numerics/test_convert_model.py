@@ -62,7 +62,8 @@ def test_converted_checkpoint_serves_the_quantizers_values(
         for name in ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "indexer.wq_b", "indexer.wk"):
             assert f"{attn}.{name}.weight" in quantized, name
         assert f"{attn}.indexer.weights_proj.weight" not in quantized  # SGLang builds it unquantized
-        assert "model.layers.1.mlp.experts" in config["ignored_layers"]  # routed experts stay BF16
+        # fp8 [128, 128] blocks do not fit its experts (I = 32: SGLang's Fp8MoEMethod refuses it): one BF16 MoE layer
+        assert "model.layers.1.mlp.experts" in config["ignored_layers"]
 
 
 def test_a_converted_directory_is_kept_and_bad_input_names_the_fix(

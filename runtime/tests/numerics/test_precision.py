@@ -132,6 +132,25 @@ def test_mxfp8_train_and_serve_with_true_on_policy_is_exact(tmp_path: Path) -> N
     assert [r["train_rollout_logprob_abs_diff"] for r in rows] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("transport", ["auto", "broadcast"])
+def test_mxfp8_rollout_of_a_moe_model_with_quantized_experts_runs_end_to_end(
+    tmp_path: Path, transport: str
+) -> None:
+    """builtin:tiny-moe, experts quantized per expert: each update splits the trainer's fused expert
+    tensors into SGLang's per-expert pairs, the engine writes them into its fused experts, and the
+    pre-flight finds every engine tensor equal to the served view."""
+    rows = _run(
+        tmp_path,
+        {
+            "spec.model.checkpoint": "builtin:tiny-moe",
+            "spec.rollout.precision": "mxfp8",
+            "spec.weightSync": {"transport": transport, "checkWeightUpdateEqual": True},
+        },
+    )
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0.0 < r["train_rollout_logprob_abs_diff"] < 0.1 for r in rows), rows
+
+
 def test_fp8_rollout_over_broadcast_runs_end_to_end(tmp_path: Path) -> None:
     """Quantized pushes travel over the broadcast transport (gloo here) too, pre-flight included."""
     rows = _run(
@@ -167,21 +186,28 @@ def test_precision_check_runs_the_five_steps_in_order(
     )
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 def test_precision_check_on_a_sharded_moe_checkpoint(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_checkpoint: Callable[[str], Path]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hf_checkpoint: Callable[[str], Path], precision: str
 ) -> None:
-    """A real HF-layout Qwen3-MoE (sharded, with an index): routed experts stay BF16 at every stage
-    (one `...mlp.experts` entry per MoE layer in ignored_layers), the attention is quantized."""
+    """A real HF-layout Qwen3-MoE (sharded, with an index): mxfp8 quantizes the routed experts per
+    expert at every stage (8 experts x 3 projections x 2 layers + 8 attention projections); fp8's
+    [128, 128] blocks do not fit its experts (I = 32, which SGLang's Fp8MoEMethod refuses), so they
+    stay BF16 at every stage (one `...mlp.experts` entry per MoE layer) and the attention is quantized."""
     doc = yaml.safe_load(FIXTURE.read_text())
     doc["spec"]["model"].update(checkpoint=str(hf_checkpoint("qwen3-moe")), family="qwen3")
-    doc["spec"]["rollout"]["precision"] = "fp8"
+    doc["spec"]["rollout"]["precision"] = precision
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     args = ["precision-check", str(manifest), "--cache-dir", str(tmp_path / "c"), "--samples", "2", "--json"]
     assert main(args) == 0
     steps = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and all(s["passed"] for s in steps), steps
-    assert "routed expert" in steps[1]["detail"] and steps[1]["metrics"]["quantized"] > 0
+    if precision == "mxfp8":
+        assert steps[1]["metrics"] == {"quantized": 56.0, "exceptions": 0.0}, steps[1]
+    else:
+        assert "expert weights: intermediate size 32" in steps[1]["detail"]
+        assert steps[1]["metrics"] == {"quantized": 8.0, "exceptions": 2.0}, steps[1]
 
 
 def test_precision_check_needs_a_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -188,6 +188,7 @@ def test_checkpoint_layout_is_sglangs(fmt: Format) -> None:
                 "m.weight": (torch.uint8, (64, 48)),
                 "m.weight_scale": (torch.float8_e4m3fn, (64, 6)),
                 "m.weight_scale_2": (torch.float32, ()),
+                "m.input_scale": (torch.float32, ()),  # w4a4: the activations' global scale
             },
         }[fmt]
     )

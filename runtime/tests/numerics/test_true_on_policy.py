@@ -1,4 +1,4 @@
-"""True on-policy on the tiny profile: the engine's and the trainer's logprobs are bit-identical.
+"""True on-policy on the tiny profile (dense and MoE): the engine's and the trainer's logprobs are bit-identical.
 
 Real components: the reference engine behind its HTTP app (continuous batching, prefix cache, a KV
 cache, one decode token per sequence) samples; the FSDP2 backend (gloo, one CPU rank) scores the same
@@ -27,9 +27,10 @@ from lockstep.types import Group, Sample
 PROMPTS = [[2, 20, 21, 22, 3], [2, 30, 3], [2, 40, 41, 42, 43, 44, 45, 46, 3], [2, 11, 12, 3]]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path: Path = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+@pytest.fixture(scope="module", params=["builtin:tiny", "builtin:tiny-moe"])
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The tiny profile, dense and MoE (router and experts on the same kernels: lockstep.numerics.experts)."""
+    path: Path = materialize_builtin(request.param, tmp_path_factory.mktemp("tiny"), seed=0)
     return path
 
 

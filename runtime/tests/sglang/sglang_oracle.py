@@ -13,6 +13,7 @@ be imported here (its imports reach torchvision and CUDA kernels), so it is read
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -35,7 +36,7 @@ def require_pinned_sglang() -> None:
     installed = importlib.metadata.version("sglang")
     assert installed == SGLANG_VERSION, (
         f"sglang {installed} is installed but the contract is pinned to {SGLANG_VERSION}: "
-        "run scripts/setup.sh, or move the pin (resources/sglang.py, scripts/setup.sh) and re-check"
+        "run scripts/setup.sh, or move the pin (lockstep/api/profiles.py, scripts/setup.sh) and re-check"
     )
 
 
@@ -262,3 +263,81 @@ def is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
     """Whether SGLang leaves the layer at `prefix` (its fused name, e.g. `...self_attn.qkv_proj`)
     unquantized under `ignored`; raises ValueError where SGLang does (a fused layer quantized in part)."""
     return bool(_layer_skipped()(prefix, ignored))
+
+
+# -- routed experts (FusedMoE) -------------------------------------------------------------------
+
+
+def _function_from(relative: str, name: str, owner: str | None = None, extra: tuple[str, ...] = ()) -> Any:
+    """A function of an installed sglang module compiled from its source (decorators dropped; a
+    method of class `owner` as a plain function), with the module-level functions `extra` it calls."""
+    import re
+
+    tree = ast.parse(source(relative).read_text())
+    scope: list[ast.stmt] = tree.body
+    if owner is not None:
+        scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner).body
+    fn = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    fn.decorator_list = []
+    helpers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in extra]
+    namespace: dict[str, Any] = {"List": list, "Tuple": tuple, "Optional": typing.Optional, "re": re,
+                                 "lru_cache": functools.lru_cache}  # fmt: skip
+    module = ast.Module(body=[*helpers, fn], type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), f"sglang:{relative}", "exec"), namespace)
+    return namespace[name]
+
+
+def expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, str]]:
+    """SGLang's FusedMoE.make_expert_params_mapping(gate_proj, down_proj, up_proj, E), as Qwen3-MoE's
+    load_weights calls it: (param prefix, checkpoint name part, expert id, shard id)."""
+    fn = _function_from("srt/layers/moe/fused_moe_triton/layer.py", "make_expert_params_mapping", "FusedMoE")
+    return list(fn(None, "gate_proj", "down_proj", "up_proj", num_experts))
+
+
+def modelopt_excludes(prefix: str, exclude_modules: list[str]) -> bool:
+    """SGLang's ModelOptQuantConfig.is_layer_excluded: whether a ModelOpt checkpoint's
+    exclude_modules leave the layer at `prefix` (a FusedMoE's `...mlp.experts`) unquantized."""
+    import types
+
+    fn = _function_from(
+        "srt/layers/quantization/modelopt_quant.py",
+        "is_layer_excluded",
+        "ModelOptQuantConfig",
+        ("_compile_exclusion_pattern",),
+    )
+    return bool(fn(types.SimpleNamespace(exclude_modules=exclude_modules), prefix))
+
+
+def moe_parameter_shapes(relative: str, cls: str, param: str, env: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The shapes SGLang's MoE method `cls` creates parameter `param` with, one per create_weights
+    branch whose size expressions `env` can evaluate (the positional arguments of the torch.empty /
+    ones / zeros / scale_init call that allocates it, read from the installed source)."""
+    tree = ast.parse(source(relative).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    variables = {
+        call.args[1].id
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "register_parameter" and len(call.args) == 2
+        and isinstance(call.args[0], ast.Constant) and call.args[0].value == param
+        and isinstance(call.args[1], ast.Name)
+    }  # fmt: skip
+    allocators = {"empty", "ones", "zeros", "scale_init"}
+    shapes: list[tuple[int, ...]] = []
+    for assign in ast.walk(node):
+        if not (
+            isinstance(assign, ast.Assign)
+            and any(getattr(t, "id", None) in variables for t in assign.targets)
+        ):
+            continue
+        for call in ast.walk(assign.value):
+            name = (
+                getattr(call.func, "attr", getattr(call.func, "id", "")) if isinstance(call, ast.Call) else ""
+            )
+            if name in allocators:
+                # a branch whose sizes need names env lacks (another variant) is not this one
+                with contextlib.suppress(NameError, AttributeError, TypeError):
+                    shapes.append(tuple(int(eval(compile(ast.Expression(a), "sglang", "eval"), {}, env))
+                                        for a in call.args))  # type: ignore[arg-type]  # fmt: skip
+                break
+    return shapes

@@ -10,6 +10,7 @@ until rank 1 is inside `backend.save` of the next save.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -123,3 +124,68 @@ def test_two_ranks_save_one_complete_checkpoint(model_dir: Path, tmp_path: Path)
         assert name in files, files
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000001"]
     assert (box / "touched1.json").read_text() == "[]"  # rank 1 removed and renamed nothing
+
+
+REFERENCE_RANK = """
+import json, os, sys
+from pathlib import Path
+from lockstep.train.common.losses import sft_loss
+from lockstep.train.common.packing import pack_sft
+from lockstep.train.fsdp import FSDPBackend, FSDPConfig
+from lockstep.trainer.spmd import LeaderBackend, control_group, follow
+from lockstep.trainer.state import save_reference
+
+model_dir, run_dir, out = (Path(a) for a in sys.argv[1:4])
+backend = FSDPBackend(FSDPConfig(model_path=model_dir, device="cpu", lr=1e-2, with_ref=True))
+group = control_group()
+if int(os.environ["RANK"]) == 0:
+    lead = LeaderBackend(backend, group)
+    batch = pack_sft([([2, 10, 11, 3], [12, 13, 1]), ([2, 14, 3], [15, 16, 1])])
+    loaded = lead.compute_logprobs(batch, role="ref")
+    lead.train_step(batch, sft_loss)  # what a warm start does: the policy moves away from the loaded one
+    actor = lead.compute_logprobs(batch)
+    lead.set_reference(save_reference(lead, run_dir))
+    ref = lead.compute_logprobs(batch, role="ref")
+    gaps = {"moved": float((actor - loaded).abs().max()), "ref_gap": float((ref - actor).abs().max())}
+    out.write_text(json.dumps(gaps))
+    lead.release_followers()
+else:
+    follow(backend, group)
+backend.close()
+"""
+
+
+def test_two_ranks_take_the_warm_started_policy_as_kl_reference(model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 serves (LeaderBackend), rank 1 follows: save_reference writes RUN_DIR/reference on both
+    ranks' collective save and the mirrored set_reference loads it on both, so the reference's logprobs
+    are the trained policy's, not the loaded checkpoint's."""
+    run_dir, out, script = tmp_path / "run", tmp_path / "gaps.json", tmp_path / "rank.py"
+    run_dir.mkdir()
+    script.write_text(REFERENCE_RANK)
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    base.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    logs = [(tmp_path / f"rank{r}.log").open("w") for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(model_dir), str(run_dir), str(out)],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]  # a hang guard
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    gaps = json.loads(out.read_text())
+    assert gaps["moved"] > 1e-3  # the step changed the policy, so a stale reference would show
+    assert gaps["ref_gap"] < 1e-6, gaps
+    assert (run_dir / "reference" / "model.safetensors").is_file()
+    assert not (run_dir / ".reference.tmp").exists()

@@ -20,6 +20,8 @@ def t(nbytes: int) -> torch.Tensor:
 def test_scale_and_fused_keys() -> None:
     assert scale_group_key("m.layers.0.mlp.down_proj.weight_scale_inv") == "m.layers.0.mlp.down_proj.weight"
     assert scale_group_key("m.layers.0.mlp.down_proj.input_scale") == "m.layers.0.mlp.down_proj.weight"
+    # NVFP4's per-tensor scale travels with its weight too (it was a unit of its own: a bucket could split it off)
+    assert scale_group_key("m.layers.0.mlp.down_proj.weight_scale_2") == "m.layers.0.mlp.down_proj.weight"
     assert scale_group_key("m.layers.0.mlp.down_proj.weight") == "m.layers.0.mlp.down_proj.weight"
     assert scale_group_key("m.norm.weight") == "m.norm.weight"
     assert fused_group_key("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj"

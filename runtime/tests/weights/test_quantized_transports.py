@@ -128,3 +128,51 @@ def test_an_unquantized_push_into_a_quantized_engine_is_refused(
     finally:
         transport.close()
     assert quantized_engine.engine.weight_version == 0
+
+
+@pytest.fixture(scope="module")
+def moe_served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Recipe, Path, Path]:
+    """builtin:tiny-moe converted to MXFP8 (expert weights quantized per expert)."""
+    from lockstep.models.tiny import materialize_builtin
+
+    src = materialize_builtin("builtin:tiny-moe", tmp_path_factory.mktemp("moe"), seed=0)
+    recipe = Recipe(Scheme.of(Format.MXFP8))
+    return recipe, src, convert_checkpoint(src, tmp_path_factory.mktemp("moe-served"), recipe)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_every_transport_carries_quantized_expert_weights_per_expert(
+    kind: str, moe_served: tuple[Recipe, Path, Path], tmp_path: Path
+) -> None:
+    """The trainer's fused expert tensors leave as SGLang's per-expert pairs over every transport,
+    and the engine, writing them into its fused experts, holds the served view bit for bit."""
+    recipe, src, served_dir = moe_served
+    server = EngineServer(served_dir, allow_tensor_updates=True)
+    transport = QuantizingTransport(_transport(kind, server.url, tmp_path, src), recipe)
+    try:
+        for version, seed in ((1, 1), (2, 2)):
+            named = export(trainer_model(src, seed=seed))
+            assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in named)  # fused in the trainer
+            transport.update_weights(named, version)
+            _holds(server, dict(recipe.served(named)), version)
+    finally:
+        transport.close()
+        server.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_every_transport_carries_bf16_expert_weights_per_expert(
+    kind: str, moe_served: tuple[Recipe, Path, Path], tmp_path: Path
+) -> None:
+    """No recipe: the bucketed transports send the fused expert tensors under SGLang's per-expert
+    names too (the pipeline's hf_converter), and a BF16 engine writes them into its fused experts."""
+    _, src, _ = moe_served
+    server = EngineServer(src, allow_tensor_updates=True)
+    transport = _transport(kind, server.url, tmp_path, src)
+    try:
+        named = export(trainer_model(src, seed=3))
+        transport.update_weights(named, 1)
+        _holds(server, dict(named), 1)
+    finally:
+        transport.close()
+        server.close()

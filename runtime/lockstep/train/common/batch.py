@@ -38,7 +38,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None
     """[B, T-1] trainer logprobs with the pre-update weights (filled by the driver before train_step)."""
     ref_logprobs: torch.Tensor | None = None
-    """[B, T-1] logprobs under the reference (initial) policy, for the KL term; None when KL is off."""
+    """[B, T-1] logprobs under the reference policy (the one RL started from), for the KL term; None when KL is off."""
     rewards: torch.Tensor | None = None
     """[B] float32 scalar reward per sample (for metrics)."""
     routed_experts: list[bytes | None] = field(default_factory=list)

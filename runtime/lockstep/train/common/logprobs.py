@@ -44,3 +44,20 @@ def token_logprobs(
     target = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     picked = torch.gather(scaled, -1, target).squeeze(-1)  # [B, T-1]
     return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def sglang_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logprob of input_ids[:, t+1] under logits[:, t] as stock SGLang's on-policy sampler computes
+    it (lockstep.numerics.sglang_kernels.token_logprobs: log_softmax of bf16(bf16(logits) /
+    temperature)); returns [B, T-1] float32 (bf16 values)."""
+    import torch
+
+    from lockstep.numerics import sglang_kernels
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
+    b, t, v = logits.shape
+    flat = logits[:, :-1].reshape(-1, v)  # [B*(T-1), V]
+    temp = torch.full((flat.shape[0],), temperature, dtype=torch.float32, device=logits.device)
+    ids = input_ids[:, 1:].reshape(-1)
+    return sglang_kernels.token_logprobs(flat, ids, temp).view(b, t - 1)

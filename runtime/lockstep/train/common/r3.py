@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lockstep.numerics.experts import GATES_AT_ATTR
 from lockstep.types import Group
 
 if TYPE_CHECKING:
@@ -266,10 +267,14 @@ def _make_hook(
         idx = idx_btk.view(b * t, -1)  # [N, k]
         import torch
 
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E], as the router computes them
-        gates = probs.gather(1, idx)  # [N, k]: the trainer's own scores at the rollout's experts
-        if getattr(module, "norm_topk_prob", False):
-            gates = gates / gates.sum(dim=-1, keepdim=True)
+        gates_at = getattr(module, GATES_AT_ATTR, None)  # a router with its own kernels (true on-policy)
+        if gates_at is not None:
+            gates = gates_at(logits, idx)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E], as the router computes them
+            gates = probs.gather(1, idx)  # [N, k]: the trainer's own scores at the rollout's experts
+            if getattr(module, "norm_topk_prob", False):
+                gates = gates / gates.sum(dim=-1, keepdim=True)
         if capture:
             record.used[li] = idx_btk.detach().to("cpu")
         return logits, gates.to(logits.dtype), idx

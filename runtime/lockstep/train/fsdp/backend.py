@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lockstep.models.checkpoint import copy_model_files
-from lockstep.numerics import exact
+from lockstep.numerics import exact, sglang_kernels
 from lockstep.numerics.recipe import Recipe
 from lockstep.train.backend import StepResult
 from lockstep.train.common.dist import init_distributed
-from lockstep.train.common.logprobs import token_logprobs
+from lockstep.train.common.logprobs import sglang_token_logprobs, token_logprobs
 from lockstep.train.common.r3 import RoutingRecord, build_replay, hf_routing, routing_dims
 from lockstep.train.fsdp import checkpoint as ckpt
 
@@ -62,7 +62,7 @@ class FSDPConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 | bfloat16."""
     with_ref: bool = False
-    """Keep a frozen copy of the initial policy for `compute_logprobs(role="ref")` (KL)."""
+    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint until `set_reference`."""
     r3_replay: bool = True
     """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
     measures r3_routing_mismatch (what replay would fix)."""
@@ -70,8 +70,12 @@ class FSDPConfig:
     """Low-precision training forward (spec.trainer.precision, seed §6 stage 2): the recipe's
     quantized linear layers compute with fake_quantize(weight), gradients straight through."""
     true_on_policy: bool = False
-    """Run the batch-invariant kernels of lockstep.numerics.exact (the engine runs the same), so
-    the trainer's logprobs equal the rollout's bit for bit (spec.algorithm.trueOnPolicy)."""
+    """Run batch-invariant kernels the rollout engine runs too, so the trainer's logprobs equal the
+    rollout's bit for bit (spec.algorithm.trueOnPolicy); which ones: `kernels`."""
+    kernels: str = "lockstep"
+    """With true_on_policy: `lockstep` (lockstep.numerics.exact, the reference engine's kernels) or
+    `sglang` (lockstep.numerics.sglang_kernels: computing as stock SGLang's on-policy path does;
+    lockstep.api.profiles.trainer_kernels_for picks it from the rollout engine)."""
     offload: str = "none"
     """trainer.offload: `cpu` keeps parameters, gradients and optimizer state in host memory with
     FSDP2's CPUOffloadPolicy (moved to the GPU layer by layer for compute, the optimizer step runs on
@@ -86,6 +90,8 @@ class FSDPConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use float32 or bfloat16")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device {self.device!r} is unknown; use cpu, cuda or auto")
+        if self.kernels not in ("lockstep", "sglang"):
+            raise ValueError(f"kernels {self.kernels!r} is unknown; use lockstep or sglang")
 
 
 class FSDPBackend:
@@ -115,14 +121,15 @@ class FSDPBackend:
         self.last_routing = RoutingRecord()
         """R3 counts of the last compute_logprobs or train_step on this rank (summed over micro-batches)."""
 
-    def _build_model(self, frozen: bool = False) -> Any:
+    def _build_model(self, frozen: bool = False, path: Path | None = None) -> Any:
+        """The policy (or, frozen, the reference) from `path` (default: the configured checkpoint)."""
         import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = torch.bfloat16 if self.config.dtype == "bfloat16" else torch.float32
-        path = self.config.model_path
+        path = self.config.model_path if path is None else Path(path)
         model: Any
         if ckpt.has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -130,7 +137,9 @@ class FSDPBackend:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
         model.to(self.device)
-        if self.config.true_on_policy:
+        if self.config.true_on_policy and self.config.kernels == "sglang":
+            sglang_kernels.apply(model, self.device)
+        elif self.config.true_on_policy:
             exact.apply(model, self.device)
         if self.config.train_recipe is not None:
             self.config.train_recipe.install_training(model)
@@ -170,6 +179,8 @@ class FSDPBackend:
         if plan is not None:
             self.last_routing.pairs += record.pairs
             self.last_routing.mismatched += record.mismatched
+        if sglang_kernels.applied(model):
+            return sglang_token_logprobs(logits, ids, batch.temperature)  # [B, T-1]
         return token_logprobs(logits, ids, batch.temperature, exact.tiles_of(model))  # [B, T-1]
 
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
@@ -185,6 +196,17 @@ class FSDPBackend:
             for start in range(0, batch.size, mbs):
                 parts.append(self._forward_logprobs(model, batch.rows(start, start + mbs), start).cpu())
         return torch.cat(parts) * batch.loss_mask
+
+    def set_reference(self, directory: Path) -> None:
+        if self.ref_model is None:
+            raise ValueError("set_reference needs FSDPConfig.with_ref=True (the manifest's kl_coef > 0)")
+        if not ckpt.has_weights(Path(directory)):
+            raise FileNotFoundError(f"set_reference: no safetensors weights in {directory}")
+        import torch
+
+        # Building a model may draw from the RNG; the run's RNG stream stays as if it had not happened.
+        with torch.random.fork_rng(devices=[self.device] if self.device_type == "cuda" else []):
+            self.ref_model = self._build_model(frozen=True, path=Path(directory))
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> StepResult:
         import torch

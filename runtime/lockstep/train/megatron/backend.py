@@ -79,7 +79,7 @@ class MegatronConfig:
     dtype: str = "bfloat16"
     """bfloat16 (weights and compute; fp32 master weights and gradients) or float32."""
     with_ref: bool = False
-    """Keep a frozen copy of the initial policy for `compute_logprobs(role="ref")` (KL)."""
+    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint until `set_reference`."""
     r3_replay: bool = True
     """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
     measures r3_routing_mismatch."""
@@ -168,11 +168,11 @@ class MegatronBackend:
     def _bf16(self) -> bool:
         return self.config.dtype == "bfloat16"
 
-    def _build_bare(self) -> Any:
+    def _build_bare(self, path: Path | None = None) -> Any:
+        """The bare model with this rank's shard of the weights at `path` (default: the configured checkpoint)."""
         bare = build_gpt(self.shape, self.config.parallelism, self.groups.spec, bf16=self._bf16(), cuda=True)
-        load_into(
-            bare, local_weights(self.shape, self.config.model_path, self.groups.spec, seed=self.config.seed)
-        )
+        source = self.config.model_path if path is None else Path(path)
+        load_into(bare, local_weights(self.shape, source, self.groups.spec, seed=self.config.seed))
         return bare
 
     def _build_actor(self) -> tuple[Any, Any]:
@@ -215,10 +215,10 @@ class MegatronBackend:
         )
         return get_megatron_optimizer(oc, [self.model], use_gloo_process_groups=False)
 
-    def _build_ref(self) -> tuple[Any, Any]:
+    def _build_ref(self, path: Path | None = None) -> tuple[Any, Any]:
         from megatron.core.transformer.module import Float16Module
 
-        bare = self._build_bare()
+        bare = self._build_bare(path)
         bare.requires_grad_(False)
         model = Float16Module(bare.config, bare) if self._bf16() else bare
         model.eval()
@@ -350,6 +350,18 @@ class MegatronBackend:
         return box[0]
 
     # -- the protocol -----------------------------------------------------------------------------
+
+    def set_reference(self, directory: Path) -> None:
+        import torch
+
+        if self.ref_model is None:
+            raise ValueError("set_reference needs MegatronConfig.with_ref=True (the manifest's kl_coef > 0)")
+        self.onload()  # the stash holds the old reference's tensors under their names
+        if self.ref_hooks is not None:
+            self.ref_hooks.remove()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+            self.ref_bare, self.ref_model = self._build_ref(Path(directory))
+        self.ref_hooks = self._hooks(self.ref_bare)
 
     def compute_logprobs(self, batch: TrainBatch, role: Literal["actor", "ref"] = "actor") -> torch.Tensor:
         import torch
