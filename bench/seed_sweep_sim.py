@@ -16,7 +16,9 @@ prefix: 0.5 exact + 0.5 share of the correct leading characters), --dyn CAP (dyn
 (entropy bonus), --klsft (k3 KL to the warm-started policy), --adv grpo|ppo (ppo: no std division),
 --mb K (K optimizer steps per batch with PPO clipping --eps-lo/--eps-hi), model shape (--hidden,
 --layers, --hd, --heads, --kv, --inter), --init-seed (the model init of another seed), --probe N (SFT
-eval every N steps). Greedy eval by answer length, and where 4/5-digit answers go wrong, every 50 steps.
+eval every N steps), length curricula (--sft-min-digits with --sft-long-steps K: SFT on answers of at
+least that many digits, for the first K steps when K > 0; --rl-min-digits: RL prompts of at least that
+many digits). Greedy eval by answer length, and where 4/5-digit answers go wrong, every 50 steps.
 
 Run: PYTHONPATH=runtime python bench/seed_sweep_sim.py --seed 7 --sft-steps 400 --stop-at-loss 0.5
      [--batch 16] [--log sims.jsonl]   (one JSON line per run appended to --log)

@@ -24,7 +24,8 @@ A MoE layer's expert weights are one layer to SGLang (FusedMoE: quantized or ski
 are decided together (`_decide_experts`): BF16 when a pattern matches the layer (`...mlp.experts`) or
 an expert projection with the expert index written `*` (`...mlp.experts.*.down_proj`), or when
 their sizes break SGLang's MoE loaders (I or H not a whole number of MXFP8/NVFP4 blocks; fp8: I not
-a whole number of block rows, which SGLang's Fp8MoEMethod refuses). A pattern naming one expert
+a whole number of block rows and columns, which SGLang's Fp8MoEMethod refuses, the columns with
+tensor parallelism). A pattern naming one expert
 (`...experts.3...`) is refused: SGLang cannot keep one expert in BF16.
 
 Who calls it: lockstep.weights.quantizing (3), lockstep.engine (4), lockstep.train.fsdp (2),
@@ -161,11 +162,12 @@ class Recipe:
                 )
         bn, bk = self.scheme.block
         if self.scheme.format is Format.FP8:
-            if inter % bn:
+            if inter % bn or inter % bk:
                 return Decision(
                     False,
                     f"expert weights: intermediate size {inter} is not a multiple of the fp8 block's "
-                    f"{bn} rows (SGLang's Fp8MoEMethod refuses it)",
+                    f"{bn} rows and {bk} columns (SGLang's Fp8MoEMethod refuses it; the columns with "
+                    "tensor parallelism, and one converted checkpoint serves every engine)",
                 )
         elif inter % bk or hidden % bk:
             return Decision(

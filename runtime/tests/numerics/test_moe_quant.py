@@ -135,12 +135,15 @@ def test_a_pattern_naming_one_expert_is_refused() -> None:
 
 
 def test_fp8_experts_whose_size_sglang_cannot_block_stay_bf16(moe_dir: Path) -> None:
-    """SGLang's Fp8MoEMethod refuses I % block_n != 0 (tiny-moe: I = 32 < 128): BF16, said why."""
+    """SGLang's Fp8MoEMethod refuses I % block_n != 0, and I % block_k != 0 under tensor parallelism
+    (tiny-moe: I = 32 < 128): BF16, said why."""
     recipe = Recipe(Scheme.of(Format.FP8))
     d = recipe.decide(f"{LAYER0}.gate_up_proj", (8, 64, 64))
     assert not d.quantize and "intermediate size 32" in d.reason
     assert recipe.ignored([(f"{LAYER0}.2.down_proj.weight", (64, 32))]) == [LAYER0]
-    assert Recipe(Scheme.of(Format.FP8, (32, 128))).quantizes(f"{LAYER0}.2.down_proj.weight", (64, 32))
+    down = (f"{LAYER0}.2.down_proj.weight", (64, 32))
+    assert not Recipe(Scheme.of(Format.FP8, (32, 128))).quantizes(*down)  # the columns, with TP
+    assert Recipe(Scheme.of(Format.FP8, (32, 32))).quantizes(*down)
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "glm5"])
