@@ -116,6 +116,8 @@ ALLOWED = {
     ("lockstep_operator/reconcile/rljob.py", "lockstep.api.rljob"),
     # megatron-core is an optional extra: the factory imports its backend only when a job asks for it.
     ("lockstep/train/factory.py", "lockstep.train.megatron"),
+    # the bucket planning is pure and torch-free; only a fused expert tensor needs torch to split.
+    ("lockstep/weights/pipeline.py", "lockstep.numerics"),
 }
 """The function-local imports of our modules that stay, each with its reason."""
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lockstep.numerics import kernels
+from lockstep.numerics import experts, kernels
 from lockstep.numerics.kernels import Tiles
 
 ATTN_IMPLEMENTATION = "lockstep_exact"
@@ -78,8 +78,6 @@ def apply(model: Any, device: torch.device | str) -> Tiles:
         raise NotImplementedError(f"hidden_act {act!r}: true on-policy kernels implement silu only")
     tiles = tiles_for(device)
     if is_moe(model):  # router and experts on the same kernels (refuses the blocks it does not rebuild)
-        from lockstep.numerics import experts
-
         experts.install_exact(
             model,
             linear=lambda x, w, b: kernels.linear(x, w, b, tiles),

@@ -75,7 +75,7 @@ def hf_converter(name: str, tensor: torch.Tensor) -> list[NamedTensor]:
     a fused 3-D expert tensor (`...mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
     transformers >= 5) leaves as its per-expert weights (`...mlp.experts.<e>.gate_proj.weight`,
     views), the names SGLang's MoE load_weights maps onto its FusedMoE (a fused name it drops)."""
-    from lockstep.numerics import experts
+    from lockstep.numerics import experts  # imports torch; the pipeline's planning stays torch-free
 
     x = experts.parse(name)
     if x is not None and x.expert is None and tensor.dim() == 3:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lockstep.numerics import kernels
+from lockstep.numerics import kernels, sglang_kernels
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +51,6 @@ def sglang_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, tempera
     it (lockstep.numerics.sglang_kernels.token_logprobs: log_softmax of bf16(bf16(logits) /
     temperature)); returns [B, T-1] float32 (bf16 values)."""
     import torch
-
-    from lockstep.numerics import sglang_kernels
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
