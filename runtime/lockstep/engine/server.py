@@ -397,8 +397,10 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     )
     try:
         await asyncio.wait_for(asyncio.shield(fut), timeout + 5.0)
-    except TimeoutError:
+    except TimeoutError:  # the thread may outlive the reply (torch retries past its timeout): let go of it
         join.cancelled = True
+        if joins.get("join") is join:
+            joins["join"] = None  # ready again now, not when the abandoned rendezvous gives up
         return _result(False, f"init_weights_update_group: no rendezvous within {timeout:.0f} s")
     except Exception as e:  # the rendezvous failed: the caller's address, port or world size
         return _result(False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
