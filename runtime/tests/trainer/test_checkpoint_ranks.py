@@ -90,17 +90,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(resolve_checkpoint("builtin:tiny", cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-def test_two_ranks_save_one_complete_checkpoint(model_dir: Path, tmp_path: Path) -> None:
-    run_dir, box = tmp_path / "run", tmp_path / "box"
-    box.mkdir()
-    script = tmp_path / "rank.py"
-    script.write_text(RANK)
+def _run_two_ranks(script: Path, args: list[Path], tmp_path: Path) -> None:
+    """Run `script` as ranks 0 and 1 of a gloo world on loopback; both must exit 0 (logs in tmp_path)."""
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     base.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
     logs = [(tmp_path / f"rank{r}.log").open("w") for r in (0, 1)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(model_dir), str(run_dir), str(box)],
+            [sys.executable, str(script), *map(str, args)],
             env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=logs[r],
             stderr=subprocess.STDOUT,
@@ -117,6 +114,14 @@ def test_two_ranks_save_one_complete_checkpoint(model_dir: Path, tmp_path: Path)
         for f in logs:
             f.close()
     assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+
+
+def test_two_ranks_save_one_complete_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    run_dir, box = tmp_path / "run", tmp_path / "box"
+    box.mkdir()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    _run_two_ranks(script, [model_dir, run_dir, box], tmp_path)
     found = latest_checkpoint(run_dir)
     assert found is not None and found.name == "step_000001"
     files = sorted(p.name for p in found.iterdir())
@@ -162,28 +167,7 @@ def test_two_ranks_take_the_warm_started_policy_as_kl_reference(model_dir: Path,
     run_dir, out, script = tmp_path / "run", tmp_path / "gaps.json", tmp_path / "rank.py"
     run_dir.mkdir()
     script.write_text(REFERENCE_RANK)
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    base.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    logs = [(tmp_path / f"rank{r}.log").open("w") for r in (0, 1)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(model_dir), str(run_dir), str(out)],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=logs[r],
-            stderr=subprocess.STDOUT,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]  # a hang guard
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
-    assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    _run_two_ranks(script, [model_dir, run_dir, out], tmp_path)
     gaps = json.loads(out.read_text())
     assert gaps["moved"] > 1e-3  # the step changed the policy, so a stale reference would show
     assert gaps["ref_gap"] < 1e-6, gaps
