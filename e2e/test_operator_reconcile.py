@@ -351,22 +351,7 @@ def test_transport_choice_per_topology(
         }
         shared_volume(cluster, namespace, "shared-ckpt")
     cluster.apply(tiny(job, **spec), namespace=namespace)
-    try:
-        st = wait_status(
-            cluster,
-            namespace,
-            "weightchannel",
-            f"{job}-weights",
-            lambda s: s.get("transport"),
-            f"transport of {job}",
-        )
-    except TimeoutError as err:
-        seen = [
-            (p["metadata"]["name"], p["status"].get("phase"), p["spec"].get("nodeName"))
-            for p in pods(cluster, namespace, job)
-        ]
-        channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
-        raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
+    st = chosen_transport(cluster, namespace, job)
     assert st["transport"] == expected, st["reason"]
     assert st["reason"]
     job_status = wait_status(
@@ -382,6 +367,26 @@ def test_transport_choice_per_topology(
     delete_and_wait(cluster, namespace, job)
     if case == "disk-delta":
         cluster.kubectl("delete", "node", "lsop-split-0", "lsop-split-1", "--wait=false")
+
+
+def chosen_transport(cluster: ControlPlane, namespace: str, job: str) -> dict[str, Any]:
+    """The job's WeightChannel status once it names a transport; a timeout says where the pods landed."""
+    try:
+        return wait_status(
+            cluster,
+            namespace,
+            "weightchannel",
+            f"{job}-weights",
+            lambda s: s.get("transport"),
+            f"transport of {job}",
+        )
+    except TimeoutError as err:
+        seen = [
+            (p["metadata"]["name"], p["status"].get("phase"), p["spec"].get("nodeName"))
+            for p in pods(cluster, namespace, job)
+        ]
+        channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
+        raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
 
 
 def test_infeasible_requested_transport_is_a_condition(
@@ -400,19 +405,7 @@ def test_infeasible_requested_transport_is_a_condition(
         tiny(job, weightSync={"transport": "p2p", "checkWeightUpdateEqual": False}, placement=zone_a),
         namespace=namespace,
     )
-    try:
-        st = wait_status(
-            cluster,
-            namespace,
-            "weightchannel",
-            f"{job}-weights",
-            lambda s: s.get("transport"),
-            "transport chosen",
-        )
-    except TimeoutError as err:
-        seen = [(p["metadata"]["name"], p["spec"].get("nodeName")) for p in pods(cluster, namespace, job)]
-        channel = status(cluster, namespace, "weightchannel", f"{job}-weights")
-        raise TimeoutError(f"{err}; pods: {seen}; channel: {channel}") from None
+    st = chosen_transport(cluster, namespace, job)
     feasible = cond(st, "RequestedTransportFeasible")
     assert feasible["status"] == "False" and "p2p" in feasible["message"], st
     assert st["transport"] == "broadcast", st
