@@ -194,3 +194,165 @@ def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, re
     assert lines[1].startswith("torch 2.")
     assert '"gitVersion": "v1.36.3"' in out
     assert "usage: lockstep" in out
+
+
+# ------------------------------------------------------------------ NetworkPolicy (kube-router enforces)
+NP_JOB = "np"
+NP_OTHER_PORT = 29700
+"""A port the OS would pick for NCCL, gloo or Mooncake on a rank or engine pod."""
+
+
+def _np_server(name: str, image: str, labels: dict[str, str], ports: list[int]) -> dict[str, Any]:
+    """A busybox pod listening on `ports` (httpd), Ready through a kubelet TCP probe on the first: the
+    kubelet's probes must pass the pod's policy."""
+    daemons = " && ".join(f"httpd -p {p} -h /www" for p in ports[1:])
+    script = f"mkdir -p /www && echo ok > /www/index.html && {daemons + ' && ' if daemons else ''}httpd -f -p {ports[0]} -h /www"
+    pod = pod_manifest(name, image, ["sh", "-c", script])
+    pod["metadata"]["labels"] = labels
+    pod["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": ports[0]}, "periodSeconds": 1}
+    return pod
+
+
+def _np_client(
+    name: str, image: str, labels: dict[str, str], targets: list[tuple[str, str, int, bool]]
+) -> dict[str, Any]:
+    """A pod that connects to each (name, ip, port, expected open) target and prints `name:port
+    open|closed`. Targets expected open are tried up to 30 times a second apart (the enforcer adds a
+    new pod to its peers' allow-sets a moment after the pod starts, as Calico and Cilium do); the
+    others are tried once, after the open ones (the test waits for the servers' firewall chains first)."""
+    lines = [
+        "try() { i=0; while [ $i -lt $3 ]; do nc -w 3 $1 $2 </dev/null >/dev/null 2>&1 && return 0; i=$((i+1)); sleep 1; done; return 1; }"
+    ]
+    for tname, ip, port, want_open in sorted(targets, key=lambda t: not t[3]):
+        tries = 30 if want_open else 1
+        lines.append(
+            f'if try {ip} {port} {tries}; then echo "{tname}:{port} open"; else echo "{tname}:{port} closed"; fi'
+        )
+    pod = pod_manifest(name, image, ["sh", "-c", "\n".join(lines)])
+    pod["metadata"]["labels"] = labels
+    return pod
+
+
+def test_network_policy_lets_only_the_allowed_peers_connect(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    """The operator's own NetworkPolicies (resources.network), enforced on the real node by kube-router:
+    the driver alone reaches rank 0's control port; ranks and the pool's engines reach the other rank
+    ports; the engine port from the driver and the ranks; nothing reaches the driver; a pod of the
+    job without a role, and a pod in another namespace carrying the driver's labels, reach nothing.
+    Fails where nothing enforces NetworkPolicy (the intruders connect) and where a policy is too tight."""
+    from lockstep_operator.resources.common import (
+        CONTROL_PORT,
+        ENGINE_PORT,
+        RENDEZVOUS_PORT,
+        Owner,
+        pool_name,
+        trainer_name,
+    )
+    from lockstep_operator.resources.network import (
+        driver_network_policy,
+        engine_network_policy,
+        trainer_network_policy,
+    )
+    from lockstep_operator.resources.pods import selector_labels
+
+    assert real_cluster.node is not None
+    ns, image, job = real_namespace, _busybox(real_cluster), NP_JOB
+    trainer, pool = trainer_name(job), pool_name(job)
+    # A real owner, so that the garbage collector keeps the policies.
+    real_cluster.kubectl("create", "configmap", "np-owner", "-n", ns)
+    owner_cm = real_cluster.get("configmap", "np-owner", "-n", ns)
+    owner = Owner(
+        api_version="v1", kind="ConfigMap", name="np-owner", uid=owner_cm["metadata"]["uid"], namespace=ns
+    )
+    real_cluster.apply(
+        [
+            trainer_network_policy(owner, job=job, trainer=trainer, pool=pool),
+            engine_network_policy(owner, job=job, pool=pool, trainer=trainer),
+            driver_network_policy(owner, job=job),
+        ]
+    )
+    rank_labels = selector_labels(job, trainer=trainer)
+    engine_labels = selector_labels(job, pool=pool)
+    driver_labels = selector_labels(job, driver=True)
+    real_cluster.apply(
+        [
+            _np_server("rank0", image, rank_labels, [RENDEZVOUS_PORT, CONTROL_PORT, NP_OTHER_PORT]),
+            _np_server("engine", image, engine_labels, [ENGINE_PORT, NP_OTHER_PORT]),
+            _np_server("driver", image, driver_labels, [8080]),
+        ],
+        namespace=ns,
+    )
+
+    def ready_ips() -> dict[str, str] | None:
+        items = real_cluster.get("pods", "-n", ns)["items"]
+        ips = {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in items
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        }
+        return ips if {"rank0", "engine", "driver"} <= ips.keys() else None
+
+    ips = real_cluster.wait_for(ready_ips, timeout=120, what="the three servers Ready (kubelet probes pass)")
+    node = real_cluster.node
+    real_cluster.wait_for(
+        lambda: all(
+            any(f"{ip}/32" in r and "KUBE-POD-FW-" in r for r in node.iptables_rules().splitlines())
+            for ip in ips.values()
+        ),
+        timeout=60,
+        what="kube-router's firewall chains for the three servers",
+    )
+    rank0, engine, driver = ips["rank0"], ips["engine"], ips["driver"]
+    expected = {
+        "as-driver": [
+            ("rank0", rank0, CONTROL_PORT, True), ("engine", engine, ENGINE_PORT, True),
+            ("rank0", rank0, RENDEZVOUS_PORT, False), ("engine", engine, NP_OTHER_PORT, False),
+        ],
+        "as-rank": [
+            ("rank0", rank0, RENDEZVOUS_PORT, True), ("rank0", rank0, NP_OTHER_PORT, True),
+            ("engine", engine, ENGINE_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
+            ("rank0", rank0, CONTROL_PORT, False), ("driver", driver, 8080, False),
+        ],
+        "as-engine": [
+            ("rank0", rank0, NP_OTHER_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
+            ("rank0", rank0, CONTROL_PORT, False), ("driver", driver, 8080, False),
+        ],
+        "intruder": [
+            ("rank0", rank0, CONTROL_PORT, False), ("rank0", rank0, RENDEZVOUS_PORT, False),
+            ("engine", engine, ENGINE_PORT, False), ("engine", engine, NP_OTHER_PORT, False),
+            ("driver", driver, 8080, False),
+        ],
+    }  # fmt: skip
+    labels = {
+        "as-driver": driver_labels,
+        "as-rank": rank_labels,
+        "as-engine": engine_labels,
+        "intruder": {"rl.lockstep.dev/job": job},
+    }
+    real_cluster.apply([_np_client(n, image, labels[n], t) for n, t in expected.items()], namespace=ns)
+    # Another namespace, the driver's labels: a podSelector without a namespaceSelector is this namespace only.
+    other = f"{ns}-x"
+    real_cluster.kubectl("create", "namespace", other)
+    try:
+        real_cluster.wait_for(
+            lambda: (
+                real_cluster.kubectl("get", "serviceaccount", "default", "-n", other, check=False).returncode
+                == 0
+            ),
+            timeout=30,
+            what=f"ServiceAccount default in {other}",
+        )
+        outsider = [("rank0", rank0, CONTROL_PORT, False), ("engine", engine, ENGINE_PORT, False)]
+        real_cluster.apply(_np_client("outsider", image, driver_labels, outsider), namespace=other)
+        got, want = {}, {}
+        for name, targets in [*expected.items(), ("outsider", outsider)]:
+            where = other if name == "outsider" else ns
+            pod = _finished(real_cluster, where, name)
+            out = _logs(real_cluster, where, name)
+            assert pod["status"]["phase"] == "Succeeded", f"{name}: {pod['status']}\n{out}"
+            got[name] = sorted(out.splitlines())
+            want[name] = sorted(f"{t}:{p} {'open' if o else 'closed'}" for t, _, p, o in targets)
+        assert got == want
+    finally:
+        real_cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
