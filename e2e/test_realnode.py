@@ -5,6 +5,7 @@ node leaves nothing behind when it stops. (docs/controlplane.md, "A real node".)
 from __future__ import annotations
 
 import ipaddress
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,10 @@ def test_pods_without_the_toleration_stay_on_kwok_nodes(
 
 
 def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_node_here: None) -> None:
-    """A second, short-lived cluster with a real node (it takes the next slot) runs a pod, stops, and
-    nothing of it is left on the host (stop() itself also raises on leftovers)."""
+    """A second, short-lived cluster with a real node (it takes the next slot) runs a pod under a
+    NetworkPolicy (so kube-router makes its chains and ipsets), stops, and nothing of it is left on the
+    host (stop() itself also raises on leftovers)."""
+    sets_before = _host_ipsets()
     cp = ControlPlane(nodes_file=None, real_node=True)
     cp.start()
     try:
@@ -153,11 +156,29 @@ def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_n
         cp.wait_for(
             lambda: cp.kubectl("get", "sa", "default", "-n", "t", check=False).returncode == 0, timeout=30
         )
-        cp.apply(pod_manifest("p", cp.node.images["busybox"], ["sleep", "3600"]), namespace="t")
+        pod = pod_manifest("p", cp.node.images["busybox"], ["sleep", "3600"])
+        pod["metadata"]["labels"] = {"app": "p"}
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "p"},
+            "spec": {
+                "podSelector": {"matchLabels": {"app": "p"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "p"}}}]}],
+            },
+        }
+        cp.apply([policy, pod], namespace="t")
         cp.wait_for(
             lambda: cp.get("pod", "p", "-n", "t")["status"].get("phase") == "Running",
             timeout=120,
             what="p Running",
+        )
+        node = cp.node
+        cp.wait_for(
+            lambda: "KUBE-POD-FW-" in node.iptables_rules() and "KUBE-SRC-" in node.ipsets(),
+            timeout=60,
+            what="kube-router's chain and ipset for p",
         )
     finally:
         cp.stop()
@@ -165,6 +186,15 @@ def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_n
     assert str(work) not in mounts
     assert not Path(f"/sys/class/net/{addr.host_veth}").exists()
     assert not any(Path("/sys/fs/cgroup").glob(f"*/{addr.cgroup_root.lstrip('/')}"))
+    assert not [s for s in _host_ipsets() - sets_before if s.startswith("KUBE-")]
+    host_rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout
+    assert "KUBE-ROUTER" not in host_rules and "KUBE-POD-FW" not in host_rules
+
+
+def _host_ipsets() -> set[str]:
+    return set(
+        subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=True).stdout.split()
+    )
 
 
 @pytest.mark.timeout(2400)  # cold: Debian rootfs, a 5 GiB layer (CUDA torch from PyPI), its import

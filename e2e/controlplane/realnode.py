@@ -655,6 +655,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         """The node's filter table (`iptables -S`): kube-proxy's, the CNI's and kube-router's rules."""
         return self._run("iptables", "-S")
 
+    def ipsets(self) -> str:
+        """The names of the node's ipsets (kube-router's KUBE-SRC-*/KUBE-DST-* peer sets), one a line."""
+        return self._run("ipset", "list", "-n")
+
     def _resolv_conf(self) -> Path:
         """For pods with dnsPolicy Default: the cluster DNS too (the host's resolver is not reachable)."""
         path = self.work_dir / "resolv.conf"
