@@ -15,7 +15,8 @@ netns bind mounts) live in those namespaces and vanish with them; the kubelet's 
 namespace those /proc/sys files are bind-mounted read-only copies holding the values it wants, so the
 shared host kernel is never changed. NetworkPolicy: the bridge CNI ignores it, so kube-router runs as a
 firewall-only agent (iptables + ipset, both per network namespace: its chains and sets vanish with the
-node's namespace too; stop checks the host has none). A slot (0..7, flock) lets several sessions each run one node.
+node's namespace too; stop checks the host has none). A slot (0..7, flock) lets several sessions each
+run one node.
 
 Images: no registry, so the sandbox (pause) image and a busybox test image are assembled here
 (node/images.py) and imported into a containerd whose root persists per slot in the cache.
@@ -75,7 +76,7 @@ DAEMONS = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
 
 KUBE_ROUTER_HEALTH_PORT = 20244
 """kube-router's /healthz, inside the node's network namespace (one per slot: no clash)."""
-LEFTOVER_MARKERS = ("KUBE-", "CNI-", "lsnode", "10.86.", "10.87.", "kube-router", "match-set")
+LEFTOVER_MARKERS = ("KUBE-", "CNI-", "lsnode", "10.86.", "10.87.", "kube-router")
 """Substrings of a host iptables rule or ipset name that only this node (kube-proxy, CNI, kube-router)
 makes; any on the host after stop is a leftover."""
 
