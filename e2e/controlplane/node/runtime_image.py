@@ -17,6 +17,7 @@ hand and prints the build time and size.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -141,12 +142,22 @@ def _passwd_entries(base: Path) -> list[Entry]:
 
 def site_layer(venv: Path) -> Path:
     """The third-party site-packages as a layer tar (~5 GiB), rebuilt only when a distribution changes."""
-    target = f"{PREFIX}/lib/{PY}/site-packages"
     path = CACHE / "layers" / f"site-packages-{site_key(venv)}.tar"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    for old in path.parent.glob("site-packages-*"):  # one at a time: each is gigabytes
+    # One builder at a time: two test runs on one machine otherwise delete each other's temporary tar.
+    with (path.parent / "site-packages.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _build_site_layer(venv, path)
+    return path
+
+
+def _build_site_layer(venv: Path, path: Path) -> None:
+    target = f"{PREFIX}/lib/{PY}/site-packages"
+    # Under the lock every other layer or temporary tar is stale: one at a time, each is gigabytes.
+    for old in path.parent.glob("site-packages-*"):
         old.unlink()
     entries = [
         Entry("opt"),
@@ -165,7 +176,6 @@ def site_layer(venv: Path) -> Path:
     tmp = path.with_suffix(f".tmp.{os.getpid()}")
     write_layer(entries, tmp)
     tmp.rename(path)
-    return path
 
 
 def runtime_spec(venv: Path, base: Path) -> ImageSpec:
