@@ -3,13 +3,20 @@
 PY := .venv/bin/python
 MANIFEST ?= examples/tiny-local.yaml
 
-.PHONY: setup run test lint typecheck imports crds crds-check controlplane pytest realnode test-realnode
+.PHONY: setup run test lint typecheck imports crds crds-check controlplane pytest realnode test-realnode lock
 
 setup:
 	bash scripts/setup.sh
 
 run: setup
 	.venv/bin/lockstep run $(MANIFEST)
+
+# The newest releases within pyproject.toml's ranges into ./.venv, frozen into constraints.txt (then run
+# `make test` and commit both).
+lock: setup
+	.venv/bin/python -m pip install -q -U -e ".[runtime,p2p,megatron,dev]"
+	{ sed -n '/^#/p' constraints.txt; .venv/bin/python -m pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 controlplane:
 	bash e2e/controlplane/build.sh

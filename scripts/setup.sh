@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up ./.venv with Lockstep and everything its roles and tests need, from PyPI only.
+# Sets up ./.venv with Lockstep and everything its roles and tests need, from PyPI only, at the versions
+# in constraints.txt (`make lock` refreshes them).
 # Idempotent: a second run only checks. pip's cache (~/.cache/pip) stays warm between runs so a warm
 # CI run does not download torch again. Called by `make run`, `make test` and .ci/run (through make).
 set -euo pipefail
@@ -13,10 +14,10 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || ! ldconfig -p 2>/dev/n
   fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-  .venv/bin/python -m pip install -q -e ".[runtime,p2p,megatron,dev]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[runtime,p2p,megatron,dev]"
   echo "$want" > "$stamp"
 fi
 # SGLang as the contract tests' oracle (runtime/tests/sglang): its own ServerArgs parser, routes and
@@ -26,5 +27,5 @@ fi
 sglang_version=0.5.23
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$sglang_version')" 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"
-  .venv/bin/python -m pip install -q orjson psutil pybase64 starlette msgspec pyzmq IPython
+  .venv/bin/python -m pip install -q -c constraints.txt orjson psutil pybase64 starlette msgspec pyzmq IPython
 fi

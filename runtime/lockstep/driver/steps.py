@@ -47,6 +47,10 @@ def start(c: Components) -> DriverState:
             c.metrics.log("eval_init", 0, evaluate_at(c, state))  # reward before any training
         for k, m in enumerate(c.trainer.warm_start()):
             c.metrics.log("sft", k + 1, m)
+        state.sft_done = True
+        # A driver restarted before the first RL checkpoint resumes here instead of warm-starting the
+        # trainer's (already warm-started) weights a second time.
+        c.trainer.save(state)
     state.sft_done = True
     # Engines == trainer before step 1: the trainer's loaded weights go out through its own export path.
     updated = c.trainer.first_update(state.version)

@@ -49,6 +49,7 @@ import torch
 
 from lockstep.engine.recompute import RecomputeRunner, slotted_runner_supports
 from lockstep.engine.runner import ModelRunner, SamplingBatch, sample
+from lockstep.models.loading import load_causal_lm
 from lockstep.models.tokenizer import ChatTokenizer
 from lockstep.numerics import exact, experts, quant, recipe
 from lockstep.numerics.quant import Scheme
@@ -283,7 +284,7 @@ class ReferenceEngine:
         true_on_policy: run the trainer's batch-invariant kernels (lockstep.numerics.exact), SGLang's
         --enable-deterministic-inference --rl-on-policy-target fsdp.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         path = Path(path)
         dev = torch.device(device)
@@ -292,13 +293,13 @@ class ReferenceEngine:
         scheme = recipe.checkpoint_scheme(json.loads((path / "config.json").read_text()))
         model: Any
         if scheme is None:
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+            model = load_causal_lm(path, config=config, dtype=dtype)
         else:  # a low-precision serving checkpoint: dequantize exactly what it holds (seed §6, stage 4)
             # transformers loads every tensor kept in BF16 (and maps checkpoint names onto its modules,
             # e.g. per-expert weights onto fused experts); the quantized ones are then overwritten
             # with their exact dequantization (their raw bytes never serve)
             del config.quantization_config
-            loaded: Any = AutoModelForCausalLM.from_pretrained(
+            loaded: Any = load_causal_lm(
                 path, config=config, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
             )
             model, info = loaded

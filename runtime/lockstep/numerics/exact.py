@@ -76,6 +76,7 @@ def apply(model: Any, device: torch.device | str) -> Tiles:
     act = str(getattr(model.config, "hidden_act", "silu"))
     if act != "silu":
         raise NotImplementedError(f"hidden_act {act!r}: true on-policy kernels implement silu only")
+    release_hub_kernels(model)
     tiles = tiles_for(device)
     if is_moe(model):  # router and experts on the same kernels (refuses the blocks it does not rebuild)
         experts.install_exact(
@@ -93,6 +94,18 @@ def apply(model: Any, device: torch.device | str) -> Tiles:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     setattr(model, _TILES_ATTR, tiles)
     return tiles
+
+
+def release_hub_kernels(model: Any) -> None:
+    """Turn off transformers' hub kernels on `model` (its torch forwards come back) before ours go in.
+
+    transformers >= 5.25 kernelizes a model loaded with its default `use_kernels` and kernelizes it
+    again on every `.train()` / `.eval()`, which overwrites the forwards installed here: the trainer's
+    RMSNorm and SiLU silently went back to stock and the train-rollout diff was no longer 0.
+    lockstep.models.loading loads with them off; this covers a model loaded any other way.
+    """
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False
 
 
 def _install(module: Any, tiles: Tiles) -> None:

@@ -145,6 +145,7 @@ def apply(
             )
     ops = load_ops() if ops is None else check_ops(ops)
     ops.enable_batch_invariant_mode(enable_bmm=False)
+    exact.release_hub_kernels(model)
     install(model, device, attention)
 
 

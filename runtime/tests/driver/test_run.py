@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -342,3 +343,29 @@ def test_help_lists_the_exit_codes(command: str, capsys: pytest.CaptureFixture[s
     assert "--metrics-port" in out
     for code in ("0 ", "2 ", "3 ", "4 ", "5 ", "130"):
         assert f"\n  {code}" in out, code
+
+
+def test_a_driver_killed_before_its_first_checkpoint_does_not_warm_start_again(
+    tmp_path: Path, cache: Path
+) -> None:
+    """The warm start ends with a checkpoint (step 0): a driver SIGKILLed during step 1, long before its
+    first RL checkpoint, resumes from it. Before, the restart found no checkpoint and ran the warm
+    start again on weights that had it already (docs/controlplane.md, the real-pod scenario)."""
+    run_dir = tmp_path / "run"
+    manifest = _manifest(tmp_path, {"spec.schedule.steps": 200, "spec.schedule.saveInterval": 100})
+    lockstep = Path(sys.executable).parent / "lockstep"
+    args = ["run", str(manifest), "--run-dir", str(run_dir), "--cache-dir", str(cache)]
+    proc = subprocess.Popen([str(lockstep), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (run_dir / "metrics.jsonl").is_file() or not read_jsonl(run_dir / "metrics.jsonl", "train"):
+            assert proc.poll() is None, "the first run ended before step 1"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _state(run_dir)["extra"] == {
+        "step": 0, "version": 0, "prompts_consumed": 0, "next_group_index": 0, "sft_done": True,
+    }  # fmt: skip
+    assert main([*args, "--steps", "2", "--resume"]) == 0
+    assert len(read_jsonl(run_dir / "metrics.jsonl", "sft")) == 2  # the first run's two steps only
+    assert _state(run_dir)["extra"]["sft_done"] is True

@@ -17,12 +17,15 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
+from lockstep.models.loading import load_causal_lm
 from lockstep.models.tiny import materialize_builtin
+from lockstep.numerics import exact as exact_kernels
 from lockstep.serving import EngineClient, SamplingParams
 from lockstep.train.common.batch import TrainBatch
 from lockstep.train.common.packing import pack_groups
 from lockstep.train.fsdp import FSDPBackend, FSDPConfig
 from lockstep.types import Group, Sample
+from transformers import AutoModelForCausalLM
 
 PROMPTS = [[2, 20, 21, 22, 3], [2, 30, 3], [2, 40, 41, 42, 43, 44, 45, 46, 3], [2, 11, 12, 3]]
 
@@ -133,3 +136,23 @@ def test_mode_off_is_not_exact(tiny_dir: Path) -> None:
     samples = asyncio.run(_rollout(tiny_dir, exact=False, slots=8, order=[0, 1, 2, 3], temperature=1.0))
     batch = _batch(samples, 1.0)
     assert _max_diff(tiny_dir, batch, exact=False, micro=64, perm=list(range(batch.size))) > 0.0
+
+
+def test_hub_kernels_cannot_replace_the_installed_kernels(tiny_dir: Path) -> None:
+    """transformers >= 5.25 loads a model kernelized by default and kernelizes it again on every
+    `.train()` / `.eval()`: without `exact.release_hub_kernels` the trainer's RMSNorm and SiLU went
+    back to stock there, and `lockstep run` measured a 6e-8 train-rollout diff instead of 0."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)  # transformers' defaults, as a user loads it
+    exact_kernels.apply(model, "cpu")
+    installed = {name: vars(m)["forward"] for name, m in model.named_modules() if "forward" in vars(m)}
+    assert any(name.endswith("input_layernorm") for name in installed)
+    model.train()
+    model.eval()
+    assert {
+        name: vars(m).get("forward") for name, m in model.named_modules() if name in installed
+    } == installed
+
+
+def test_checkpoints_load_without_hub_kernels(tiny_dir: Path) -> None:
+    """Nothing is fetched from the kernels hub at run time, and no forward is swapped behind our back."""
+    assert not getattr(load_causal_lm(tiny_dir), "use_kernels", False)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lockstep.models.checkpoint import copy_model_files
+from lockstep.models.loading import load_causal_lm
 from lockstep.numerics import exact, sglang_kernels
 from lockstep.numerics.recipe import Recipe
 from lockstep.train.backend import StepResult
@@ -132,7 +133,7 @@ class FSDPBackend:
         path = self.config.model_path if path is None else Path(path)
         model: Any
         if ckpt.has_weights(path):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = load_causal_lm(path, dtype=dtype)
         else:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
