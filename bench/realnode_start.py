@@ -4,7 +4,8 @@ Why (issue 13): the real node (kubelet, containerd, kube-proxy, CoreDNS in their
 is paid once per test session that uses it. Runs N warm starts (binaries and images cached) of
 `ControlPlane(nodes_file=None)` (the baseline, measured in the same run) and of the same with
 `real_node=True`, then applies a busybox pod that prints one line and times apply -> Succeeded.
-Prints the p50s and the ratio of each to the baseline. With --build-log it also reports the cold
+Prints the p50s and the ratio of each to the baseline, and what the NetworkPolicy enforcer (kube-router,
+started after the rest of the node is ready) adds to the start. With --build-log it also reports the cold
 build of the node binaries from a log of `time bash e2e/controlplane/node/build.sh`.
 
 Run from the repository root, as root:  .venv/bin/python bench/realnode_start.py [--runs 3] [--build-log F]
@@ -61,7 +62,7 @@ def main() -> int:
 
     bin_dir = find_binaries()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before the runs")
-    base, real, pod = [], [], []
+    base, real, pod, netpol = [], [], [], []
     for i in range(args.runs):
         with ControlPlane(bin_dir=bin_dir, nodes_file=None) as cp:
             base.append(cp.milestones["ready"])
@@ -70,15 +71,20 @@ def main() -> int:
             real.append(cp.milestones["ready"])
             assert cp.node is not None
             node = dict(cp.node.milestones)
+            netpol.append(node["netpol"] - node["ready"])
             pod.append(first_pod_seconds(cp))
         print(
             f"run {i + 1}: kwok-only ready {base[-1]:.1f} s; with real node ready {real[-1]:.1f} s "
             f"(node: containerd {node['containerd']:.1f} s, kubelet Ready {node['kubelet']:.1f} s, "
-            f"all {node['ready']:.1f} s); first pod apply -> Succeeded {pod[-1]:.1f} s"
+            f"all but kube-router {node['ready']:.1f} s, kube-router {netpol[-1]:.1f} s more); "
+            f"first pod apply -> Succeeded {pod[-1]:.1f} s"
         )
-    b, r, p = (statistics.median(x) for x in (base, real, pod))
+    b, r, p, n = (statistics.median(x) for x in (base, real, pod, netpol))
     print(f"p50 kwok-only control plane ready (baseline): {b:.1f} s")
     print(f"p50 with a real node ready: {r:.1f} s = {r / b:.2f} x the baseline")
+    print(
+        f"p50 added by the NetworkPolicy enforcer (kube-router ready): {n:.1f} s = {n / r:.2f} x the real-node start"
+    )
     print(f"p50 first real pod apply -> Succeeded: {p:.1f} s = {p / b:.2f} x the baseline")
     print(f"load average after the runs: {os.getloadavg()[0]:.1f}")
     return 0

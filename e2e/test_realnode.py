@@ -5,6 +5,7 @@ node leaves nothing behind when it stops. (docs/controlplane.md, "A real node".)
 from __future__ import annotations
 
 import ipaddress
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +143,10 @@ def test_pods_without_the_toleration_stay_on_kwok_nodes(
 
 
 def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_node_here: None) -> None:
-    """A second, short-lived cluster with a real node (it takes the next slot) runs a pod, stops, and
-    nothing of it is left on the host (stop() itself also raises on leftovers)."""
+    """A second, short-lived cluster with a real node (it takes the next slot) runs a pod under a
+    NetworkPolicy (so kube-router makes its chains and ipsets), stops, and nothing of it is left on the
+    host (stop() itself also raises on leftovers)."""
+    sets_before = _host_ipsets()
     cp = ControlPlane(nodes_file=None, real_node=True)
     cp.start()
     try:
@@ -153,11 +156,29 @@ def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_n
         cp.wait_for(
             lambda: cp.kubectl("get", "sa", "default", "-n", "t", check=False).returncode == 0, timeout=30
         )
-        cp.apply(pod_manifest("p", cp.node.images["busybox"], ["sleep", "3600"]), namespace="t")
+        pod = pod_manifest("p", cp.node.images["busybox"], ["sleep", "3600"])
+        pod["metadata"]["labels"] = {"app": "p"}
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "p"},
+            "spec": {
+                "podSelector": {"matchLabels": {"app": "p"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "p"}}}]}],
+            },
+        }
+        cp.apply([policy, pod], namespace="t")
         cp.wait_for(
             lambda: cp.get("pod", "p", "-n", "t")["status"].get("phase") == "Running",
             timeout=120,
             what="p Running",
+        )
+        node = cp.node
+        cp.wait_for(
+            lambda: "KUBE-POD-FW-" in node.iptables_rules() and "KUBE-SRC-" in node.ipsets(),
+            timeout=60,
+            what="kube-router's chain and ipset for p",
         )
     finally:
         cp.stop()
@@ -165,6 +186,15 @@ def test_stop_leaves_no_process_mount_veth_cgroup_or_rule(tmp_path: Path, real_n
     assert str(work) not in mounts
     assert not Path(f"/sys/class/net/{addr.host_veth}").exists()
     assert not any(Path("/sys/fs/cgroup").glob(f"*/{addr.cgroup_root.lstrip('/')}"))
+    assert not [s for s in _host_ipsets() - sets_before if s.startswith("KUBE-")]
+    host_rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True).stdout
+    assert "KUBE-ROUTER" not in host_rules and "KUBE-POD-FW" not in host_rules
+
+
+def _host_ipsets() -> set[str]:
+    return set(
+        subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=True).stdout.split()
+    )
 
 
 @pytest.mark.timeout(2400)  # cold: Debian rootfs, a 5 GiB layer (CUDA torch from PyPI), its import
@@ -194,3 +224,165 @@ def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, re
     assert lines[1].startswith("torch 2.")
     assert '"gitVersion": "v1.36.3"' in out
     assert "usage: lockstep" in out
+
+
+# ------------------------------------------------------------------ NetworkPolicy (kube-router enforces)
+NP_JOB = "np"
+NP_OTHER_PORT = 29700
+"""A port the OS would pick for NCCL, gloo or Mooncake on a rank or engine pod."""
+
+
+def _np_server(name: str, image: str, labels: dict[str, str], ports: list[int]) -> dict[str, Any]:
+    """A busybox pod listening on `ports` (httpd), Ready through a kubelet TCP probe on the first: the
+    kubelet's probes must pass the pod's policy."""
+    daemons = " && ".join(f"httpd -p {p} -h /www" for p in ports[1:])
+    script = f"mkdir -p /www && echo ok > /www/index.html && {daemons + ' && ' if daemons else ''}httpd -f -p {ports[0]} -h /www"
+    pod = pod_manifest(name, image, ["sh", "-c", script])
+    pod["metadata"]["labels"] = labels
+    pod["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": ports[0]}, "periodSeconds": 1}
+    return pod
+
+
+def _np_client(
+    name: str, image: str, labels: dict[str, str], targets: list[tuple[str, str, int, bool]]
+) -> dict[str, Any]:
+    """A pod that connects to each (name, ip, port, expected open) target and prints `name:port
+    open|closed`. Targets expected open are tried up to 30 times a second apart (the enforcer adds a
+    new pod to its peers' allow-sets a moment after the pod starts, as Calico and Cilium do); the
+    others are tried once, after the open ones (the test waits for the servers' firewall chains first)."""
+    lines = [
+        "try() { i=0; while [ $i -lt $3 ]; do nc -w 3 $1 $2 </dev/null >/dev/null 2>&1 && return 0; i=$((i+1)); sleep 1; done; return 1; }"
+    ]
+    for tname, ip, port, want_open in sorted(targets, key=lambda t: not t[3]):
+        tries = 30 if want_open else 1
+        lines.append(
+            f'if try {ip} {port} {tries}; then echo "{tname}:{port} open"; else echo "{tname}:{port} closed"; fi'
+        )
+    pod = pod_manifest(name, image, ["sh", "-c", "\n".join(lines)])
+    pod["metadata"]["labels"] = labels
+    return pod
+
+
+def test_network_policy_lets_only_the_allowed_peers_connect(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    """The operator's own NetworkPolicies (resources.network), enforced on the real node by kube-router:
+    the driver alone reaches rank 0's control port; ranks and the pool's engines reach the other rank
+    ports; the engine port from the driver and the ranks; nothing reaches the driver; a pod of the
+    job without a role, and a pod in another namespace carrying the driver's labels, reach nothing.
+    Fails where nothing enforces NetworkPolicy (the intruders connect) and where a policy is too tight."""
+    from lockstep_operator.resources.common import (
+        CONTROL_PORT,
+        ENGINE_PORT,
+        RENDEZVOUS_PORT,
+        Owner,
+        pool_name,
+        trainer_name,
+    )
+    from lockstep_operator.resources.network import (
+        driver_network_policy,
+        engine_network_policy,
+        trainer_network_policy,
+    )
+    from lockstep_operator.resources.pods import selector_labels
+
+    assert real_cluster.node is not None
+    ns, image, job = real_namespace, _busybox(real_cluster), NP_JOB
+    trainer, pool = trainer_name(job), pool_name(job)
+    # A real owner, so that the garbage collector keeps the policies.
+    real_cluster.kubectl("create", "configmap", "np-owner", "-n", ns)
+    owner_cm = real_cluster.get("configmap", "np-owner", "-n", ns)
+    owner = Owner(
+        api_version="v1", kind="ConfigMap", name="np-owner", uid=owner_cm["metadata"]["uid"], namespace=ns
+    )
+    real_cluster.apply(
+        [
+            trainer_network_policy(owner, job=job, trainer=trainer, pool=pool),
+            engine_network_policy(owner, job=job, pool=pool, trainer=trainer),
+            driver_network_policy(owner, job=job),
+        ]
+    )
+    rank_labels = selector_labels(job, trainer=trainer)
+    engine_labels = selector_labels(job, pool=pool)
+    driver_labels = selector_labels(job, driver=True)
+    real_cluster.apply(
+        [
+            _np_server("rank0", image, rank_labels, [RENDEZVOUS_PORT, CONTROL_PORT, NP_OTHER_PORT]),
+            _np_server("engine", image, engine_labels, [ENGINE_PORT, NP_OTHER_PORT]),
+            _np_server("driver", image, driver_labels, [8080]),
+        ],
+        namespace=ns,
+    )
+
+    def ready_ips() -> dict[str, str] | None:
+        items = real_cluster.get("pods", "-n", ns)["items"]
+        ips = {
+            p["metadata"]["name"]: p["status"]["podIP"]
+            for p in items
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        }
+        return ips if {"rank0", "engine", "driver"} <= ips.keys() else None
+
+    ips = real_cluster.wait_for(ready_ips, timeout=120, what="the three servers Ready (kubelet probes pass)")
+    node = real_cluster.node
+    real_cluster.wait_for(
+        lambda: all(
+            any(f"{ip}/32" in r and "KUBE-POD-FW-" in r for r in node.iptables_rules().splitlines())
+            for ip in ips.values()
+        ),
+        timeout=60,
+        what="kube-router's firewall chains for the three servers",
+    )
+    rank0, engine, driver = ips["rank0"], ips["engine"], ips["driver"]
+    expected = {
+        "as-driver": [
+            ("rank0", rank0, CONTROL_PORT, True), ("engine", engine, ENGINE_PORT, True),
+            ("rank0", rank0, RENDEZVOUS_PORT, False), ("engine", engine, NP_OTHER_PORT, False),
+        ],
+        "as-rank": [
+            ("rank0", rank0, RENDEZVOUS_PORT, True), ("rank0", rank0, NP_OTHER_PORT, True),
+            ("engine", engine, ENGINE_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
+            ("rank0", rank0, CONTROL_PORT, False), ("driver", driver, 8080, False),
+        ],
+        "as-engine": [
+            ("rank0", rank0, NP_OTHER_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
+            ("rank0", rank0, CONTROL_PORT, False), ("driver", driver, 8080, False),
+        ],
+        "intruder": [
+            ("rank0", rank0, CONTROL_PORT, False), ("rank0", rank0, RENDEZVOUS_PORT, False),
+            ("engine", engine, ENGINE_PORT, False), ("engine", engine, NP_OTHER_PORT, False),
+            ("driver", driver, 8080, False),
+        ],
+    }  # fmt: skip
+    labels = {
+        "as-driver": driver_labels,
+        "as-rank": rank_labels,
+        "as-engine": engine_labels,
+        "intruder": {"rl.lockstep.dev/job": job},
+    }
+    real_cluster.apply([_np_client(n, image, labels[n], t) for n, t in expected.items()], namespace=ns)
+    # Another namespace, the driver's labels: a podSelector without a namespaceSelector is this namespace only.
+    other = f"{ns}-x"
+    real_cluster.kubectl("create", "namespace", other)
+    try:
+        real_cluster.wait_for(
+            lambda: (
+                real_cluster.kubectl("get", "serviceaccount", "default", "-n", other, check=False).returncode
+                == 0
+            ),
+            timeout=30,
+            what=f"ServiceAccount default in {other}",
+        )
+        outsider = [("rank0", rank0, CONTROL_PORT, False), ("engine", engine, ENGINE_PORT, False)]
+        real_cluster.apply(_np_client("outsider", image, driver_labels, outsider), namespace=other)
+        got, want = {}, {}
+        for name, targets in [*expected.items(), ("outsider", outsider)]:
+            where = other if name == "outsider" else ns
+            pod = _finished(real_cluster, where, name)
+            out = _logs(real_cluster, where, name)
+            assert pod["status"]["phase"] == "Succeeded", f"{name}: {pod['status']}\n{out}"
+            got[name] = sorted(out.splitlines())
+            want[name] = sorted(f"{t}:{p} {'open' if o else 'closed'}" for t, _, p, o in targets)
+        assert got == want
+    finally:
+        real_cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)

@@ -85,11 +85,13 @@ def test_disabled_skips_without_probing(monkeypatch: pytest.MonkeyPatch) -> None
 
 @needs_root
 def test_a_capable_machine_passes_and_the_probe_leaves_nothing() -> None:
-    """Where the machine can run the real node, the probe's veth, bridge, mounts (throwaway namespace),
-    cgroup and runc container are gone afterwards."""
+    """Where the machine can run the real node, the probe's veth, bridge, ipset, mounts (throwaway
+    namespace), cgroup and runc container are gone afterwards."""
     if lacks := probe.missing():
         pytest.skip(f"this machine cannot run a real node: {lacks}")
     assert not list(Path("/sys/class/net").glob("lsprobe*"))
     assert not list(Path("/sys/fs/cgroup").glob("*/lockstep-probe-*"))
     assert not list(Path("/sys/fs/cgroup").glob("*/lsprobe-*"))
     assert "lsprobe" not in Path("/proc/self/mountinfo").read_text()
+    sets = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=True).stdout
+    assert "lsprobe" not in sets.split()  # its ipset lived in the throwaway namespace

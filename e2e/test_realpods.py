@@ -281,6 +281,19 @@ def kill_main_process(cluster: ControlPlane, pod: dict[str, Any]) -> None:
     os.kill(container_pid(cluster, pod), signal.SIGKILL)
 
 
+def unguarded(cluster: ControlPlane, ns: str, job: str) -> list[str]:
+    """The job's running pods that the real node's NetworkPolicy enforcer (kube-router) has no firewall
+    chain for: each policy-selected pod gets a `-d <pod IP>/32 ... -j KUBE-POD-FW-...` rule."""
+    assert cluster.node is not None
+    rules = cluster.node.iptables_rules().splitlines()
+    return [
+        p["metadata"]["name"]
+        for p in live(pods(cluster, ns, job))
+        if p["status"].get("podIP")
+        and not any(f"-d {p['status']['podIP']}/32" in r and "KUBE-POD-FW-" in r for r in rules)
+    ]
+
+
 def live(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pods not being deleted."""
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
@@ -425,6 +438,10 @@ def test_the_example_trains_to_success_through_scale_and_faults(
         # 1 + 2. Past the first checkpoint: kill trainer rank 1.
         st = at(lambda s: (s.get("step") or 0) >= save + 2, f"Running at step >= {save + 2}")
         events["rank"] = st["step"]
+        # The job got here through its NetworkPolicies: the node's enforcer guards every pod of it.
+        assert not unguarded(cluster, ns, job), fail_with(
+            cluster, ns, f"pods outside NetworkPolicy: {unguarded(cluster, ns, job)}"
+        )
         kill_t = time.monotonic()
         kill_main_process(cluster, cluster.get("pod", f"{job}-trainer-1", "-n", ns))
         at(

@@ -1,4 +1,5 @@
-"""A real worker node of the local control plane: kubelet, containerd, runc, CNI, kube-proxy, CoreDNS.
+"""A real worker node of the local control plane: kubelet, containerd, runc, CNI, kube-proxy, CoreDNS,
+and kube-router enforcing NetworkPolicy.
 
 Why: kwok nodes run no process, so the pods the operator renders (commands, env, Service DNS, the
 ServiceAccount token, volumes) never meet. This node runs them for real, next to the kwok GPU nodes.
@@ -12,7 +13,10 @@ netns bind mounts) live in those namespaces and vanish with them; the kubelet's 
 /lockstep-node-<slot>) are removed at stop, and stop checks that nothing is left. The kubelet
 "fixes" six kernel sysctls it wants (vm.overcommit_memory, kernel.panic, ...); in the private mount
 namespace those /proc/sys files are bind-mounted read-only copies holding the values it wants, so the
-shared host kernel is never changed. A slot (0..7, flock) lets several sessions each run one node.
+shared host kernel is never changed. NetworkPolicy: the bridge CNI ignores it, so kube-router runs as a
+firewall-only agent (iptables + ipset, both per network namespace: its chains and sets vanish with the
+node's namespace too; stop checks the host has none). A slot (0..7, flock) lets several sessions each
+run one node.
 
 Images: no registry, so the sandbox (pause) image and a busybox test image are assembled here
 (node/images.py) and imported into a containerd whose root persists per slot in the cache.
@@ -36,7 +40,7 @@ from typing import IO, Any
 
 import yaml
 
-from e2e.controlplane.cluster import ControlPlane, ControlPlaneError
+from e2e.controlplane.cluster import SERVICE_CIDR, ControlPlane, ControlPlaneError
 from e2e.controlplane.node import images
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +72,13 @@ KUBELET_SYSCTLS = {
 PRIVATE_DIRS = ("/run/containerd", "/run/netns", "/var/lib/cni", "/var/lib/kubelet")
 
 # Start order of the node's daemons; stop goes in reverse.
-DAEMONS = ("containerd", "kubelet", "kube-proxy", "coredns")
+DAEMONS = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
+
+KUBE_ROUTER_HEALTH_PORT = 20244
+"""kube-router's /healthz, inside the node's network namespace (one per slot: no clash)."""
+LEFTOVER_MARKERS = ("KUBE-", "CNI-", "lsnode", "10.86.", "10.87.", "kube-router")
+"""Substrings of a host iptables rule or ipset name that only this node (kube-proxy, CNI, kube-router)
+makes; any on the host after stop is a leftover."""
 
 
 class RealNodeError(ControlPlaneError):
@@ -152,6 +162,7 @@ class RealNode:
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, init=False, repr=False)
     _ns: tuple[int, int] = field(default=(0, 0), init=False)
     _iptables_before: str = field(default="", init=False, repr=False)
+    _ipsets_before: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _archives: dict[str, Path] = field(default_factory=dict, init=False, repr=False)
     _made_dirs: list[Path] = field(default_factory=list, init=False, repr=False)
 
@@ -185,6 +196,7 @@ class RealNode:
         self.log_dir.mkdir(exist_ok=True)
         _remove_cgroups(self.addr.cgroup_root)  # a killed earlier run of this slot
         self._iptables_before = _iptables_rules()
+        self._ipsets_before = _ipsets()
         self._start_holder()
         self._setup_network()
         self._fake_sysctls()
@@ -193,6 +205,7 @@ class RealNode:
             f"system:node:{self.addr.node_name}": os.urandom(24).hex(),
             "system:kube-proxy": os.urandom(24).hex(),
             "lockstep:coredns": os.urandom(24).hex(),
+            "lockstep:kube-router": os.urandom(24).hex(),
         }
         self._write_pki()
         return self.addr
@@ -315,8 +328,9 @@ class RealNode:
 
     # ------------------------------------------------------------------ phase 2: daemons
     def start(self, cluster: ControlPlane) -> None:
-        """Start containerd (and import the images), the kubelet, kube-proxy and CoreDNS; wait until the
-        node is Ready, DNS answers and kube-proxy is healthy."""
+        """Start containerd (and import the images), the kubelet, kube-proxy, CoreDNS and kube-router;
+        wait until the node is Ready, DNS answers, kube-proxy is healthy and kube-router has hooked its
+        NetworkPolicy chains into the node's filter table."""
         t0 = time.monotonic()
         self._apply_rbac(cluster)
         self._spawn("containerd", [self._bin_sys("containerd"), f"--config={self._containerd_config()}"])
@@ -333,6 +347,10 @@ class RealNode:
         self._wait("kube-proxy", lambda: self._curl_ok("http://127.0.0.1:10256/healthz"))
         self._wait("coredns", lambda: self._curl_ok("http://127.0.0.1:8080/health"))
         self.milestones["ready"] = time.monotonic() - t0
+        # kube-router reads the Node object at start (its InternalIP picks the local pods): after Ready.
+        self._spawn("kube-router", self._kube_router_args(cluster))
+        self._wait("kube-router", self._kube_router_ready)
+        self.milestones["netpol"] = time.monotonic() - t0
 
     @staticmethod
     def _bin_sys(name: str) -> str:
@@ -342,9 +360,25 @@ class RealNode:
         return path
 
     def _apply_rbac(self, cluster: ControlPlane) -> None:
-        """CoreDNS reads Services, EndpointSlices and Namespaces; nothing else (least privilege)."""
+        """CoreDNS reads Services, EndpointSlices and Namespaces; kube-router (firewall only) reads the
+        objects its informers watch; nothing else (least privilege)."""
+        kube_router_reads = [
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+            {
+                "apiGroups": [""],
+                "resources": ["pods", "namespaces", "services", "endpoints"],
+                "verbs": ["list", "watch"],
+            },
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+            {
+                "apiGroups": ["networking.k8s.io"],
+                "resources": ["networkpolicies"],
+                "verbs": ["list", "watch"],
+            },
+        ]
         cluster.apply(
             [
+                *_cluster_role_for_user("lockstep:kube-router", kube_router_reads),
                 {
                     "apiVersion": "rbac.authorization.k8s.io/v1",
                     "kind": "ClusterRole",
@@ -593,6 +627,39 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "--v=1",
         ]
 
+    def _kube_router_args(self, cluster: ControlPlane) -> list[str]:
+        """Firewall only: no routing (the bridge CNI routes), no service proxy (kube-proxy does)."""
+        return [
+            self._bin("kube-router"),
+            "--run-firewall=true",
+            "--run-router=false",
+            "--run-service-proxy=false",
+            "--run-loadbalancer=false",
+            f"--kubeconfig={self._kubeconfig(cluster, 'lockstep:kube-router')}",
+            f"--hostname-override={self.addr.node_name}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--enable-ipv4=true",
+            "--enable-ipv6=false",
+            f"--health-port={KUBE_ROUTER_HEALTH_PORT}",
+            "--metrics-port=0",
+            "--v=1",
+        ]
+
+    def _kube_router_ready(self) -> bool:
+        """Its health endpoint answers and its chains hang off FORWARD (the pod-to-pod path)."""
+        if not self._curl_ok(f"http://127.0.0.1:{KUBE_ROUTER_HEALTH_PORT}/healthz"):
+            return False
+        forward = self._run("iptables", "-S", "FORWARD")
+        return "KUBE-ROUTER-FORWARD" in forward and "KUBE-NWPLCY-DEFAULT" in self._run("iptables", "-S")
+
+    def iptables_rules(self) -> str:
+        """The node's filter table (`iptables -S`): kube-proxy's, the CNI's and kube-router's rules."""
+        return self._run("iptables", "-S")
+
+    def ipsets(self) -> str:
+        """The names of the node's ipsets (kube-router's KUBE-SRC-*/KUBE-DST-* peer sets), one a line."""
+        return self._run("ipset", "list", "-n")
+
     def _resolv_conf(self) -> Path:
         """For pods with dnsPolicy Default: the cluster DNS too (the host's resolver is not reachable)."""
         path = self.work_dir / "resolv.conf"
@@ -719,7 +786,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def stop(self, check: bool = True) -> None:
         """Stop the daemons, kill whatever runs in the node's namespaces or cgroups, release the slot;
-        check=True raises RealNodeError naming anything left (process, veth, cgroup, host iptables rule)."""
+        check=True raises RealNodeError naming anything left (process, veth, cgroup, host iptables rule
+        or ipset)."""
         for name in reversed(DAEMONS):
             proc = self._procs.get(name)
             if proc is not None:
@@ -746,11 +814,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             if veth.exists():
                 left.append(f"veth {self.addr.host_veth}")
             new = set(_iptables_rules().splitlines()) - set(self._iptables_before.splitlines())
-            ours = sorted(
-                r for r in new if any(m in r for m in ("KUBE-", "CNI-", "lsnode", "10.86.", "10.87."))
-            )
+            ours = sorted(r for r in new if any(m in r for m in LEFTOVER_MARKERS))
             if ours:  # rules of other users of the machine are theirs, not a leftover of ours
                 left.append(f"host iptables rules {ours}")
+            sets = sorted(s for s in _ipsets() - self._ipsets_before if any(m in s for m in LEFTOVER_MARKERS))
+            if sets:
+                left.append(f"host ipsets {sets}")
         for d in self._made_dirs:  # empty on the host: their contents lived in the private tmpfs
             with contextlib.suppress(OSError):
                 d.rmdir()
@@ -797,6 +866,33 @@ def _iptables_rules() -> str:
             proc = subprocess.run([tool], capture_output=True, text=True, check=False)
             out += [line for line in proc.stdout.splitlines() if not line.startswith(("#", ":"))]
     return "\n".join(out)
+
+
+def _ipsets() -> frozenset[str]:
+    """The names of the host's ipsets (the node's live in its network namespace and die with it)."""
+    if not shutil.which("ipset"):
+        return frozenset()
+    proc = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=False)
+    return frozenset(proc.stdout.split())
+
+
+def _cluster_role_for_user(user: str, rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ClusterRole named like `user` with `rules`, bound to that (token) user."""
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": user},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": user},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": user},
+            "subjects": [{"kind": "User", "name": user, "apiGroup": "rbac.authorization.k8s.io"}],
+        },
+    ]
 
 
 def _proc_namespaces() -> Iterator[tuple[int, int, int, str]]:

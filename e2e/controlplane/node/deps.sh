@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages a real node of the e2e cluster runs on: containerd, runc, the CNI
-# plugins (bridge, host-local, portmap, loopback) and iptables; busybox-static is only unpacked into the
-# cache (the test image's userland), never installed. Idempotent: installs only what is missing, so a
+# plugins (bridge, host-local, portmap, loopback), iptables and ipset (kube-router enforces
+# NetworkPolicy with them); busybox-static is only unpacked into the cache (the test image's
+# userland), never installed. Idempotent: installs only what is missing, so a
 # warm machine pays nothing. Needs root (a real node needs root anyway). Called by build.sh.
 set -euo pipefail
 cache=${LOCKSTEP_CACHE:-$HOME/.cache/lockstep}/node
@@ -10,6 +11,7 @@ command -v containerd >/dev/null || packages+=(containerd)
 command -v runc >/dev/null || packages+=(runc)
 [ -x /usr/lib/cni/bridge ] || packages+=(containernetworking-plugins)
 command -v iptables >/dev/null || packages+=(iptables)
+command -v ipset >/dev/null || packages+=(ipset)  # kube-router's NetworkPolicy sets
 command -v nsenter >/dev/null || packages+=(util-linux)
 command -v ip >/dev/null || packages+=(iproute2)
 command -v mmdebstrap >/dev/null || packages+=(mmdebstrap)  # the runtime image's Debian rootfs

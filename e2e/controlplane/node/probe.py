@@ -8,8 +8,9 @@ a machine of another kind must never turn CI red, and a machine that can must ru
 What it checks, in order: Linux and root; cgroup v1 hierarchies that accept a new cgroup (the node's
 cgroupfs driver and realnode.py's cgroup handling are v1); overlayfs (containerd's snapshotter);
 the Debian packages of node/deps.sh (installed when missing and apt-get works); then, inside a
-throwaway network + mount namespace, a veth pair, a bridge with bridge netfilter, iptables' nat table
-and a tmpfs mount (all gone with the namespace); last, runc runs a container (busybox `true`).
+throwaway network + mount namespace, a veth pair, a bridge with bridge netfilter, iptables' nat table,
+an ipset matched by an iptables rule with the physdev match (what kube-router enforces NetworkPolicy
+with) and a tmpfs mount (all gone with the namespace); last, runc runs a container (busybox `true`).
 
 LOCKSTEP_REAL_NODE: `0` skips the real node whatever the machine; `1` requires it (a missing
 capability is an error, not a skip: `make test-realnode`); unset: probe and decide.
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 DEPS = HERE / "deps.sh"
 CACHE = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep"))
 CGROUP = Path("/sys/fs/cgroup")
-TOOLS = ("containerd", "runc", "ctr", "iptables", "unshare", "nsenter", "ip", "mmdebstrap")
+TOOLS = ("containerd", "runc", "ctr", "iptables", "ipset", "unshare", "nsenter", "ip", "mmdebstrap")
 ELSEWHERE = (
     "run them on a Linux machine or VM with root, cgroup v1, veth/bridge/iptables "
     "(Debian bookworm works): `make test-realnode` (docs/controlplane.md, 'A real node')"
@@ -44,6 +45,8 @@ ip link add lsprobe0 type veth peer name lsprobe1 >/dev/null 2>&1 || echo "veth 
 ip link add lsprobebr type bridge >/dev/null 2>&1 || echo "bridges"
 [ -e /proc/sys/net/bridge/bridge-nf-call-iptables ] || echo "bridge netfilter (br_netfilter)"
 iptables -t nat -S >/dev/null 2>&1 || echo "iptables nat table"
+{ ipset create lsprobe hash:ip && iptables -A FORWARD -m set --match-set lsprobe src -m physdev \
+  --physdev-is-bridged -j ACCEPT; } >/dev/null 2>&1 || echo "ipset with iptables set/physdev matches (NetworkPolicy)"
 mount -t tmpfs lsprobe /mnt >/dev/null 2>&1 || echo "mounts in a private mount namespace"
 """
 
