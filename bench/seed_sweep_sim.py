@@ -15,7 +15,8 @@ prompt), --temp, --reward exact|partial|prefix (partial: 0.5 exact + 0.5 share o
 prefix: 0.5 exact + 0.5 share of the correct leading characters), --dyn CAP (dynamic sampling), --ent
 (entropy bonus), --klsft (k3 KL to the warm-started policy), --adv grpo|ppo (ppo: no std division),
 --mb K (K optimizer steps per batch with PPO clipping --eps-lo/--eps-hi), model shape (--hidden,
---layers, --hd, --heads, --kv, --inter), --init-seed (the model init of another seed), --probe N (SFT
+--layers, --hd, --heads, --kv, --inter), the RL rate's schedule (--warmup, --decay constant|linear|cosine,
+--min-lr: spec.algorithm.lrSchedule, through the trainer's own learning_rate_at), --init-seed (the model init of another seed), --probe N (SFT
 eval every N steps), length curricula (--sft-min-digits with --sft-long-steps K: SFT on answers of at
 least that many digits, for the first K steps when K > 0; --rl-min-digits: RL prompts of at least that
 many digits). Greedy eval by answer length, and where 4/5-digit answers go wrong, every 50 steps.
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 from lockstep.models.tiny import ASSISTANT_ID, CHARS, EOS_ID, USER_ID, builtin_dir, tiny_config
 from lockstep.tasks.digits import ReverseDigits
+from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at
 from lockstep.trainer.local import SFT_ITEM_BASE
 from transformers import Qwen3ForCausalLM
 
@@ -54,6 +56,7 @@ def parse() -> argparse.Namespace:
         ("eps-lo", float, 0.2), ("eps-hi", float, 0.2), ("hidden", int, 0), ("layers", int, 2),
         ("heads", int, 4), ("kv", int, 2), ("hd", int, 16), ("inter", int, 0), ("probe", int, 0),
         ("log", str, None), ("sft-min-digits", int, 3), ("rl-min-digits", int, 3), ("sft-long-steps", int, 0),
+        ("warmup", int, 0), ("decay", str, "constant"), ("min-lr", float, 0.0),
     ]:  # fmt: skip
         p.add_argument(f"--{name}", type=kind, default=default)
     return p.parse_args()
@@ -294,10 +297,10 @@ def token_rows(groups: list[Any]) -> list[Any]:
     return rows
 
 
-def train(sim: Sim, groups: list[Any]) -> float:
+def train(sim: Sim, groups: list[Any], lr: float) -> float:
     a, rows = sim.a, []
     if a.reward == "token":
-        return sim.step(token_rows(groups), a.lr)
+        return sim.step(token_rows(groups), lr)
     for p, rs, rewards, _ in groups:
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards))
@@ -306,14 +309,14 @@ def train(sim: Sim, groups: list[Any]) -> float:
             for r, x in zip(rs, rewards, strict=True)
         ]
     if a.mb == 1:
-        return sim.step(rows, a.lr)
+        return sim.step(rows, lr)
     per = len(rows) // a.mb
     chunks = [rows[i : i + per] for i in range(0, len(rows), per)]
     with torch.no_grad():
         olds = [sim.logprobs(c, a.temp)[0] for c in chunks]
     ent = 0.0
     for c, old in zip(chunks, olds, strict=True):
-        ent = sim.step(c, a.lr, old)
+        ent = sim.step(c, lr, old)
     return ent
 
 
@@ -335,9 +338,12 @@ def main() -> None:
         sim.ref = copy.deepcopy(sim.model).eval()
     gen = torch.Generator().manual_seed(a.seed)
     consumed, rewards, evals = 0, [], {0: eval_sft[0]}
+    # the RL rate per step: the trainer's own schedule function (spec.algorithm.lrSchedule)
+    schedule = LRSchedule(a.lr, a.steps, a.warmup, a.decay, a.min_lr)  # type: ignore[arg-type]
     for step in range(1, a.steps + 1):
         groups, exact, consumed, generated = collect(sim, consumed, gen)
-        ent = train(sim, groups) if groups else float("nan")
+        lr = learning_rate_at(schedule, step)
+        ent = train(sim, groups, lr) if groups else float("nan")
         rewards.append(sum(exact) / len(exact))
         if step % 50 == 0 or step == a.steps:
             ev = sim.evaluate()
