@@ -6,7 +6,7 @@ through this package, so payload shapes live in one place and are pinned by cont
 Public API:
 - payloads: SamplingParams, GenerateRequest, GenerateReply, ... and ROUTES (endpoint -> method, path).
 - EngineClient (async; retries, then EngineUnreachable), GenerateResult, GenerateBackend (Protocol),
-  EngineError.
+  EngineError, NoReply (the connection broke after the request was sent).
 - open_weight_update_group / WeightUpdateGroup: the group of /init_weights_update_group (both ends).
 - dumps_named_tensors / loads_named_tensors: the /update_weights_from_tensor format (restricted loader).
 
@@ -23,6 +23,7 @@ from lockstep.serving.client import (
     GenerateResult,
     result_from_reply,
 )
+from lockstep.serving.http import NoReply
 from lockstep.serving.payloads import (
     ROUTES,
     FinishReason,
@@ -45,6 +46,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "MetaInfo",
+    "NoReply",
     "SamplingParams",
     "UnsafePayload",
     "WeightUpdateGroup",

@@ -3,7 +3,9 @@
 Why it exists: the rollout code, the weight transports and the driver call a rollout engine through
 this class only, so a real SGLang server and `lockstep engine` are interchangeable. Connection
 failures are retried with exponential backoff, then raise `EngineUnreachable` naming the URL; an
-HTTP error status raises `EngineError` with the server's message.
+HTTP error status raises `EngineError` with the server's message; a connection that breaks after the
+request was sent raises `NoReply` (not retried: the engine may have run it). The HTTP layer is
+lockstep.serving.http (aiohttp, pooled keep-alive connections).
 
 Per-token weight versions (GenerateResult.token_versions): SGLang (and the reference engine) report
 them as meta_info.weight_versions spans {version, start, end}; the client expands them per token (a
@@ -25,12 +27,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import httpx
 from pydantic import BaseModel
 
 from lockstep.api.auth import API_KEY_ENV as API_KEY_ENV  # re-exported for the servers' CLIs
 from lockstep.api.auth import api_key_from_env as api_key_from_env
 from lockstep.api.auth import auth_headers
+from lockstep.serving.http import ConnectFailed, JsonHttp, NoReply, Reply
 from lockstep.serving.payloads import (
     ROUTES,
     AbortRequest,
@@ -213,7 +215,6 @@ class EngineClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        transport: httpx.AsyncBaseTransport | None = None,
         api_key: str | None = None,
     ) -> None:
         if retries < 1:
@@ -226,15 +227,12 @@ class EngineClient:
         self._sleep = sleep
         self.last_version: int | None = None
         """The latest weight version this client saw (replies, updates, model_info)."""
-        # No idle keep-alive connections: httpcore's pool scans every pooled connection (has_expired,
-        # is_idle) each time a request starts or ends, so with a wave of 64 concurrent /generate calls a
-        # pool of idle keep-alives made the client, not the engine, the rollout's bottleneck (0.72 s vs
-        # 0.12 s per 64 six-token requests to the reference engine on loopback). A fresh connection per
-        # request costs one TCP handshake, small next to a generation.
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=0)
-        self._http = httpx.AsyncClient(
-            timeout=timeout_s, limits=limits, transport=transport, headers=auth_headers(api_key)
-        )
+        self._http = JsonHttp(timeout_s=timeout_s, headers=auth_headers(api_key))
+
+    @property
+    def closed(self) -> bool:
+        """True after aclose()."""
+        return self._http.closed
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -254,7 +252,7 @@ class EngineClient:
         *,
         ok: tuple[int, ...] = (),
         headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> Reply:
         method, path = ROUTES[endpoint]
         payload = body.model_dump(mode="json", exclude_none=True) if body is not None else None
         return await self._send(method, path, payload, ok=ok, headers=headers)
@@ -267,15 +265,18 @@ class EngineClient:
         *,
         ok: tuple[int, ...] = (),
         headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        """`ok`: error statuses returned to the caller instead of raised (their body is the answer)."""
+    ) -> Reply:
+        """`ok`: error statuses returned to the caller instead of raised (their body is the answer).
+
+        Raises EngineUnreachable when no connection could be made after the retries, NoReply when the
+        connection broke (or timed out) after the request was sent: never retried, it may have run."""
         url = self.base_url + path
         delay = self.backoff_s
         last: BaseException | None = None
         for attempt in range(1, self.retries + 1):
             try:
-                resp = await self._http.request(method, url, json=payload, headers=headers)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                resp = await self._http.request(method, url, payload, headers=headers)
+            except ConnectFailed as e:
                 last = e
                 if attempt < self.retries:
                     await self._sleep(delay)
@@ -339,8 +340,8 @@ class EngineClient:
     async def health(self) -> bool:
         """True when the server answers /health with 200 (no retries: a probe)."""
         try:
-            resp = await self._http.get(self.base_url + ROUTES["health"][1])
-        except httpx.TransportError:
+            resp = await self._http.request("GET", self.base_url + ROUTES["health"][1])
+        except (ConnectFailed, NoReply):
             return False
         return resp.status_code == 200
 
@@ -490,7 +491,7 @@ class EngineClient:
         return CheckWeightsReply.model_validate(resp.json())
 
 
-def _error_text(resp: httpx.Response) -> str:
+def _error_text(resp: Reply) -> str:
     try:
         data = resp.json()
     except ValueError:

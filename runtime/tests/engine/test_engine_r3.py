@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from aiohttp.test_utils import TestServer
@@ -67,6 +68,12 @@ def _hf_topk(path: Path, tokens: list[int]) -> torch.Tensor:
     return torch.stack(per_layer, dim=1)  # [n, L, k]
 
 
+async def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    """A stock HTTP client's POST: what any caller of the engine may send."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await http.post(url, json=body)
+
+
 async def test_routed_experts_over_http_equal_an_hf_forward(
     moe: tuple[ReferenceEngine, EngineClient, str], moe_dir: Path
 ) -> None:
@@ -100,11 +107,11 @@ async def test_routed_experts_over_http_equal_an_hf_forward(
 async def test_payload_is_base64_int32_and_absent_unless_asked(
     moe: tuple[ReferenceEngine, EngineClient, str],
 ) -> None:
-    _, client, url = moe
+    _, _client, url = moe
     body = {"input_ids": [2, 20, 21, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
-    plain = (await client._http.post(url + "/generate", json=body)).json()
+    plain = (await _post(url + "/generate", body)).json()
     assert "routed_experts" not in plain["meta_info"]
-    asked = (await client._http.post(url + "/generate", json={**body, "return_routed_experts": True})).json()
+    asked = (await _post(url + "/generate", {**body, "return_routed_experts": True})).json()
     raw = base64.b64decode(asked["meta_info"]["routed_experts"])
     n = 4 + len(asked["output_ids"])
     assert len(raw) == (n - 1) * LAYERS * TOP_K * 4
@@ -125,9 +132,9 @@ async def test_scoring_only_request_covers_the_prompt(
 
 
 async def test_dense_model_refuses_return_routed_experts(tiny_dir: Path) -> None:
-    async for _engine, client, url in _serve(tiny_dir):
+    async for _engine, _client, url in _serve(tiny_dir):
         body = {"input_ids": [2, 20, 3], "return_routed_experts": True}
-        resp = await client._http.post(url + "/generate", json=body)
+        resp = await _post(url + "/generate", body)
         assert resp.status_code == 400
         assert "return_routed_experts: this is a dense model" in resp.json()["error"]
 

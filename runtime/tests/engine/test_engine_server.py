@@ -96,6 +96,12 @@ def _reference_logprobs(path: Path, prompt: list[int], out: list[int], temperatu
     return [logp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(out)]
 
 
+async def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    """A stock HTTP client's POST: what any caller of the engine may send."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await http.post(url, json=body)
+
+
 async def _wait_tokens(served: Served, n: int) -> None:
     """Poll (no timing assertion) until the engine has sampled at least n tokens."""
     while served.engine.stats.generated_tokens < n:
@@ -442,7 +448,7 @@ async def test_prompt_logprobs_for_scoring(served: Served, tiny_dir: Path) -> No
     ],
 )
 async def test_bad_requests_name_the_field(served: Served, body: dict[str, object], needle: str) -> None:
-    resp = await served.client._http.post(served.url + "/generate", json=body)
+    resp = await _post(served.url + "/generate", body)
     assert resp.status_code == 400
     assert needle in resp.json()["error"]
 
@@ -470,7 +476,7 @@ async def test_batch_request_returns_one_reply_per_prompt(served: Served) -> Non
         "return_logprob": True,
         "rid": "grp",
     }
-    resp = await served.client._http.post(served.url + "/generate", json=body)
+    resp = await _post(served.url + "/generate", body)
     replies = [GenerateReply.model_validate(r) for r in resp.json()]
     assert [r.meta_info.id for r in replies] == ["grp-0", "grp-1"]
     assert [len(r.output_ids) for r in replies] == [3, 3]
@@ -479,8 +485,8 @@ async def test_batch_request_returns_one_reply_per_prompt(served: Served) -> Non
 
 async def test_routed_dp_rank_zero_is_the_single_rank(served: Served) -> None:
     body = {"input_ids": _prompt("a"), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
-    plain = await served.client._http.post(served.url + "/generate", json=body)
-    routed = await served.client._http.post(served.url + "/generate", json={**body, "routed_dp_rank": 0})
+    plain = await _post(served.url + "/generate", body)
+    routed = await _post(served.url + "/generate", {**body, "routed_dp_rank": 0})
     assert routed.status_code == 200, routed.text
     assert routed.json()["output_ids"] == plain.json()["output_ids"]
 

@@ -40,7 +40,7 @@ def test_driver_replicas_get_session_affinity_and_stay_open() -> None:
     assert isinstance(engine, ReplicaPool)
     assert sorted(engine.ring.replicas) == [c.base_url for c in clients]
     asyncio.run(engine.aclose())
-    assert not any(c._http.is_closed for c in clients)  # the driver owns and closes them
+    assert not any(c.closed for c in clients)  # the driver owns and closes them
     assert isinstance(turn_engine(SimpleNamespace(clients=clients[:1])), BackendEngine)
     assert isinstance(turn_engine(clients[0]), BackendEngine)
     for c in clients:

@@ -4,6 +4,8 @@
 - every body EngineClient sends converts into the request struct SGLang's handler for that route takes
   (managers/io_struct.py), with no unknown, missing or mistyped field; /generate also passes SGLang's
   own contract gate (entrypoints/api_contract.py);
+- the client reuses an idle connection only for less time than SGLang's server keeps it open, so it never
+  sends on a connection the server is closing;
 - the reference engine serves exactly SGLang routes (plus the extensions it declares, none in stock
   mode), and its replies decode with SGLang's reply types and use SGLang's field names.
 """
@@ -22,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from lockstep.engine import ReferenceEngine, create_app
 from lockstep.models.tiny import materialize_builtin
 from lockstep.serving import EngineClient, SamplingParams
+from lockstep.serving.http import KEEPALIVE_S
 from lockstep.serving.payloads import ROUTES
 from lockstep.weights.p2p import P2P_COMMIT_ROUTE, P2P_INFO_ROUTE
 from sglang_oracle import (
@@ -110,6 +113,18 @@ async def recorded() -> list[tuple[str, str, Any]]:
     finally:
         await server.close()
     return rec.seen
+
+
+def test_the_client_drops_idle_connections_before_sglang_does() -> None:
+    """SGLang's uvicorn closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds (its default; the
+    env var changes it): a request sent on a connection it is closing fails after it was sent."""
+    require_pinned_sglang()
+    from sglang.srt.environ import envs
+
+    assert envs.SGLANG_TIMEOUT_KEEP_ALIVE.get() > KEEPALIVE_S, (
+        f"EngineClient reuses idle connections for {KEEPALIVE_S} s but SGLang closes them after "
+        f"{envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()} s: lower lockstep.serving.http.KEEPALIVE_S"
+    )
 
 
 async def test_every_body_the_client_sends_builds_sglangs_request_struct(

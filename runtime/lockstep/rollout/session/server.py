@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -60,6 +59,7 @@ from lockstep.rollout.session.tree import Node, SessionError, SessionMode, Token
 from lockstep.serving import GenerateResult, SamplingParams
 from lockstep.serving.client import EngineError, EngineUnreachable
 from lockstep.serving.guard import bearer_middleware, parse_json
+from lockstep.serving.http import NoReply
 
 _T = TypeVar("_T")
 
@@ -420,7 +420,7 @@ class SessionServer:
     async def _generate(self, sid: str, input_ids: list[int], sampling: SamplingParams) -> GenerateResult:
         try:
             res = await self.engine.generate(sid, input_ids, sampling, self.config.capture_routing)
-        except (EngineError, EngineUnreachable, httpx.HTTPError, ValueError) as exc:
+        except (EngineError, EngineUnreachable, NoReply, ValueError) as exc:
             raise SessionError(f"engine failed: {exc}", 502) from exc
         if len(res.output_logprobs) != len(res.output_ids):
             raise SessionError(
