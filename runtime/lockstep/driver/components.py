@@ -30,6 +30,7 @@ from lockstep.driver.engines import EngineServer, PoolClient, start_reference_en
 from lockstep.driver.remote import RemoteTrainer
 from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
 from lockstep.driver.settings import Resume, RunSettings, settings_from_job
+from lockstep.driver.threads import share_cpu
 from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
 from lockstep.models.hub_data import resolve_data
 from lockstep.models.moe import routing_shape
@@ -155,6 +156,7 @@ def build_components(
         engines = (
             [] if engine_urls else _start_engines(job, serving_checkpoint(job, model_dir, run_dir), closers)
         )
+        closers.append(share_cpu(_cpu_workers(job, engines, trainer_url)))
         clients = [
             EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
         ]
@@ -329,6 +331,12 @@ def _build_rollout(
         agent_ctx.generate = lambda s: plugins.generate(ctx, s)
     render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731
     return Rollout(ctx=ctx, plugins=plugins, render=render, agent_ctx=agent_ctx)
+
+
+def _cpu_workers(job: RLJob, engines: list[EngineServer], trainer_url: str | None) -> int:
+    """Threads of this process that compute on the CPU: the in-process trainer and CPU engines."""
+    trainer = trainer_url is None and job.spec.trainer.device == "cpu"
+    return int(trainer) + sum(str(e.engine.device) == "cpu" for e in engines if e.engine is not None)
 
 
 def _close_clients(runner: LoopThread, clients: list[EngineClient]) -> None:
