@@ -109,7 +109,7 @@ class JsonHttp:
         try:
             async with session.request(method, url, json=payload, headers=headers) as resp:
                 return Reply(resp.status, await resp.read())
-        except aiohttp.ClientConnectorError as e:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:  # nothing was sent
             raise ConnectFailed(f"{url}: {e}") from e
         except (aiohttp.ClientError, TimeoutError) as e:
             raise NoReply(url, e) from e
