@@ -60,7 +60,7 @@ def test_load_manifest_returns_the_typed_job() -> None:
     assert isinstance(job, RLJob)
     assert (job.metadata.name, job.spec.model.checkpoint, job.spec.data.prompts) == (
         "tiny-local",
-        "builtin:tiny",
+        "builtin:tiny-deep",
         "builtin:reverse",
     )
     assert (job.spec.rollout.engine, job.spec.trainer.backend, job.spec.trainer.device) == (
