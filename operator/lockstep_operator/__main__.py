@@ -4,7 +4,7 @@ Why it exists: process wiring in one place. It reads the settings once from the 
 (LOCKSTEP_OPERATOR_*), sets up structured JSON logs, serves Prometheus metrics, and runs kopf with
 the handlers of lockstep_operator.handlers:
 - HA: peering (several replicas, the highest priority one is active; needs the KopfPeering CRDs from
-  manifests/kopf-peering.yaml) or standalone;
+  manifests/kopf-peering.yaml, the object is created at start: handlers.ensure_peering) or standalone;
 - probes: kopf's liveness endpoint on settings.health_port at /healthz (used for both liveness and
   readiness by manifests/deployment.yaml);
 - metrics: prometheus_client on settings.metrics_port (/metrics), bound to $POD_IP (loopback outside a pod).
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         log_refkey="object",
     )
     logging.getLogger().setLevel(settings.log_level)
+    if settings.log_level != "DEBUG":  # the kubelet's probe every 5 s is not news (kopf's /healthz)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if settings.metrics_port:
         # The pod IP (downward API) where Prometheus scrapes it, loopback elsewhere; never every interface.
         start_http_server(settings.metrics_port, addr=os.environ.get("POD_IP") or "127.0.0.1")

@@ -12,17 +12,26 @@ or the in-cluster ServiceAccount). Used by `python -m lockstep_operator` and the
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
-from lockstep_operator.k8s.client import KubeClient, load_credentials
+from lockstep_operator.k8s.client import ApiError, KubeClient, load_credentials
+from lockstep_operator.k8s.events import EventSink
+from lockstep_operator.k8s.gate import RequestGate
+from lockstep_operator.k8s.relist import POD_SELECTOR, PROGRESS_SELECTOR, Relister
+from lockstep_operator.k8s.store import Store
+from lockstep_operator.policy.adapter_gc import adapter_of
 from lockstep_operator.reconcile import Key, dispatch
+from lockstep_operator.resources.adapter_gc import ROLE as UNLOAD_ROLE
+from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
     GROUP,
     LABEL_JOB,
     LABEL_POOL,
+    LABEL_POOL_CLIENT,
     LABEL_ROLE,
     LABEL_TRAINER,
     channel_name,
@@ -30,7 +39,7 @@ from lockstep_operator.resources.common import (
     trainer_name,
 )
 from lockstep_operator.settings import load_settings
-from lockstep_operator.workqueue import WorkQueue
+from lockstep_operator.workqueue import Backoff, RateLimit, WorkQueue
 
 VERSION = "v1alpha1"
 SETTINGS = load_settings()
@@ -45,12 +54,35 @@ def _family(job: str, namespace: str) -> list[Key]:
     ]
 
 
+def _recheck(memo: Any, key: Key) -> list[Key]:
+    """What a pass of `key` re-checks resync_seconds later: a job's family, while the cache holds the
+    job. A deleted job re-checks nothing: a pass that found it gone (a late child or pod event kicks it)
+    would otherwise arm its timer again, and every deleted job's family passed each period for as long
+    as the operator ran (passes and timers grew with every job ever deleted)."""
+    if key[0] != "RLJob" or not memo["store"].has(*key):
+        return []
+    return _family(key[2], key[1])
+
+
 async def _client(memo: Any) -> KubeClient:
     """The operator's API client, created once (startup or the first login, whichever runs first)."""
     if "kube" not in memo:
-        kube = KubeClient(await load_credentials())
+        kube = KubeClient(await load_credentials(), gate=RequestGate(SETTINGS.max_in_flight_requests))
         memo["kube"] = await kube.__aenter__()
     return memo["kube"]  # type: ignore[no-any-return]
+
+
+class EventOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base for an operator with event and index handlers only: no essence.
+
+    For every watch event kopf builds the object's "essence" (two deep copies of the body) to diff it
+    for change handlers (on.create/update/...). This operator registers none (test_handlers checks),
+    so the essence is never used; building it was the largest share of the operator's CPU under a
+    burst of pod events. Nothing is stored either (kopf stores a diff base only for change handlers).
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
 
 
 @kopf.on.login()
@@ -76,19 +108,77 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     API client and the work queue."""
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = EventOnlyDiffBase(prefix=GROUP)
     settings.posting.level = logging.WARNING
     settings.peering.lifetime = SETTINGS.peering_lifetime_seconds
     settings.peering.stealth = True  # keep-alives are not logged (pauses and resumes still are)
     settings.watching.server_timeout = 120
     settings.watching.connect_timeout = 10
+    # The CRDs are installed before the operator (Helm's crds/, kustomize's first documents): no
+    # watch of CRDs or namespaces, so the operator needs no right to read either.
+    settings.scanning.disabled = True
+    # The API server filters pods and config maps: only the jobs' own objects reach the operator.
+    settings.watching.label_selectors["", "v1", "pods"] = POD_SELECTOR
+    settings.watching.label_selectors["", "v1", "configmaps"] = PROGRESS_SELECTOR
     kube = await _client(memo)
-    memo["queue"] = WorkQueue(dispatch(kube, SETTINGS))
+    if SETTINGS.ha_mode == "peering" and not settings.peering.standalone:  # `kopf run --standalone`: none
+        await ensure_peering(kube, SETTINGS.peering_name, SETTINGS.namespaces)
+    # The reconciles read from the watch-fed cache (k8s/store.py), filled by the index handlers below.
+    memo["store"] = kube.store = Store(
+        {"Pod": {LABEL_JOB: None}, "ConfigMap": {LABEL_JOB: None, LABEL_ROLE: "driver"}}
+    )
+    sink = EventSink(kube, instance=os.environ.get("POD_NAME", ""))
+    memo["queue"] = WorkQueue(
+        dispatch(kube, SETTINGS, sink),
+        backoff=Backoff(initial_s=1.0, max_s=SETTINGS.retry_max_seconds),
+        limit=RateLimit(
+            qps=SETTINGS.reconcile_qps,
+            burst=SETTINGS.reconcile_burst,
+            max_concurrent=SETTINGS.max_concurrent_reconciles,
+        ),
+        # The periodic level-triggered re-check: a job and its children every resync_seconds while
+        # the job passes, never postponed by its passes (a work-queue timer, not a kopf timer: no
+        # finalizer on the RLJob).
+        resync=lambda key: _recheck(memo, key),
+        resync_s=SETTINGS.resync_seconds,
+    )
+    # What a broken watch's re-list cannot tell (deletions in the gap) the cache learns by listing
+    # each kind itself (k8s/relist.py); what it drops gets the DELETED event's handling.
+    memo["relist"] = Relister(
+        kube,
+        memo["store"],
+        SETTINGS.namespaces,
+        period_s=SETTINGS.cache_relist_seconds,
+        dropped=lambda body: _gone(memo, body),
+    )
+    memo["relist"].start()
+
+
+async def ensure_peering(kube: KubeClient, name: str, namespaces: tuple[str, ...]) -> None:
+    """Create kopf's peering object(s) if missing: a ClusterKopfPeering for a cluster-wide operator, a
+    KopfPeering in each watched namespace for a namespaced one. An install (kustomize, Helm) ships only
+    their CRDs: a CRD and an object of it in one `kubectl apply` fails on an empty cluster."""
+    objects = (
+        [
+            {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": ns}}
+            for ns in namespaces
+        ]
+        if namespaces
+        else [{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}]
+    )
+    for peering in objects:
+        try:
+            await kube.create(peering)
+        except ApiError as err:
+            if err.status != 409:
+                raise
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
-    """Stop pending passes and close the client."""
+    """Stop the re-list and pending passes, and close the client."""
+    if "relist" in memo:
+        await memo["relist"].close()
     if "queue" in memo:
         await memo["queue"].close()
     if "kube" in memo:
@@ -109,10 +199,64 @@ def _echo(memo: Any, kind: str, body: kopf.Body) -> bool:
     return bool(meta.get("resourceVersion")) and memo["kube"].written.get(key) == meta.get("resourceVersion")
 
 
-def _kick(memo: kopf.Memo, keys: list[Key]) -> None:
+def _kick(memo: kopf.Memo, keys: list[Key], *, urgent: bool = False) -> None:
+    # kopf runs these handlers only once every watched kind's initial listing went through the index
+    # handlers: the store holds everything from here on.
+    memo["store"].synced = True
     queue: WorkQueue = memo["queue"]
     for key in keys:
-        queue.kick(key)
+        queue.kick(key, urgent=urgent)
+
+
+async def _cache(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """Index handler: every event's object into the store (kopf starts the other handlers only once
+    every kind's initial listing went through here). Indexes nothing in kopf's own index. A coroutine:
+    kopf runs a plain function in a worker thread, which cost a thread hop per event and let the
+    store change under a pass reading it."""
+    memo["store"].observe(dict(body))
+
+
+def _listed(memo: Any, type: str | None) -> None:
+    """An object of a watch's listing (event type None: at start, or after a gap, when kopf lists the
+    kind again): the cache re-lists soon, dropping what was deleted in the gap (k8s/relist.py)."""
+    if type is None and "relist" in memo:
+        memo["relist"].soon()
+
+
+async def _gone(memo: Any, body: dict[str, Any]) -> None:
+    """An object the cache's re-list found gone: handled as its DELETED event would have been."""
+    meta = body["metadata"]
+    await _HANDLERS[str(body["kind"])](
+        type="DELETED",
+        name=meta["name"],
+        namespace=meta.get("namespace"),
+        labels=meta.get("labels") or {},
+        body=kopf.Body(cast(kopf.RawBody, body)),
+        memo=memo,
+    )
+
+
+def _forget(memo: Any, body: kopf.Body) -> None:
+    meta = body.get("metadata") or {}
+    memo["store"].forget(
+        str(body.get("kind")),
+        str(meta.get("namespace") or ""),
+        str(meta.get("name")),
+        meta.get("resourceVersion"),
+        meta.get("uid"),
+    )
+
+
+_WATCHED: tuple[tuple[str, str, str, Any], ...] = (  # labels: kopf filters
+    (GROUP, VERSION, "rljobs", None),
+    (GROUP, VERSION, "rolloutpools", None),
+    (GROUP, VERSION, "trainergroups", None),
+    (GROUP, VERSION, "weightchannels", None),
+    ("", "v1", "pods", {LABEL_JOB: kopf.PRESENT}),
+    ("", "v1", "configmaps", {LABEL_JOB: kopf.PRESENT, LABEL_ROLE: "driver"}),
+)
+for _group, _version, _plural, _labels in _WATCHED:
+    kopf.index(_group, _version, _plural, id=f"cache_{_plural}", labels=_labels)(_cache)
 
 
 @kopf.on.event(GROUP, VERSION, "rljobs")
@@ -124,27 +268,32 @@ async def rljob_event(
     A MODIFIED event whose generation the status already observed is the echo of our own status
     write (or kopf's finalizer): skipped. Children's events and the periodic re-check cover the rest.
     """
+    _listed(memo, type)
+    ref = ((body.get("spec") or {}).get("rollout") or {}).get("poolRef") or {}
     if type == "DELETED":
+        _forget(memo, body)
+        memo["queue"].forget(("RLJob", namespace or "", name))
+        if ref.get("name"):  # its adapter no longer gates the standalone pool's engines
+            _kick(memo, [("RolloutPool", namespace or "", str(ref["name"]))])
         return
+    if ref.get("name") and (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        _kick(memo, [("RolloutPool", namespace or "", str(ref["name"]))])  # its adapter leaves the pool
     observed = (body.get("status") or {}).get("observedGeneration")
     if type == "MODIFIED" and observed is not None and observed == body["metadata"].get("generation"):
         return
     if type == "MODIFIED" and _echo(memo, "RLJob", body):
         return
-    _kick(memo, [("RLJob", namespace or "", name)])
-
-
-@kopf.timer(GROUP, VERSION, "rljobs", interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-async def rljob_resync(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
-    """Periodic level-triggered re-check of a job and its children."""
-    _kick(memo, _family(name, namespace or ""))
+    # A spec the status has not seen yet is the user's change: retry at once even after failures.
+    _kick(memo, [("RLJob", namespace or "", name)], urgent=observed is not None)
 
 
 def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
     async def handler(
         type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
     ) -> None:
+        _listed(memo, type)
         if type == "DELETED":
+            _forget(memo, body)
             return
         # The echo of our own status write needs no pass of the child itself; the job still folds it.
         keys: list[Key] = (
@@ -158,12 +307,14 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
     return handler
 
 
-for _plural, _kind in (
-    ("rolloutpools", "RolloutPool"),
-    ("trainergroups", "TrainerGroup"),
-    ("weightchannels", "WeightChannel"),
-):
-    kopf.on.event(GROUP, VERSION, _plural, id=f"{_plural}_event")(_child_event(_kind))
+_CHILDREN = {
+    _kind: kopf.on.event(GROUP, VERSION, _plural, id=f"{_plural}_event")(_child_event(_kind))
+    for _plural, _kind in (
+        ("rolloutpools", "RolloutPool"),
+        ("trainergroups", "TrainerGroup"),
+        ("weightchannels", "WeightChannel"),
+    )
+}
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
@@ -171,10 +322,23 @@ async def pod_event(
     type: str, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: Any, **_: Any
 ) -> None:
     """A pod of a job changed: reconcile its owner, and the weight channel once placement is known."""
+    _listed(memo, type)
+    if type == "DELETED":
+        _forget(memo, body)
     job, role, namespace = labels[LABEL_JOB], labels.get(LABEL_ROLE), namespace or ""
     placed = bool((body.get("spec") or {}).get("nodeName")) or type == "DELETED"
-    keys: list[Key] = [("WeightChannel", namespace, channel_name(job))] if placed and role != "driver" else []
-    if role == "engine" and LABEL_POOL in labels:
+    channel = placed and role not in ("driver", UNLOAD_ROLE)
+    keys: list[Key] = [("WeightChannel", namespace, channel_name(job))] if channel else []
+    if role == UNLOAD_ROLE and LABEL_POOL_CLIENT in labels:  # a pool's adapter unload (reconcile.adapter_gc)
+        pool = labels[LABEL_POOL_CLIENT]
+        keys.append(("RolloutPool", namespace, pool))
+        if type == "DELETED":  # a job created again under the adapter's name waited for it (policy.pool_ref)
+            adapter = (body.get("metadata", {}).get("annotations") or {}).get(Annotation.ADAPTER.value)
+            jobs = memo["store"].list("RLJob", namespace, None)
+            keys += [
+                ("RLJob", namespace, j["metadata"]["name"]) for j in jobs if adapter_of(j, pool) == adapter
+            ]
+    elif role == "engine" and LABEL_POOL in labels:
         keys.append(("RolloutPool", namespace, labels[LABEL_POOL]))
     elif role == "trainer" and LABEL_TRAINER in labels:
         keys.append(("TrainerGroup", namespace, labels[LABEL_TRAINER]))
@@ -184,6 +348,24 @@ async def pod_event(
 
 
 @kopf.on.event("", "v1", "configmaps", labels={LABEL_JOB: kopf.PRESENT, LABEL_ROLE: "driver"})
-async def progress_event(namespace: str | None, labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    """The driver reported progress: every object of the job folds it in."""
-    _kick(memo, _family(labels[LABEL_JOB], namespace or ""))
+async def progress_event(
+    type: str, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: Any, **_: Any
+) -> None:
+    """The driver reported progress: every object of the job folds it in, and the standalone pool it
+    samples on (its engines' readiness follows the job's adapter version)."""
+    _listed(memo, type)
+    if type == "DELETED":
+        _forget(memo, body)
+    shared = (
+        [("RolloutPool", namespace or "", labels[LABEL_POOL_CLIENT])] if LABEL_POOL_CLIENT in labels else []
+    )
+    _kick(memo, [*_family(labels[LABEL_JOB], namespace or ""), *shared])
+
+
+_HANDLERS: dict[str, Callable[..., Any]] = {
+    "RLJob": rljob_event,
+    **_CHILDREN,
+    "Pod": pod_event,
+    "ConfigMap": progress_event,
+}
+"""Each cached kind's event handler (a re-list's dropped objects go through its DELETED branch)."""

@@ -1,7 +1,7 @@
 """Topology: which weight transport fits the nodes a job's pods landed on, with a one-line reason.
 
 Why it exists: how a new policy version travels from the trainer to the rollout engines depends only on
-what the two sides share (seed §7.2.5): the same GPUs (cuda-ipc), an RDMA fabric on >= 2 nodes per
+what the two sides share (§7.2.5): the same GPUs (cuda-ipc), an RDMA fabric on >= 2 nodes per
 side (p2p), an ordinary network (broadcast) or only a shared volume (disk-delta). The transport changes
 the cost of a sync, never the policy semantics, so picking it is a pure decision over observed facts;
 an explicit transport wins when feasible, else `Decision.override_rejected` says why (the rules in
@@ -119,16 +119,18 @@ def feasible_transports(
     colocated: bool,
     shared_volume: bool,
     engine_p2p: bool = True,
+    no_ipc: str | None = None,
 ) -> tuple[list[Transport], dict[Transport, str]]:
     """All feasible transports in preference order, and for each infeasible one the reason why not.
 
-    `engine_p2p`: the engines serve the P2P receive side (resources.children.engine_serves_p2p)."""
+    `engine_p2p`: the engines serve the P2P receive side (resources.children.engine_serves_p2p).
+    `no_ipc`: why cuda-ipc is out although the spec is colocated (on CPU: resources.colocation)."""
     feasible: list[Transport] = []
     why_not: dict[Transport, str] = {}
     if colocated:
         feasible.append("cuda-ipc")
     else:
-        why_not["cuda-ipc"] = "trainer and engines do not share GPUs (spec is not colocated)"
+        why_not["cuda-ipc"] = no_ipc or "trainer and engines do not share GPUs (spec is not colocated)"
     networks = {n.network for n in trainer} | {n.network for n in engines}
     shared_network = len(networks) == 1
     trainer_hosts, engine_hosts = {n.name for n in trainer}, {n.name for n in engines}
@@ -165,6 +167,7 @@ def choose_transport(
     shared_volume: bool,
     requested: Transport | None = None,
     engine_p2p: bool = True,
+    no_ipc: str | None = None,
 ) -> Decision:
     """Pick the transport for the nodes the trainer ranks and the engines landed on (pure)."""
     if not colocated and (not trainer or not engines):
@@ -172,7 +175,12 @@ def choose_transport(
     if colocated and not trainer and not engines:
         return Decision(None, "waiting for pods to be scheduled", ())
     feasible, why_not = feasible_transports(
-        trainer, engines, colocated=colocated, shared_volume=shared_volume, engine_p2p=engine_p2p
+        trainer,
+        engines,
+        colocated=colocated,
+        shared_volume=shared_volume,
+        engine_p2p=engine_p2p,
+        no_ipc=no_ipc,
     )
     if requested is not None:
         if requested in feasible:
@@ -186,7 +194,10 @@ def choose_transport(
         )
         return Decision(None, reason, (), rejected)
     chosen = feasible[0]
-    return Decision(chosen, _auto_reason(chosen, trainer, engines), tuple(feasible), rejected)
+    reason = _auto_reason(chosen, trainer, engines)
+    if no_ipc:
+        reason = f"{no_ipc}; {reason}"
+    return Decision(chosen, reason, tuple(feasible), rejected)
 
 
 def _auto_reason(chosen: Transport, trainer: Sequence[NodeFacts], engines: Sequence[NodeFacts]) -> str:

@@ -173,7 +173,7 @@ def test_the_same_repo_as_tokenizer_is_pulled_once() -> None:
     assert init["command"][:3] == ["lockstep", "pull-model", "Qwen/Qwen3-0.6B"]
 
 
-# -- low-precision serving: the engine pods' conversion step (seed §6 stage 1) ----------------------
+# -- low-precision serving: the engine pods' conversion step (§6 stage 1) ----------------------
 
 
 def quantized(checkpoint: str, precision: str = "fp8", bf16: list[str] | None = None) -> RLJob:
@@ -259,3 +259,15 @@ def test_a_new_conversion_layout_never_reuses_an_older_conversion(monkeypatch: p
     now = serving_dir(base, Precision.NVFP4)
     monkeypatch.setattr(model_resources, "SERVING_LAYOUT", model_resources.SERVING_LAYOUT - 1)
     assert serving_dir(base, Precision.NVFP4) != now
+
+
+def test_a_reference_engine_reads_disk_updates_only_under_the_jobs_shared_directory() -> None:
+    """--weights-root confines /update_weights_from_disk (lockstep.engine.disk_reads); the runtime's
+    own parser takes the rendered command."""
+    from lockstep.cli import build_parser
+
+    with_shared = pods(job("builtin:tiny"), shared="claim")["engine"]["spec"]["containers"][0]["command"]
+    assert with_shared[with_shared.index("--weights-root") + 1] == "/shared/lockstep/j"
+    assert build_parser().parse_args(with_shared[1:]).weights_root == ["/shared/lockstep/j"]
+    without = pods(job("builtin:tiny"))["engine"]["spec"]["containers"][0]["command"]
+    assert "--weights-root" not in without  # no disk transport without a shared volume

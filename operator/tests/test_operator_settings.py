@@ -16,6 +16,19 @@ def test_bad_value_names_the_variable() -> None:
         settings_from_env({"LOCKSTEP_OPERATOR_HA_MODE": "raft"})
 
 
+def test_a_service_link_colliding_with_a_setting_names_the_fix() -> None:
+    """A Service `lockstep-operator-metrics` in the operator's namespace makes the kubelet set
+    LOCKSTEP_OPERATOR_METRICS_PORT=tcp://IP:9090 in its pod (service links)."""
+    with pytest.raises(
+        ValueError,
+        match=r"LOCKSTEP_OPERATOR_METRICS_PORT=tcp://10\.0\.0\.7:9090 is a Kubernetes service link",
+    ):
+        settings_from_env({"LOCKSTEP_OPERATOR_METRICS_PORT": "tcp://10.0.0.7:9090"})
+    with pytest.raises(ValueError) as refused:
+        settings_from_env({"LOCKSTEP_OPERATOR_METRICS_PORT": "nine"})
+    assert "enableServiceLinks" not in str(refused.value)
+
+
 def test_kopf_arguments_and_peering_priority() -> None:
     from lockstep_operator.__main__ import kopf_kwargs
 

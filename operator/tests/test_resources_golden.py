@@ -269,7 +269,7 @@ def test_p2p_rank_pods_get_rdma_ipc_lock_and_shm() -> None:
 def test_engine_pods_run_as_sglangs_docs_run_them(example: str, sglang: bool) -> None:
     """A sized /dev/shm, startup on /health, readiness on /health_generate (SGLang lets probes in without
     the API key), graceful drain; both engines read the job's API key from its Secret, SGLang through
-    --api-key."""
+    the config file its start step writes (never --api-key: SGLang logs its arguments)."""
     job = load(example)
     pool, _, _ = child_manifests(owner("RLJob", job.metadata.name), job.spec, suspended=False, stopped="")
     spec = RolloutPoolSpec.model_validate(pool["spec"])
@@ -291,7 +291,9 @@ def test_engine_pods_run_as_sglangs_docs_run_them(example: str, sglang: bool) ->
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert secret == {"LOCKSTEP_API_KEY": {"name": f"{job.metadata.name}-api-key", "key": "api-key"}}
-    assert ("--api-key" in main["command"]) is sglang and "$(LOCKSTEP_API_KEY)" not in str(main["env"])
+    assert "--api-key" not in main["command"] and "$(LOCKSTEP_API_KEY)" not in str(main)
+    starts = main["command"][:4] == ["python3", "-m", "lockstep.observability.sglang_start", "--"]
+    assert starts is sglang
 
 
 def test_api_keys_are_random_and_only_referenced_by_pods() -> None:
@@ -332,3 +334,29 @@ def test_the_driver_follows_the_job_placement_and_writes_to_a_volume() -> None:
     assert mounts["/var/lib/lockstep/run"] == "run"
     assert {"name": "run", "emptyDir": {}} in plain["volumes"]
     assert "nodeSelector" not in plain and "tolerations" not in plain
+
+
+def test_sandbox_template_warm_pool_and_claim_role() -> None:
+    """A job with spec.agent.sandbox owns a SandboxTemplate (PSS restricted, no token, requests ==
+    limits, deny-all network policy) and a warm pool sized from the rollout concurrency; its driver may
+    claim and exec, and is told the pool's name."""
+    from lockstep_operator.resources.sandbox import sandbox_manifests
+
+    job = load("tiny-sandbox")
+    own = owner("RLJob", "tiny-sandbox")
+    manifests = sandbox_manifests(own, job.spec)
+    driver_env = driver_manifest(own, job.spec, image=IMAGE)["spec"]["containers"][0]["env"]
+    check("tiny-sandbox-sandbox", {
+        "manifests": manifests,
+        "driver-env": [e for e in driver_env if e["name"].startswith(("LOCKSTEP_SANDBOX", "LOCKSTEP_POD_UID"))],
+    })  # fmt: skip
+    template, pool = manifests[0], manifests[1]
+    pod = template["spec"]["podTemplate"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"]
+    (box,) = pod["containers"]
+    assert box["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert box["resources"]["requests"] == box["resources"]["limits"]
+    assert template["spec"]["networkPolicy"] == {"ingress": [], "egress": []}
+    assert pool["spec"]["replicas"] == 64  # 8 groups x 8 episodes, within maxInFlight 64
+    assert sandbox_manifests(own, load("tiny-local").spec) == []

@@ -22,6 +22,7 @@ from lockstep_operator.reconcile.status import (
     job_status,
     pool_status,
     set_condition,
+    shared_weights_current,
     trainer_status,
     weights_current,
 )
@@ -297,6 +298,36 @@ def test_channel_status_keeps_choice_while_waiting_and_reports_preflight() -> No
     assert kept is not None and kept.status == ConditionStatus.FALSE and "RDMA" in kept.message
 
 
+def test_channel_status_shows_the_last_update_by_phase() -> None:
+    phases = {"gather": 0.5, "transfer": 2.5, "engine_load": 1.0, "pause": 0.0}
+    progress = ProgressReport(weight_version=3, last_update_seconds=4.0, last_update_phases=phases)
+    st = channel_status(Decision("broadcast", "b", ("broadcast",)), progress=progress, previous=None,
+                        generation=1, now=T0)  # fmt: skip
+    assert st.last_update_seconds == 4.0 and st.last_update_phases == phases
+    assert st.last_update_slowest == "transfer 62%"  # what `kubectl get wch` shows in its Slowest column
+    wire = st.wire()
+    assert wire["lastUpdatePhases"] == phases and wire["lastUpdateSlowest"] == "transfer 62%"
+    # A document without an update (a driver restarted) keeps nothing stale beside a new choice.
+    kept = channel_status(Decision("broadcast", "b", ("broadcast",)), progress=None, previous=st,
+                          generation=1, now=T1)  # fmt: skip
+    assert kept.last_update_phases == phases and kept.last_update_slowest == "transfer 62%"
+
+
+def test_channel_is_degraded_while_a_fallback_delivers_the_updates() -> None:
+    p2p = Decision("p2p", "RDMA everywhere", ("p2p", "broadcast"))
+    fell = ProgressReport(weight_version=7, last_update_seconds=2.0, last_update_fallback="broadcast",
+                          update_fallbacks=1)  # fmt: skip
+    st = channel_status(p2p, progress=fell, previous=None, generation=1, now=T0)
+    deg = condition(st.conditions, "Degraded")
+    assert deg is not None and deg.status == ConditionStatus.TRUE and deg.reason == "TransportFellBack"
+    assert "version 7 failed on p2p and broadcast delivered it" in deg.message
+    assert st.last_update_fallback == "broadcast" and st.update_fallbacks == 1
+    ok = ProgressReport(weight_version=8, last_update_seconds=1.0, update_fallbacks=1)
+    st = channel_status(p2p, progress=ok, previous=st, generation=1, now=T1)
+    deg = condition(st.conditions, "Degraded")
+    assert deg is not None and deg.status == ConditionStatus.FALSE and st.update_fallbacks == 1
+
+
 def test_read_progress_contract() -> None:
     assert read_progress(None) == (None, None)
     report, problem = read_progress(
@@ -330,3 +361,35 @@ def test_engine_versions_keyed_by_address_gate_the_engines() -> None:
     # A name-keyed entry wins over the address (both are the driver's word for the same engine).
     assert weights_current(pods[1], 5, {"p-1": 5}, addresses)[0] is True
     assert weights_current(pods[0], None, {}, {})[0] is True  # nothing published yet
+
+
+def _report(version: int | None, addresses: dict[str, int]) -> ProgressReport:
+    return ProgressReport(step=1, weight_version=version, engine_address_versions=addresses)
+
+
+OLD, NEW = pod("shared-0", True, 0, "10.0.0.1"), pod("shared-1", True, 1, "10.0.0.9")
+
+
+@pytest.mark.parametrize(
+    ("engine", "jobs", "want", "why"),
+    [
+        (NEW, [], True, "no running job samples on the pool"),
+        (NEW, [("a", None)], True, "every running job on the pool (a)"),  # nothing reported yet
+        (NEW, [("a", _report(None, {}))], True, "(a)"),  # nothing published yet
+        (OLD, [("a", _report(5, {"10.0.0.1:30000": 5})), ("b", _report(2, {"10.0.0.1:30000": 2}))], True, "(a, b)"),
+        # joined after a published its version 5: out of the router until a's trainer loads 6 there
+        (NEW, [("a", _report(5, {"10.0.0.1:30000": 5}))], False, "RLJob a's adapter: not reported"),
+        (NEW, [("a", _report(6, {"10.0.0.1:30000": 6, "10.0.0.9:30000": 6}))], True, "(a)"),
+        # a's next version reached it, b's not yet: b still gates it
+        (NEW, [("a", _report(6, {"10.0.0.9:30000": 6})), ("b", _report(2, {"10.0.0.1:30000": 2}))], False, "RLJob b's"),
+        (OLD, [("a", _report(6, {"10.0.0.1:30000": 5}))], False, "holds 5; the current weight version is 6"),
+        (NEW, [("a", _report(5, {}))], True, "(a)"),  # a driver that reports no per-engine versions
+    ],
+    ids=["no-job", "no-report", "nothing-published", "both-current", "joined-behind", "joined-caught-up",
+         "one-job-behind", "behind", "no-per-engine-versions"],
+)  # fmt: skip
+def test_a_shared_pools_engine_is_current_when_it_holds_every_jobs_adapter(
+    engine: dict[str, Any], jobs: list[tuple[str, ProgressReport | None]], want: bool, why: str
+) -> None:
+    current, message = shared_weights_current(engine, jobs)
+    assert current is want and why in message, message

@@ -1,4 +1,4 @@
-"""Golden tests of the transport choice (seed §7.2.5) and of NVLink-domain packing."""
+"""Golden tests of the transport choice (§7.2.5) and of NVLink-domain packing."""
 
 from __future__ import annotations
 

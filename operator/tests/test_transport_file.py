@@ -109,3 +109,18 @@ def test_rank_pods_mount_the_config_map_as_a_refreshed_directory() -> None:
     assert all("subPath" not in m for m in mounts)  # a subPath mount would never see transport.json
     env = {e["name"]: e.get("value") for c in pod["spec"]["containers"] for e in c["env"]}
     assert env["LOCKSTEP_ROLE"] == "trainer"  # rank 0 waits for the file in a pod
+
+
+def test_job_yaml_is_the_rendering_each_time_though_remembered() -> None:
+    """job.yaml is remembered per rendering (the YAML emitter is slow): the same rendering gives the
+    same text, any change a new one, and the text is always yaml.safe_dump of the rendering."""
+    own = owner("RLJob", "j")
+    first = {"spec": {"a": 1, "b": [1, 2]}}
+    changed = {"spec": {"a": 2, "b": [1, 2]}}
+    for rendered in (first, changed, first):
+        cm = config.runtime_config_map(own, job="j", rendered=rendered)
+        assert cm["data"]["job.yaml"] == yaml.safe_dump(rendered, sort_keys=True)
+    assert (
+        yaml.safe_load(config.runtime_config_map(own, job="j", rendered=changed)["data"]["job.yaml"])
+        == changed
+    )

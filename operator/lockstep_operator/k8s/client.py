@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +33,9 @@ from kubernetes.aio.config import kube_config
 from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, in_cluster, use_token_file
 
 from lockstep_operator import metrics
+from lockstep_operator.k8s.gate import RequestGate
+from lockstep_operator.k8s.store import LISTED_KINDS, Store
+from lockstep_operator.policy.request_priority import urgent
 from lockstep_operator.settings import FIELD_MANAGER
 
 Manifest = dict[str, Any]
@@ -56,6 +60,10 @@ KINDS: dict[str, tuple[str, bool]] = {
     "TrainerGroup": ("trainergroups", True),
     "WeightChannel": ("weightchannels", True),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
+    "ClusterKopfPeering": ("clusterkopfpeerings", False),
+    "KopfPeering": ("kopfpeerings", True),
+    "SandboxTemplate": ("sandboxtemplates", True),
+    "SandboxWarmPool": ("sandboxwarmpools", True),
 }
 # Inline key material of a kubeconfig user/cluster -> the file key the library reads instead.
 INLINE_FILES = {
@@ -78,6 +86,10 @@ class ApiError(Exception):
         """Kubernetes Status.message."""
         self.retry_after = retry_after
         """The Retry-After header, if the server sent one."""
+        self.method = ""
+        """The request's HTTP method (set by KubeClient.request)."""
+        self.path = ""
+        """The request's path (set by KubeClient.request)."""
 
 
 @dataclass
@@ -182,6 +194,7 @@ class KubeClient:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         timeout_s: float = 60.0,
         apply_cache_ttl_s: float = 60.0,
+        gate: RequestGate | None = None,
     ) -> None:
         self.credentials = credentials
         """What this client authenticates with (kopf's login reads the same)."""
@@ -191,6 +204,15 @@ class KubeClient:
         self._ttl = apply_cache_ttl_s
         self.requests = 0
         """API requests made (the bench reports requests per job)."""
+        self.store: Store | None = None
+        """The watch-fed read cache (k8s/store.py): gets and pod lists come from it once it is synced,
+        and every write's answer goes into it. None: every read goes to the API."""
+        self._nodes: dict[str, tuple[Manifest, float]] = {}
+        self.node_ttl_s = 30.0
+        """How long a Node read is reused (labels and allocatable change rarely; placement reads many)."""
+        self.gate = gate
+        """Bounds this client's requests in flight and serves the urgent ones first (k8s/gate.py);
+        None: every request goes at once (tests, benches)."""
         self.written: dict[tuple[str, str, str], str] = {}
         """(kind, namespace, name) -> resourceVersion of this client's last /status write of that object,
         so a watch event that is only the echo of a reconcile's own status write can be skipped. Only
@@ -220,12 +242,16 @@ class KubeClient:
     ) -> Manifest:
         """One API call, retried per the policy; the decoded JSON body; ApiError on a non-2xx answer."""
         self.requests += 1
-        metrics.API_REQUESTS.labels(method).inc()
+        resource = _resource_of(path)
+        metrics.API_REQUESTS.labels(method, resource).inc()
+        first = urgent(method, resource)
         attempt = 1
         while True:
             try:
-                answer = await self._once(method, path, body, content_type, params)
+                async with self._slot(first):
+                    answer = await self._once(method, path, body, content_type, params)
             except ApiError as err:
+                err.method, err.path = method, path
                 delay = self._retry.delay(attempt, err.status, err.retry_after)
                 if delay is None:
                     raise
@@ -237,9 +263,20 @@ class KubeClient:
                 log.info("%s %s: %s; retry %d in %.1fs", method, path, type(err).__name__, attempt, delay)
             else:
                 self._remember_status_write(method, path, answer)
+                if self.store is not None and method != "GET" and "kind" in answer:
+                    self.store.observe(answer)  # our own writes: never read older state than them
                 return answer
             await self._sleep(delay)
             attempt += 1
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, first: bool) -> AsyncIterator[None]:
+        """A slot of the gate for one attempt (none without a gate)."""
+        if self.gate is None:
+            yield
+            return
+        async with self.gate.slot(first):
+            yield
 
     async def _once(
         self, method: str, path: str, body: object, content_type: str, params: Mapping[str, str] | None
@@ -247,10 +284,12 @@ class KubeClient:
         assert self._api is not None, "use `async with KubeClient(...)`"
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         query = list(params.items()) if params else None
-        prepared = await self._api.param_serialize(
-            method, path, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"]
+        # The body goes to call_api as it is (plain JSON; the REST layer json.dumps it): the library's
+        # sanitize_for_serialization walks it in Python (4% of the operator's CPU in a burst).
+        method, url, headers, _, post = await self._api.param_serialize(
+            method, path, query_params=query, header_params=headers, body=None, auth_settings=["BearerToken"]
         )
-        response = await self._api.call_api(*prepared, _request_timeout=self._timeout)
+        response = await self._api.call_api(method, url, headers, body, post, _request_timeout=self._timeout)
         data = await response.read()  # type: ignore[no-untyped-call]
         if response.status >= 300:
             raise _api_error(
@@ -287,11 +326,19 @@ class KubeClient:
             "PATCH", path, body=manifest, content_type="application/apply-patch+yaml", params=params
         )
         if cache:  # remembered only once the server accepted it
-            now = time.monotonic()
-            if len(self._applied) > 4096:  # forget expired entries (objects of deleted jobs)
-                self._applied = {k: v for k, v in self._applied.items() if now - v[1] < self._ttl}
-            self._applied[key] = (digest, now)
+            self.remember(manifest)
         return answer
+
+    def remember(self, manifest: Mapping[str, Any]) -> None:
+        """Record `manifest` as applied now (apply's cache: an identical apply within the TTL is skipped);
+        also for an object made by a create with the same content."""
+        meta = manifest["metadata"]
+        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
+        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        now = time.monotonic()
+        if len(self._applied) > 4096:  # forget expired entries (objects of deleted jobs)
+            self._applied = {k: v for k, v in self._applied.items() if now - v[1] < self._ttl}
+        self._applied[key] = (digest, now)
 
     async def create(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> Manifest:
         """Create `manifest` (POST to its collection); ApiError 409 AlreadyExists when it exists.
@@ -302,8 +349,37 @@ class KubeClient:
         params = {"fieldManager": field_manager}
         return await self.request("POST", manifest_path(manifest, named=False), body=manifest, params=params)
 
-    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
-        """The object, or None when it does not exist."""
+    async def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str, *, fresh: bool = False
+    ) -> Manifest | None:
+        """The object, or None when it does not exist (from the store when it holds it).
+
+        fresh=True asks the API server even then (and keeps the answer in the store): for a decision
+        that must not miss a write whose watch event may still be on its way (the watches of two kinds
+        are separate streams, so one's newer event may arrive before the other's older one)."""
+        if self.store is not None and self.store.holds(kind) and not fresh:
+            return self.store.get(kind, namespace or "", name)  # the watch holds all of them
+        if fresh:
+            found = await self._get(api_version, kind, namespace, name)
+            if found is not None and self.store is not None:
+                self.store.observe(found)
+            return found
+        if kind == "Node":
+            return await self._node(name)
+        return await self._get(api_version, kind, namespace, name)
+
+    async def _node(self, name: str) -> Manifest | None:
+        hit = self._nodes.get(name)
+        if hit is not None and time.monotonic() - hit[1] < self.node_ttl_s:
+            return hit[0]
+        node = await self._get("v1", "Node", None, name)
+        if node is not None:
+            if len(self._nodes) > 4096:
+                self._nodes.clear()
+            self._nodes[name] = (node, time.monotonic())
+        return node
+
+    async def _get(self, api_version: str, kind: str, namespace: str | None, name: str) -> Manifest | None:
         try:
             return await self.request("GET", resource_path(api_version, kind, namespace, name))
         except ApiError as err:
@@ -314,7 +390,9 @@ class KubeClient:
     async def list(
         self, api_version: str, kind: str, namespace: str | None, *, selector: str | None = None
     ) -> list[Manifest]:
-        """Items of a collection, optionally filtered by a label selector."""
+        """Items of a collection, optionally filtered by a label selector (pods: from the store)."""
+        if self.store is not None and kind in LISTED_KINDS and self.store.holds(kind) and namespace:
+            return self.store.list(kind, namespace, selector)
         params = {"labelSelector": selector} if selector else None
         answer = await self.request("GET", resource_path(api_version, kind, namespace), params=params)
         return cast(list[Manifest], answer.get("items", []))
@@ -358,6 +436,17 @@ class KubeClient:
         """The current bearer token (refreshed by the configuration's hook), for kopf's login."""
         header = await self.credentials.configuration.get_api_key_with_prefix("BearerToken")
         return header.split(" ", 1)[-1] if header else None
+
+
+def _resource_of(path: str) -> str:
+    """`pods`, `pods/status`, `rljobs` ... of an API path (the metric's label; never a name)."""
+    parts = path.strip("/").split("/")
+    parts = parts[2:] if parts[0] == "api" else parts[3:]  # drop api/v1 or apis/<group>/<version>
+    if len(parts) >= 2 and parts[0] == "namespaces":
+        parts = parts[2:]
+    if not parts:
+        return "discovery"
+    return parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
 
 
 def _api_error(status: int, reason: str, data: bytes, retry_after: str | None) -> ApiError:

@@ -1,7 +1,8 @@
 """The WeightChannel's conditions, one named pure function each.
 
 Ready (a transport is chosen), RequestedTransportFeasible (an explicit spec.weightSync.transport can
-be honoured, else why not), PreflightPassed (the driver's weight-equality result, once reported).
+be honoured, else why not), PreflightPassed (the driver's weight-equality result, once reported),
+Degraded (the last update failed on the chosen transport and a fallback delivered it).
 """
 
 from __future__ import annotations
@@ -28,3 +29,16 @@ def preflight_passed(passed: bool, mismatched: Sequence[str]) -> Update:
     if passed:
         return Update("PreflightPassed", True, "Equal", "every tensor equal after the initial sync")
     return Update("PreflightPassed", False, "Mismatch", f"tensors that differ: {', '.join(mismatched)}")
+
+
+def degraded(transport: str | None, fallback: str | None, version: int | None, count: int | None) -> Update:
+    """True while the last update was delivered by a fallback transport, naming both and the version."""
+    if not fallback:
+        return Update("Degraded", False, "Healthy", "")
+    return Update(
+        "Degraded",
+        True,
+        "TransportFellBack",
+        f"the update to version {version} failed on {transport or 'the chosen transport'} and {fallback} "
+        f"delivered it whole to every engine ({count or 1} fallback(s) so far; the trainer's log has the error)",
+    )

@@ -2,26 +2,35 @@
 
 Admitted (the gang scheduler is usable), WeightChannelReady (a transport is chosen), PreflightPassed
 (the weight-equality check, Unknown when not requested or not run), Degraded (Running with pods
-missing, or an unreadable progress document), Progressing (Running), Suspended, Complete, Failed.
+missing, an unreadable progress document, or a run that trains nothing), Progressing (Running),
+Suspended, Complete, Failed.
 """
 
 from __future__ import annotations
 
-from lockstep.api.rljob import Phase, RLJobSpec
+from lockstep.api.rljob import Phase, RLJobSpec, TrainingRecipe
 
 from lockstep_operator.policy.condition import Update, condition
-from lockstep_operator.policy.job_observed import JobObserved, Verdict
+from lockstep_operator.policy.job_observed import TERMINAL, JobObserved, Verdict
 
 
 def admitted(spec: RLJobSpec, obs: JobObserved) -> Update:
-    """False naming what to install while the gang scheduler's API is not served."""
+    """False naming what to create while a pool the job names does not exist (or why the pool cannot take
+    its adapter name yet), or what to install while the gang scheduler's API is not served."""
+    if obs.missing_pool:
+        return Update("Admitted", False, obs.missing_pool_reason, obs.missing_pool)
     if obs.gang_problem:
         return Update("Admitted", False, "SchedulerNotInstalled", obs.gang_problem)
     return Update("Admitted", True, "Admitted", f"gang scheduler: {spec.placement.gang.scheduler.value}")
 
 
-def weight_channel_ready(obs: JobObserved) -> Update:
-    """True once the WeightChannel chose a transport (with its reason)."""
+def weight_channel_ready(obs: JobObserved, spec: RLJobSpec | None = None) -> Update:
+    """True once the WeightChannel chose a transport (with its reason); Unknown for an SFT job, which
+    has no engines and no channel."""
+    if spec is not None and spec.recipe is TrainingRecipe.SFT:
+        return Update(
+            "WeightChannelReady", None, "NoEngines", "an sft job has no engines and no weight channel"
+        )
     channel = obs.channel
     if channel is not None and channel.transport is not None:
         return Update(
@@ -47,12 +56,16 @@ def preflight_passed(spec: RLJobSpec, obs: JobObserved) -> Update:
 
 
 def degraded(verdict: Verdict, obs: JobObserved) -> Update:
-    """True while a Running job misses pods (the verdict's message says which) or the progress
-    document is unreadable."""
+    """True while a Running job misses pods (the verdict's message says which), the progress
+    document is unreadable, or the driver reports that the run trains nothing (reason
+    NoTrainedTokens: steps in a row without a trained token)."""
     missing = (
         verdict.phase == Phase.RUNNING and verdict.reason == "Running" and verdict.message != "all pods ready"
     )
     problem = obs.progress_problem
+    untrained = obs.progress.degraded if obs.progress is not None and verdict.phase not in TERMINAL else None
+    if untrained and not missing and not problem:
+        return Update("Degraded", True, "NoTrainedTokens", untrained)
     if not missing and not problem:
         return Update("Degraded", False, "Healthy", "")
     return Update("Degraded", True, "Degraded", problem or verdict.message)
@@ -87,7 +100,7 @@ def job_conditions(spec: RLJobSpec, obs: JobObserved, verdict: Verdict) -> list[
     """Every condition of the job for this verdict, in the order they are listed in status."""
     return [
         admitted(spec, obs),
-        weight_channel_ready(obs),
+        weight_channel_ready(obs, spec),
         preflight_passed(spec, obs),
         degraded(verdict, obs),
         progressing(verdict),

@@ -6,7 +6,9 @@ rank's error: TrainerStartFailed), the pre-flight weight-equality check failed (
 differ), the driver reported a fatal error (DriverStartFailed when it could not start, else
 DriverError), an init step of the driver pod failed (the model download: ModelPullFailed), an init
 step of an engine pod failed (the download: ModelPullFailed; the low-precision conversion:
-ServingCheckpointFailed), the driver pod failed. Separately, a job running longer
+ServingCheckpointFailed), the driver pod crash-looped (more restarts than spec.backoffLimit:
+DriverCrashLoop, with its last exit; OnFailure would otherwise restart it for ever, the job stuck in
+Preflight or Running with no reason), the driver pod failed. Separately, a job running longer
 than spec.activeDeadlineSeconds fails with DeadlineExceeded.
 """
 
@@ -21,8 +23,9 @@ from lockstep_operator.policy.condition import condition
 from lockstep_operator.policy.job_observed import JobObserved, Verdict
 
 
-def job_failure(obs: JobObserved) -> Verdict | None:
-    """The Failed verdict for what the children and the driver report, or None."""
+def job_failure(obs: JobObserved, driver_restart_limit: int) -> Verdict | None:
+    """The Failed verdict for what the children and the driver report, or None.
+    `driver_restart_limit`: the driver container restarts allowed (spec.backoffLimit)."""
     failed = condition(obs.trainer.conditions, "Failed") if obs.trainer is not None else None
     if failed is not None and failed.status == ConditionStatus.TRUE:
         return Verdict(Phase.FAILED, failed.reason, f"trainer: {failed.message}")
@@ -43,6 +46,14 @@ def job_failure(obs: JobObserved) -> Verdict | None:
         step = obs.engine_init_failure.split(": ", 1)[-1]
         reason = "ServingCheckpointFailed" if step.startswith("convert-model") else "ModelPullFailed"
         return Verdict(Phase.FAILED, reason, f"engine pod {obs.engine_init_failure}")
+    if obs.driver_restarts > driver_restart_limit:
+        last = f"; last run {obs.driver_last_exit}" if obs.driver_last_exit else ""
+        return Verdict(
+            Phase.FAILED,
+            "DriverCrashLoop",
+            f"the driver restarted {obs.driver_restarts} times, more than backoffLimit={driver_restart_limit}"
+            f"{last} (the crashed run's log: kubectl logs --previous on the driver pod)",
+        )
     if obs.driver_phase == "Failed":
         return Verdict(Phase.FAILED, "DriverFailed", "the driver pod failed")
     return None

@@ -41,6 +41,19 @@ class JobObserved:
     engine_init_failure: str | None = None
     """`<pod>: <init_failure>` of the first engine pod whose init step (pull-model, convert-model)
     failed; the pool keeps such a pod instead of replacing it, so the reason stays readable."""
+    teacher_pools: Mapping[str, RolloutPoolStatus | None] = field(default_factory=dict)
+    """On-policy distillation: the status of each teacher pool the job reads (its own and the standalone
+    ones its teachers name), by pool name (None before it reports)."""
+    driver_restarts: int = 0
+    """Restarts of the driver pod's container (restartPolicy OnFailure: a crashed driver resumes)."""
+    driver_last_exit: str | None = None
+    """`exited <code>: <termination message>` of the driver container's last failed run (main_restarts)."""
+    missing_pool: str | None = None
+    """Why the job waits for a standalone RolloutPool it names (rollout.poolRef, a teacher's poolRef):
+    the pool does not exist yet (what to create), or it cannot take this job's adapter name yet.
+    Nothing of the job is created meanwhile."""
+    missing_pool_reason: str = "PoolNotFound"
+    """The reason of that wait (policy.pool_ref.PoolRefProblem.reason)."""
 
 
 def init_failure(pod: Mapping[str, Any] | None) -> str | None:
@@ -53,6 +66,21 @@ def init_failure(pod: Mapping[str, Any] | None) -> str | None:
                 message = (ended.get("message") or ended.get("reason") or "").strip()
                 return f"{st.get('name')} exited {ended['exitCode']}: {message[-1000:]}"
     return None
+
+
+def main_restarts(pod: Mapping[str, Any] | None) -> tuple[int, str | None]:
+    """(restarts, `exited <code>: <termination message>` of its last non-zero exit) of the first
+    container of `pod`; (0, None) without a pod (pure)."""
+    statuses = ((pod or {}).get("status") or {}).get("containerStatuses") or []
+    if not statuses:
+        return 0, None
+    st = statuses[0]
+    ended = (st.get("lastState") or {}).get("terminated") or (st.get("state") or {}).get("terminated") or {}
+    last = None
+    if ended.get("exitCode"):
+        message = (ended.get("message") or ended.get("reason") or "").strip()
+        last = f"exited {ended['exitCode']}: {message[-1000:]}"
+    return int(st.get("restartCount") or 0), last
 
 
 @dataclass(frozen=True, slots=True)

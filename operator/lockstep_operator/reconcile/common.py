@@ -11,9 +11,10 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from lockstep_operator.k8s.client import KubeClient
+from lockstep_operator.k8s.client import ApiError, KubeClient
+from lockstep_operator.resources import secrets
 from lockstep_operator.resources.annotations import annotations_of
-from lockstep_operator.resources.common import API_VERSION
+from lockstep_operator.resources.common import API_VERSION, Owner
 
 __all__ = ["Wire", "annotations_of", "previous_status", "write_status"]
 
@@ -53,3 +54,21 @@ async def write_status(kube: KubeClient, body: Mapping[str, Any], previous: Wire
         API_VERSION, body["kind"], meta["namespace"], meta["name"], patch, subresource="status"
     )
     return True
+
+
+_KEYED: set[str] = set()
+"""UIDs of jobs whose API-key Secret this process created or found (no create call per pass)."""
+
+
+async def ensure_api_key(kube: KubeClient, owner: Owner, name: str) -> None:
+    """Create Secret `<name>-api-key` (owned by `owner`: a job, or a standalone pool) once. Create,
+    never apply: an apply would rotate the key under running pods. The operator needs only `create`
+    on secrets (a 409 means it exists); it never reads a Secret back, and the key appears in no log."""
+    if owner.uid in _KEYED:
+        return
+    try:
+        await kube.create(secrets.api_key_secret(owner, job=name, key=secrets.new_api_key()))
+    except ApiError as err:
+        if err.status != 409:
+            raise
+    _KEYED.add(owner.uid)

@@ -6,7 +6,7 @@ and re-exported here. What stays here is the operator's side: `read_progress`, w
 ConfigMap `<job>-progress` into a report or a human-readable problem for a status condition.
 
 Who calls it: the reconciles (rljob, rolloutpool, weightchannel); the driver writes the document
-through lockstep.driver.report, the e2e tests may also write it with
+through lockstep.progress, the e2e tests may also write it with
 `kubectl patch configmap <job>-progress -p '{"data":{"progress.json":"{\"step\":3,...}"}}'`.
 """
 

@@ -18,7 +18,7 @@ from lockstep.api.rolloutpool import EngineStatus, RolloutPoolStatus
 from lockstep.api.trainergroup import TrainerGroupStatus
 from lockstep.api.weightchannel import WeightChannelStatus
 
-from lockstep_operator.policy import channel_conditions, pool_conditions, trainer_conditions
+from lockstep_operator.policy import channel_conditions, pool_conditions, reconcile_error, trainer_conditions
 from lockstep_operator.policy.condition import apply, condition, is_true, set_condition
 from lockstep_operator.policy.job_conditions import job_conditions
 from lockstep_operator.policy.job_failure import deadline_exceeded
@@ -70,9 +70,11 @@ def job_status(
     phase, progress, channel = verdict.phase, obs.progress, obs.channel
     pool_version = obs.pool.weight_version if obs.pool else None
     chosen = channel.transport if channel is not None else None
+    conditions = apply(prev.conditions, job_conditions(spec, obs, verdict), now=now, generation=generation)
+    children = [(kind, child.conditions) for kind, child in _children(obs)]
     return RLJobStatus(
         phase=phase,
-        conditions=apply(prev.conditions, job_conditions(spec, obs, verdict), now=now, generation=generation),
+        conditions=reconcile_error.fold_children(conditions, children, now=now, generation=generation),
         observed_generation=generation,
         step=progress.step if progress else prev.step,
         weight_version=pool_version if pool_version is not None else prev.weight_version,
@@ -83,9 +85,17 @@ def job_status(
         transport=chosen.value if chosen else prev.transport,
         transport_reason=channel.reason if channel is not None and chosen else prev.transport_reason,
         restarts=obs.trainer.restarts if obs.trainer else prev.restarts,
+        sandbox_aborts=progress.sandbox_aborts
+        if progress and progress.sandbox_aborts is not None
+        else prev.sandbox_aborts,
         start_time=prev.start_time or (now if phase == Phase.RUNNING else None),
         completion_time=prev.completion_time or (now if phase in TERMINAL else None),
     )
+
+
+def _children(obs: JobObserved) -> list[tuple[str, Any]]:
+    found = (("RolloutPool", obs.pool), ("TrainerGroup", obs.trainer), ("WeightChannel", obs.channel))
+    return [(kind, status) for kind, status in found if status is not None]
 
 
 # ------------------------------------------------------------------------------------ RolloutPool
@@ -133,6 +143,29 @@ def weights_current(
         return True, f"holds the current weight version {current_version}"
     held = "not reported" if version is None else f"holds {version}"
     return False, f"{held}; the current weight version is {current_version}"
+
+
+def shared_weights_current(
+    pod: Mapping[str, Any], jobs: Sequence[tuple[str, ProgressReport | None]]
+) -> tuple[bool, str]:
+    """Whether an engine of a standalone pool holds the current adapter of every job sampling on it
+    (the readiness gate of a shared pool, pure): `jobs` are the running jobs whose rollout.poolRef
+    names the pool, with their progress reports. Each job's report carries the adapter version each
+    engine holds (the driver's probe reads GET /v1/models); weights_current decides per job, so an
+    engine that joined after a job published a version stays out of the router until that job's
+    trainer has loaded its next version there. No job: True (the base never changes)."""
+    for job, report in sorted(jobs, key=lambda j: j[0]):
+        if report is None:
+            continue  # nothing reported yet: nothing published
+        current, why = weights_current(
+            pod, report.weight_version, report.engine_versions, report.engine_address_versions or {}
+        )
+        if not current:
+            return False, f"RLJob {job}'s adapter: {why}"
+    if not jobs:
+        return True, "no running job samples on the pool; its base never changes"
+    names = ", ".join(sorted(j for j, _ in jobs))
+    return True, f"holds the current adapter of every running job on the pool ({names})"
 
 
 def engine_ready(
@@ -188,7 +221,8 @@ def pool_status(
         pool_conditions.min_available_breached(len(ready), min_available),
         pool_conditions.weights_synced(current_version, lagging),
     ]
-    conds = apply(previous.conditions if previous else [], updates, now=now, generation=generation)
+    before = reconcile_error.without_error(previous.conditions) if previous else []
+    conds = apply(before, updates, now=now, generation=generation)
     return RolloutPoolStatus(
         replicas=len(engines),
         ready_replicas=len(ready),
@@ -223,7 +257,7 @@ def trainer_status(
     SpecChanged, kept after the roll finished) and never in `restarts`.
     """
     ready_pods = sum(1 for p in pods if pod_ready(p))
-    before = previous.conditions if previous else []
+    before = reconcile_error.without_error(previous.conditions) if previous else []
     rolled = trainer_conditions.up_to_date(condition(before, "UpToDate"), rolling)
     updates = [
         *([rolled] if rolled is not None else []),
@@ -243,6 +277,15 @@ def trainer_status(
 
 
 # ---------------------------------------------------------------------------------- WeightChannel
+
+
+def slowest_phase(phases: dict[str, float] | None) -> str | None:
+    """`transfer 62%`: the phase of the last update that took longest and its share (pure)."""
+    if not phases:
+        return None
+    total = sum(max(v, 0.0) for v in phases.values())
+    name, seconds = max(phases.items(), key=lambda kv: kv[1])
+    return f"{name} {100 * seconds / total:.0f}%" if total > 0 else name
 
 
 def channel_status(
@@ -267,18 +310,29 @@ def channel_status(
     if progress is not None and progress.preflight is not None:
         passed = progress.preflight == "passed"
         updates.append(channel_conditions.preflight_passed(passed, progress.preflight_mismatched))
-    conds = apply(prev.conditions, updates, now=now, generation=generation)
+    fallback = progress.last_update_fallback if progress else prev.last_update_fallback
+    fallbacks = progress.update_fallbacks if progress else prev.update_fallbacks
+    if progress is not None and progress.last_update_seconds is not None:
+        updates.append(channel_conditions.degraded(
+            transport.value if transport else None, fallback, progress.weight_version, fallbacks
+        ))  # fmt: skip
+    conds = apply(reconcile_error.without_error(prev.conditions), updates, now=now, generation=generation)
     version = prev.weight_version
     current = progress.weight_version if progress is not None else None
     reported = {**progress.engine_versions, **(progress.engine_address_versions or {})} if progress else {}
     if current is not None and reported:
         version = current if all(v >= current for v in reported.values()) else version
+    phases = progress.last_update_phases if progress else prev.last_update_phases
     return WeightChannelStatus(
         transport=transport,
         reason=reason,
         weight_version=version,
         last_update_seconds=progress.last_update_seconds if progress else prev.last_update_seconds,
         wire_bytes=progress.wire_bytes if progress else prev.wire_bytes,
+        last_update_phases=phases,
+        last_update_fallback=fallback,
+        update_fallbacks=fallbacks,
+        last_update_slowest=slowest_phase(phases),
         last_update_time=prev.last_update_time if version == prev.weight_version else now,
         preflight_passed=passed,
         conditions=conds,

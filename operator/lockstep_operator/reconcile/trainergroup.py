@@ -4,10 +4,15 @@ Why it exists: the trainer is one torch.distributed world, so the group lives an
 (policy.gang_restart says when and which pods go). Steps:
 1. headless Service named like the group (the rank pods' subdomain: stable DNS for MASTER_ADDR) and
    the NetworkPolicy of the rank pods (control port from the driver only; resources.network);
-2. observe the rank pods against a fresh rendering of each rank (resources.ranks) and ask
-   gang_restart; a counted restart writes status.restarts first (a crash here cannot lose the count);
+2. observe the rank pods against a fresh rendering of each rank (resources.ranks), with the driver's
+   `done` (progress channel) and whether the generation was complete, and ask gang_restart; before a
+   restart, `done` is read again from the API server (the rank pods' and the ConfigMap's watch events
+   may arrive out of order at the job's end); a counted restart writes status.restarts first (a crash
+   here cannot lose the count);
 3. delete what the decision says, then create the missing ranks of the current generation, packed
-   into one NVLink domain when the product has them (the clique is picked once, kept in an annotation);
+   into one NVLink domain when the product has them (the clique is picked once, kept in an annotation),
+   and record the generation as complete (annotation gang-complete; cleared before a roll or a stop
+   deletes ranks);
 4. status: world size, ready ranks, restarts, conditions.
 
 Who calls it: lockstep_operator.handlers (group events, rank pod events, the periodic re-check).
@@ -15,6 +20,7 @@ Who calls it: lockstep_operator.handlers (group events, rank pod events, the per
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from typing import Any
 
@@ -22,21 +28,22 @@ from lockstep.api.trainergroup import TrainerGroup, TrainerGroupSpec, TrainerGro
 from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.k8s.events import Recorder
 from lockstep_operator.policy.condition import condition, is_true
+from lockstep_operator.policy.events import trainer_events
 from lockstep_operator.policy.gang_restart import GangDecision, RankPod, gang_restart
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
-from lockstep_operator.reconcile.progress import read_progress
+from lockstep_operator.reconcile.progress import ProgressReport, read_progress
 from lockstep_operator.reconcile.status import trainer_status
 from lockstep_operator.resources.annotations import Annotation
-from lockstep_operator.resources.commands import product_label
 from lockstep_operator.resources.common import (
     API_VERSION,
     LABEL_RANK,
     Owner,
-    pool_name,
     progress_name,
     selector,
+    used_pool,
 )
 from lockstep_operator.resources.network import trainer_network_policy
 from lockstep_operator.resources.pods import selector_labels, template_hash_of
@@ -50,8 +57,11 @@ def _generation(pod: Manifest) -> int:
 
 
 def _why(pod: Manifest) -> str:
-    """`rank R (pod P) failed: reason (exit N): message` from the pod's container status."""
+    """`rank R (pod P) failed: reason (exit N): message` from the pod's container status, or, for a
+    pod that Succeeded, `rank R (pod P) exited 0 before the job completed` (read only then)."""
     rank = pod["metadata"]["labels"].get(LABEL_RANK, "?")
+    if (pod.get("status") or {}).get("phase") == "Succeeded":
+        return f"rank {rank} (pod {pod['metadata']['name']}) exited 0 before the job completed"
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated")
         if term and term.get("exitCode", 0) != 0:
@@ -63,7 +73,13 @@ def _why(pod: Manifest) -> str:
 
 
 async def reconcile_trainer(
-    kube: KubeClient, namespace: str, name: str, *, settings: OperatorSettings, now: dt.datetime
+    kube: KubeClient,
+    namespace: str,
+    name: str,
+    *,
+    settings: OperatorSettings,
+    now: dt.datetime,
+    recorder: Recorder | None = None,
 ) -> None:
     """One pass over TrainerGroup `namespace/name`."""
     body = await kube.get(API_VERSION, "TrainerGroup", namespace, name)
@@ -77,9 +93,11 @@ async def reconcile_trainer(
     previous = previous_status(body, TrainerGroupStatus)
     generation = body["metadata"].get("generation")
     labels = selector_labels(spec.job, trainer=name)
-    await kube.apply(headless_service(owner, job=spec.job, name=name, selector=labels), cache=True)
-    policy = trainer_network_policy(owner, job=spec.job, trainer=name, pool=pool_name(spec.job))
-    await kube.apply(policy, cache=True)
+    shared = ann.get(Annotation.SHARED_POOL) or None  # a standalone pool (rollout.poolRef)
+    policy = trainer_network_policy(
+        owner, job=spec.job, trainer=name, pool=used_pool(spec.job, shared), pool_job=shared
+    )
+    service = headless_service(owner, job=spec.job, name=name, selector=labels)
     pods = await kube.list("v1", "Pod", namespace, selector=selector(labels))
     restarts = previous.restarts if previous else 0
     failed_before = (
@@ -88,35 +106,84 @@ async def reconcile_trainer(
         else None
     )
     expected = {r: template_hash_of(m) for r, m in _rendered(owner, spec, ann, restarts, settings).items()}
-    decision = gang_restart(
-        [_observed(p, expected) for p in pods],
-        restarts=restarts,
-        limit=int(ann.get(Annotation.RESTART_LIMIT) or settings.gang_restart_limit_default),
-        stopped=ann.get(Annotation.SUSPENDED) == "true" or bool(ann.get(Annotation.STOPPED)),
-        failed=failed_before.message if failed_before else None,
-    )
+    observed = [_observed(p, expected) for p in pods]
+    limit = int(ann.get(Annotation.RESTART_LIMIT) or settings.gang_restart_limit_default)
+    progress = await _progress(kube, namespace, spec.job)
+
+    def decide(progress: ProgressReport | None) -> GangDecision:
+        return gang_restart(
+            observed,
+            ranks=spec.trainer.nodes,
+            restarts=restarts,
+            limit=limit,
+            stopped=ann.get(Annotation.SUSPENDED) == "true" or bool(ann.get(Annotation.STOPPED)),
+            failed=failed_before.message if failed_before else None,
+            done=progress is not None and progress.done,
+            complete=ann.get(Annotation.GANG_COMPLETE) == str(restarts),
+        )
+
+    decision = decide(progress)
+    if decision.faults:  # a rank ended or vanished: did the driver report `done` just before?
+        progress = await _progress(kube, namespace, spec.job, fresh=True)
+        decision = decide(progress)
     if decision.restarts > restarts:  # written before any deletion: the count survives a crash here
-        await _write(kube, body, previous, spec, [], decision, None, now, generation)
+        await _write(kube, body, previous, spec, [], decision, None, now, generation, progress)
+    if (decision.stopped or decision.rolling) and ann.get(Annotation.GANG_COMPLETE):
+        await _mark_complete(kube, body, "")  # before the deletions: ranks gone now are no fault
     for pod_name in decision.delete:
         await kube.delete("v1", "Pod", namespace, pod_name)
     keep = [p for p in pods if p["metadata"]["name"] in decision.keep]
     if decision.start_missing:
         await _create_missing(kube, owner, spec, body, keep, decision.restarts, settings)
+        if annotations_of(body).get(Annotation.GANG_COMPLETE) != str(decision.restarts):
+            await _mark_complete(kube, body, str(decision.restarts))  # every rank exists now
+    # After the ranks (a burst gets its pods sooner): their headless Service and NetworkPolicy.
+    await asyncio.gather(kube.apply(service, cache=True), kube.apply(policy, cache=True))
     rolling = expected.get(0) if decision.rolling else None
-    await _write(kube, body, previous, spec, keep, decision, rolling, now, generation)
+    status = await _write(kube, body, previous, spec, keep, decision, rolling, now, generation, progress)
+    if recorder is not None:
+        events = trainer_events(
+            previous.conditions if previous else [],
+            status.conditions,
+            restarts_before=restarts,
+            restarts=decision.restarts,
+            limit=limit,
+            failed_before=failed_before is not None,
+            failed=decision.failed,
+            broken=decision.faults,
+        )
+        recorder.record(body, *events, job_too=True)
 
 
 def _observed(pod: Manifest, expected: dict[int, str | None]) -> RankPod:
     """A rank pod as the gang policy sees it (its template compared with a fresh rendering)."""
-    failed = (pod.get("status") or {}).get("phase") == "Failed"
+    phase = (pod.get("status") or {}).get("phase")
     return RankPod(
         name=pod["metadata"]["name"],
+        rank=_rank(pod),
         generation=_generation(pod),
         current_template=template_hash_of(pod) == expected.get(_rank(pod)),
         terminating=_terminating(pod),
-        failed=failed,
-        why=_why(pod) if failed else "",
+        failed=phase == "Failed",
+        succeeded=phase == "Succeeded",
+        why=_why(pod) if phase in ("Failed", "Succeeded") else "",
     )
+
+
+async def _progress(
+    kube: KubeClient, namespace: str, job: str, *, fresh: bool = False
+) -> ProgressReport | None:
+    """The driver's last report (None when there is none or it does not parse; the job shows why)."""
+    report, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(job), fresh=fresh))
+    return report
+
+
+async def _mark_complete(kube: KubeClient, body: Manifest, generation: str) -> None:
+    """Record annotation gang-complete on the group (`generation`, or "" to clear it)."""
+    meta = body["metadata"]
+    patch = {"metadata": {"annotations": {Annotation.GANG_COMPLETE.value: generation}}}
+    answer = await kube.merge_patch(API_VERSION, "TrainerGroup", meta["namespace"], meta["name"], patch)
+    meta["annotations"] = annotations_of(answer)
 
 
 def _rendered(
@@ -135,6 +202,8 @@ def _rendered(
             image=settings.runtime_image,
             config_hash=ann.get(Annotation.CONFIG_HASH, ""),
             p2p_rdma=settings.rdma_resource if ann.get(Annotation.P2P_RANKS) == "true" else None,
+            facts=settings.node_facts(),
+            shared_pool=ann.get(Annotation.SHARED_POOL) or None,
         )
         for rank in range(spec.trainer.nodes)
     }
@@ -164,7 +233,7 @@ async def _create_missing(
     ann = annotations_of(body)
     clique = ann.get(Annotation.CLIQUE)
     if clique is None:
-        clique = await _choose_clique(kube, spec) or ""
+        clique = await _choose_clique(kube, spec, settings) or ""
         meta = body["metadata"]
         await kube.merge_patch(
             API_VERSION,
@@ -174,15 +243,14 @@ async def _create_missing(
             {"metadata": {"annotations": {Annotation.CLIQUE.value: clique}}},
         )
     rendered = _rendered(owner, spec, {**ann, Annotation.CLIQUE.value: clique}, restarts, settings)
-    for rank in missing:
-        await kube.apply(rendered[rank])
+    await asyncio.gather(*(kube.apply(rendered[rank]) for rank in missing))
 
 
-async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec) -> str | None:
+async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec, settings: OperatorSettings) -> str | None:
     """For a TrainerGroup created without the job's placement plan: pick a clique now."""
     clique, _ = await plan_cliques(
         kube,
-        product=product_label(spec.placement.gpu_product.value),
+        product=settings.node_facts().product_label(spec.placement.gpu_product.value),
         ranks=spec.trainer.nodes,
         gpus_per_rank=gpus_per_pod(spec),
         engines=0,
@@ -201,10 +269,8 @@ async def _write(
     rolling: str | None,
     now: dt.datetime,
     generation: Any,
-) -> None:
-    progress, _ = read_progress(
-        await kube.get("v1", "ConfigMap", body["metadata"]["namespace"], progress_name(spec.job))
-    )
+    progress: ProgressReport | None,
+) -> TrainerGroupStatus:
     status = trainer_status(
         live,
         nodes=spec.trainer.nodes,
@@ -219,3 +285,4 @@ async def _write(
     )
     if await write_status(kube, body, previous, status):
         body["status"] = status.wire()
+    return status

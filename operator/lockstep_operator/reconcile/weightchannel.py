@@ -1,7 +1,7 @@
 """WeightChannel reconcile: pick the transport from where the pods landed; fold in the preflight result.
 
 Why it exists: the right transport depends on the nodes the trainer ranks and the engines actually
-run on (seed §7.2.5): same GPUs -> cuda-ipc, RDMA on >= 2 nodes per side -> p2p, a shared network ->
+run on (§7.2.5): same GPUs -> cuda-ipc, RDMA on >= 2 nodes per side -> p2p, a shared network ->
 broadcast, only a shared ReadWriteMany volume -> disk-delta. An explicit spec.weightSync.transport
 wins if feasible; otherwise the automatic choice is used and the condition
 RequestedTransportFeasible=False says why. The driver's pre-flight weight-equality result (progress
@@ -23,11 +23,14 @@ from lockstep.api.weightchannel import WeightChannel, WeightChannelStatus
 from pydantic import ValidationError
 
 from lockstep_operator.k8s.client import KubeClient, Manifest
+from lockstep_operator.k8s.events import Recorder
+from lockstep_operator.policy.events import channel_events
 from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
 from lockstep_operator.reconcile.progress import read_progress
 from lockstep_operator.reconcile.status import channel_status
 from lockstep_operator.resources.annotations import Annotation
-from lockstep_operator.resources.common import API_VERSION, progress_name, selector
+from lockstep_operator.resources.colocation import CPU_NOTHING_TO_SHARE
+from lockstep_operator.resources.common import API_VERSION, LABEL_POOL, LABEL_ROLE, progress_name, selector
 from lockstep_operator.resources.pods import selector_labels
 from lockstep_operator.topology import Decision, NodeFacts, Transport, choose_transport
 
@@ -52,7 +55,9 @@ async def _node_facts(
     return facts
 
 
-async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now: dt.datetime) -> None:
+async def reconcile_channel(
+    kube: KubeClient, namespace: str, name: str, *, now: dt.datetime, recorder: Recorder | None = None
+) -> None:
     """One pass over WeightChannel `namespace/name`."""
     body = await kube.get(API_VERSION, "WeightChannel", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -61,11 +66,14 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
         spec = WeightChannel.model_validate(body).spec
     except ValidationError:
         return
-    colocated = annotations_of(body).get(Annotation.COLOCATE) == "true"
+    colocate = annotations_of(body).get(Annotation.COLOCATE)
+    colocated = colocate == "true"
+    no_ipc = CPU_NOTHING_TO_SHARE if colocate == "cpu" else None
     # Absent on channels written before the key existed: the reference engine was the only one with P2P.
     engine_p2p = annotations_of(body).get(Annotation.ENGINE_P2P, "true") == "true"
     sel_t = selector(selector_labels(spec.job, trainer=spec.trainer_group))
-    sel_e = selector(selector_labels(spec.job, pool=spec.rollout_pool))
+    # by pool alone: a standalone pool's engines carry the pool's name, not the job's (rollout.poolRef)
+    sel_e = selector({LABEL_POOL: spec.rollout_pool, LABEL_ROLE: "engine"})
     cache: dict[str, NodeFacts] = {}
     trainer = await _node_facts(kube, await kube.list("v1", "Pod", namespace, selector=sel_t), cache)
     engines = await _node_facts(kube, await kube.list("v1", "Pod", namespace, selector=sel_e), cache)
@@ -81,10 +89,12 @@ async def reconcile_channel(kube: KubeClient, namespace: str, name: str, *, now:
             shared_volume=sync.disk_delta.volume_claim is not None,
             requested=requested,
             engine_p2p=engine_p2p,
+            no_ipc=no_ipc,
         )
     progress, _ = read_progress(await kube.get("v1", "ConfigMap", namespace, progress_name(spec.job)))
     previous = previous_status(body, WeightChannelStatus)
     status = channel_status(
         decision, progress=progress, previous=previous, generation=body["metadata"].get("generation"), now=now
     )
-    await write_status(kube, body, previous, status)
+    if await write_status(kube, body, previous, status) and recorder is not None:
+        recorder.record(body, *channel_events(previous, status))

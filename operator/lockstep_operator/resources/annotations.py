@@ -28,7 +28,8 @@ class Annotation(enum.StrEnum):
     RESTART_LIMIT = f"{GROUP}/restart-limit"
     """On the trainer: gang restarts allowed (the RLJob's backoffLimit)."""
     COLOCATE = f"{GROUP}/colocate"
-    """On the channel: "true" when trainer and engines share GPUs (schedule.colocate)."""
+    """On the channel: "true" when trainer and engines share GPUs (schedule.colocate), "cpu" when
+    colocated on CPU (nothing to share across pods: resources.colocation), else "false"."""
     ENGINE_P2P = f"{GROUP}/engine-p2p"
     """On the channel: "true" when the engines serve the P2P receive side (the reference engine, or an
     SGLang image declared with rollout.p2pReceiver); otherwise p2p is never chosen."""
@@ -36,8 +37,21 @@ class Annotation(enum.StrEnum):
     """On the trainer: "true" when weightSync.transport is p2p: the ranks get RDMA devices and IPC_LOCK."""
     SHARED_VOLUME = f"{GROUP}/shared-volume"
     """On pool and trainer: the ReadWriteMany claim mounted at /shared (weightSync.diskDelta.volumeClaim)."""
+    DELTA_AGENT = f"{GROUP}/delta-agent"
+    """On the pool: where each engine keeps the copy its disk-delta agent patches (weightSync.diskDelta.path,
+    or "emptyDir"); "" or absent: no agent (resources.delta_agent)."""
     JOB_REPLICAS = f"{GROUP}/job-replicas"
     """On the pool: the RLJob's rollout.replicas last copied into pool spec.replicas."""
+    POOL_ADAPTERS = f"{GROUP}/adapters"
+    """On a standalone pool: the LoRA adapter names of the jobs that used it (JSON list), kept until the
+    operator has unloaded a deleted or ended job's versions from every engine (policy.adapter_gc)."""
+    ADAPTER = f"{GROUP}/adapter"
+    """On an unload pod of a standalone pool: the adapter whose versions it unloads."""
+    SHARED_POOL = f"{GROUP}/shared-pool"
+    """On the trainer group: the standalone RolloutPool the job uses (rollout.poolRef), "" for its own."""
+    GANG_COMPLETE = f"{GROUP}/gang-complete"
+    """On the trainer, written by its reconcile: the gang generation whose every rank pod was created
+    ("" once a roll or a stop deleted its ranks): a rank of it missing later was deleted (a fault)."""
     CLIQUE = f"{GROUP}/clique"
     """On the trainer: the NVLink domain its ranks were packed into ("" = none)."""
     AVOID_CLIQUE = f"{GROUP}/avoid-clique"

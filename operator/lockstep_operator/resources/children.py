@@ -13,9 +13,10 @@ import hashlib
 import json
 from typing import Any
 
-from lockstep.api.rljob import Engine, EngineSpec, RLJobSpec, Transport
+from lockstep.api.rljob import Engine, EngineSpec, RLJobSpec, Transport, teacher_pool_name
 
 from lockstep_operator.resources.annotations import Annotation
+from lockstep_operator.resources.colocation import colocate_annotation
 from lockstep_operator.resources.common import (
     API_VERSION,
     Manifest,
@@ -25,7 +26,9 @@ from lockstep_operator.resources.common import (
     metadata,
     pool_name,
     trainer_name,
+    used_pool,
 )
+from lockstep_operator.resources.delta_agent import EMPTY_DIR
 from lockstep_operator.resources.podgroups import gang_min_member
 
 NOT_ROLLED = ("suspend", "activeDeadlineSeconds", "backoffLimit")
@@ -61,6 +64,16 @@ def engine_serves_p2p(engine: EngineSpec) -> bool:
     return engine.engine is Engine.REFERENCE or engine.p2p_receiver
 
 
+def delta_agent_setting(spec: RLJobSpec) -> str:
+    """Where each engine's disk-delta agent keeps its copy (resources.delta_agent): an explicit
+    disk-delta with a shared volume gets agents (diskDelta.path as a hostPath, else an emptyDir);
+    "" otherwise (with `auto` the trainer patches one copy per engine on the shared volume itself)."""
+    sync = spec.weight_sync
+    if sync.transport is not Transport.DISK_DELTA or sync.disk_delta.volume_claim is None:
+        return ""
+    return sync.disk_delta.path or EMPTY_DIR
+
+
 def child_manifests(
     owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str, clique: str = "", avoid_clique: str = ""
 ) -> list[Manifest]:
@@ -79,6 +92,7 @@ def child_manifests(
         **common_ann,
         Annotation.JOB_REPLICAS.value: str(spec.rollout.replicas),
         Annotation.AVOID_CLIQUE.value: avoid_clique,
+        **({Annotation.DELTA_AGENT.value: agent} if (agent := delta_agent_setting(spec)) else {}),
     }
     pool = {
         "apiVersion": API_VERSION,
@@ -94,8 +108,10 @@ def child_manifests(
             **({"trueOnPolicy": True} if spec.algorithm.true_on_policy else {}),
         },
     }
+    shared = spec.rollout.pool_ref.name if spec.rollout.pool_ref else None
     trainer_ann = {
         **common_ann,
+        **({Annotation.SHARED_POOL.value: shared} if shared else {}),
         Annotation.RESTART_LIMIT.value: str(spec.backoff_limit),
         Annotation.CLIQUE.value: clique,
         Annotation.CONFIG_HASH.value: run_config_hash(spec),
@@ -110,10 +126,11 @@ def child_manifests(
             "model": spec.model.wire(),
             "trainer": spec.trainer.wire(),
             "placement": spec.placement.wire(),
+            "preemptionGraceSeconds": spec.schedule.preemption_grace_seconds,
         },
     }
     channel_ann = {
-        Annotation.COLOCATE.value: str(spec.schedule.colocate).lower(),
+        Annotation.COLOCATE.value: colocate_annotation(spec),
         Annotation.ENGINE_P2P.value: str(engine_serves_p2p(spec.rollout)).lower(),
     }
     channel = {
@@ -123,8 +140,44 @@ def child_manifests(
         "spec": {
             "job": job,
             "trainerGroup": trainer_name(job),
-            "rolloutPool": pool_name(job),
+            "rolloutPool": used_pool(job, shared),
             "weightSync": spec.weight_sync.wire(),
         },
     }
     return [pool, trainer, channel]
+
+
+def teacher_pool_manifests(owner: Owner, spec: RLJobSpec, *, suspended: bool, stopped: str) -> list[Manifest]:
+    """The RolloutPool of each checkpoint teacher of spec.algorithm.opd (pure; spec.replicas left out,
+    as for the job's pool): role teacher, the teacher's checkpoint served with the rollout's engine
+    settings (and its numerics: true on-policy kernels when the job runs them), never updated."""
+    opd = spec.algorithm.opd
+    if opd is None:
+        return []
+    job = owner.name
+    out = []
+    for teacher in opd.teachers:
+        if teacher.checkpoint is None:
+            continue  # a url teacher runs outside the cluster's control
+        ann = {
+            Annotation.SUSPENDED.value: str(suspended).lower(),
+            Annotation.STOPPED.value: stopped,
+            Annotation.JOB_REPLICAS.value: str(teacher.replicas),
+        }
+        model = spec.model.model_copy(update={"checkpoint": teacher.checkpoint, "lora": None}).wire()
+        out.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "RolloutPool",
+                "metadata": metadata(owner, teacher_pool_name(job, teacher.name), job_labels(job), ann),
+                "spec": {
+                    "job": job,
+                    "role": "teacher",
+                    "model": model,
+                    "engine": engine_part(spec),
+                    "placement": spec.placement.wire(),
+                    **({"trueOnPolicy": True} if spec.algorithm.true_on_policy else {}),
+                },
+            }
+        )
+    return out

@@ -11,19 +11,11 @@ from lockstep.api.profiles import SGLANG_QUANTIZATION
 from lockstep.api.rljob import EngineSpec, ModelSpec
 
 from lockstep_operator.resources.common import CONFIG_FILE, CONFIG_MOUNT, ENGINE_PORT, POD_IP_ENV
-from lockstep_operator.resources.sglang import Disaggregation, sglang_command
+from lockstep_operator.resources.sglang import SGLANG_START, Disaggregation, lora_flags, sglang_command
 
 CONFIG_PATH = f"{CONFIG_MOUNT}/{CONFIG_FILE}"
 POD_IP = f"$({POD_IP_ENV})"
 """Engines bind the pod IP (Kubernetes expands the downward-API env var), never all interfaces."""
-
-PRODUCTS = {"GB300": "NVIDIA-GB300", "H100": "NVIDIA-H100-80GB-HBM3"}
-"""lockstep.api GPUProduct -> the nvidia.com/gpu.product label value GPU feature discovery writes."""
-
-
-def product_label(product: str) -> str | None:
-    """The node label value for a GPUProduct; None for `any`."""
-    return PRODUCTS.get(product)
 
 
 def engine_command(
@@ -34,7 +26,8 @@ def engine_command(
     true_on_policy: bool = False,
     disaggregation: Disaggregation | None = None,
 ) -> list[str]:
-    """SGLang's server for `sglang` (resources.sglang), Lockstep's reference engine for `reference`.
+    """SGLang's server for `sglang` (resources.sglang, behind SGLANG_START which hands it the key),
+    Lockstep's reference engine for `reference`.
 
     The reference engine needs no flag for R3 or true-on-policy: it returns routed experts on request
     and its kernels are the trainer's own.
@@ -51,8 +44,11 @@ def engine_command(
         ]  # fmt: skip
         if engine.precision in SGLANG_QUANTIZATION:  # checked against the converted checkpoint at start
             cmd += ["--quantization", SGLANG_QUANTIZATION[engine.precision]]
-        return cmd
-    return sglang_command(engine, model, r3=r3, true_on_policy=true_on_policy, disaggregation=disaggregation)
+        return cmd + lora_flags(model)  # the same LoRA flags as SGLang's
+    sglang = sglang_command(
+        engine, model, r3=r3, true_on_policy=true_on_policy, disaggregation=disaggregation
+    )
+    return [*SGLANG_START, *sglang]
 
 
 def trainer_command() -> list[str]:

@@ -13,6 +13,8 @@ get/patch that ConfigMap by resourceName: pods get no broad RBAC. Called by the 
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ from lockstep.api.transport_choice import TRANSPORT_KEY, TransportChoice
 from lockstep.api.weightchannel import WeightChannelStatus
 
 from lockstep_operator.resources.common import (
+    LABEL_POOL_CLIENT,
     Manifest,
     Owner,
     config_name,
@@ -46,13 +49,31 @@ def transport_choice(channel: WeightChannelStatus | None) -> TransportChoice | N
     )
 
 
+_YAML: OrderedDict[str, str] = OrderedDict()
+"""JSON text of a rendered job -> its job.yaml: every RLJob pass renders the ConfigMap, and the YAML
+emitter (pure Python) was a tenth of the operator's CPU per pass; the JSON key is cheap (C)."""
+YAML_CACHE_SIZE = 1024
+
+
+def _job_yaml(rendered: Mapping[str, Any]) -> str:
+    """yaml.safe_dump(rendered, sort_keys=True), remembered for the last YAML_CACHE_SIZE renderings."""
+    key = json.dumps(rendered, sort_keys=True)
+    text = _YAML.get(key)
+    if text is None:
+        text = _YAML[key] = yaml.safe_dump(dict(rendered), sort_keys=True)
+        while len(_YAML) > YAML_CACHE_SIZE:
+            _YAML.popitem(last=False)
+    _YAML.move_to_end(key)
+    return text
+
+
 def runtime_config_map(
     owner: Owner, *, job: str, rendered: Mapping[str, Any], transport: TransportChoice | None = None
 ) -> Manifest:
     """ConfigMap `<job>-config` holding job.yaml (the manifest the runtime roles load) and, once the
     WeightChannel chose one, `transport.json` (one apply owns both keys: the key goes away with the
     choice)."""
-    data = {"job.yaml": yaml.safe_dump(dict(rendered), sort_keys=True)}
+    data = {"job.yaml": _job_yaml(rendered)}
     if transport is not None:
         data[TRANSPORT_KEY] = transport.to_json()
     return {
@@ -63,19 +84,63 @@ def runtime_config_map(
     }
 
 
-def progress_config_map(owner: Owner, *, job: str) -> Manifest:
-    """ConfigMap `<job>-progress`, created empty: the operator applies only metadata, so the data the
-    driver patches in is never owned (or reset) by the operator's server-side apply."""
+def pool_config_map(owner: Owner, *, pool: str, spec: Mapping[str, Any]) -> Manifest:
+    """ConfigMap `<pool>-config` of a standalone RolloutPool (no job renders one for it): every pod
+    mounts its scope's config; an engine reads none of it, so it holds the pool's spec (pool.yaml)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": metadata(owner, progress_name(job), job_labels(job, "driver")),
+        "metadata": metadata(owner, config_name(pool), job_labels(pool)),
+        "data": {"pool.yaml": yaml.safe_dump(dict(spec), sort_keys=True)},
     }
+
+
+def progress_config_map(owner: Owner, *, job: str, pool: str | None = None) -> Manifest:
+    """ConfigMap `<job>-progress`, created empty: the operator applies only metadata, so the data the
+    driver patches in is never owned (or reset) by the operator's server-side apply. `pool`: the
+    standalone pool the job samples on (rollout.poolRef), labelled so that a report also reaches that
+    pool's reconcile (its engines' readiness follows every job's adapter)."""
+    labels = job_labels(job, "driver") | ({LABEL_POOL_CLIENT: pool} if pool else {})
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(owner, progress_name(job), labels)}
 
 
 def driver_rbac(owner: Owner, *, job: str) -> list[Manifest]:
     """ServiceAccount, Role (get/patch on the one progress ConfigMap) and RoleBinding of the driver."""
     return _progress_rbac(owner, driver_name(job), job_labels(job, "driver"), job, ["get", "patch"])
+
+
+SESSION_ROUTING_RULE: dict[str, list[str]] = {
+    "apiGroups": ["discovery.k8s.io"],
+    "resources": ["endpointslices"],
+    "verbs": ["list"],
+}
+"""What the driver's session server needs to keep each agent session on one live engine pod: list the
+EndpointSlices of the pool's router Service (lockstep.serving.membership.EndpointSliceMembers; no
+watch: it lists again every few seconds). List cannot be narrowed by name, so only agent jobs get it."""
+
+
+def session_routing_rbac(owner: Owner, *, job: str, agent: bool) -> list[Manifest]:
+    """Role and RoleBinding `<job>-driver-sessions` (SESSION_ROUTING_RULE) for a job whose driver runs
+    agents through its session server (`agent`: spec.agent.agentFunction or spec.agent.sandbox set);
+    none for other jobs."""
+    if not agent:
+        return []
+    name, labels = f"{driver_name(job)}-sessions", job_labels(job, "driver")
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(owner, name, labels),
+            "rules": [SESSION_ROUTING_RULE],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(owner, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": driver_name(job), "namespace": owner.namespace}],
+        },
+    ]
 
 
 def trainer_rbac(owner: Owner, *, job: str) -> list[Manifest]:

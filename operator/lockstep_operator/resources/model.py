@@ -10,7 +10,7 @@ the local directory: job.yaml and the engine command carry `local_model(model)`,
 The volume is the job's shared ReadWriteMany claim when it has one (filled once, later pods find the
 files in place), else an emptyDir per pod.
 
-Low-precision serving (spec.rollout.precision fp8 | mxfp8 | nvfp4, seed §6 stage 1): engine pods
+Low-precision serving (spec.rollout.precision fp8 | mxfp8 | nvfp4, §6 stage 1): engine pods
 serve the checkpoint converted by the job's recipe, never the BF16 one. Each engine pod gets a
 `serving` volume at SERVING_MOUNT and a second init step, `lockstep convert-model SRC --dest DIR`
 (after the pull when there is one), which writes the converted checkpoint atomically into
@@ -92,7 +92,7 @@ def pull_command(pull: ModelPull) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class ModelConvert:
-    """What an engine pod's conversion step reads and writes (seed §6 stage 1)."""
+    """What an engine pod's conversion step reads and writes (§6 stage 1)."""
 
     src: str
     """The BF16 checkpoint directory as the pod sees it (the model volume's, or a local path)."""

@@ -7,6 +7,8 @@ that port. The ranks still need each other (torch.distributed's TCPStore on the 
 and the job's engines join the trainer's weight-update group (TCPStore on a free port of trainer
 rank 0, then NCCL), so both get every TCP port except the control port. Traffic from anything else is refused once a policy selects
 the pods. Egress is not restricted (ranks pull checkpoints and push weights to the engines).
+Every policy admits the `metrics` port (9400) from any source: Prometheus runs wherever the cluster
+runs it, and that port serves only read-only /metrics text (no route that acts, no secret).
 RDMA (InfiniBand verbs, EFA) does not go through the pod network and is not governed by it.
 
 Who calls it: the TrainerGroup reconcile, next to the headless Service. The label selectors are the
@@ -18,6 +20,8 @@ from __future__ import annotations
 from lockstep_operator.resources.common import (
     CONTROL_PORT,
     ENGINE_PORT,
+    LABEL_POOL_CLIENT,
+    METRICS_PORT,
     Manifest,
     Owner,
     driver_network_policy_name,
@@ -25,10 +29,16 @@ from lockstep_operator.resources.common import (
     job_labels,
     metadata,
     network_policy_name,
+    teacher_client_label,
 )
 from lockstep_operator.resources.pods import selector_labels
 
 MAX_PORT = 65535
+
+
+def _scrape() -> Manifest:
+    """The ingress rule of every job pod's metrics port: any source, that port only (Prometheus)."""
+    return {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]}
 
 
 def _all_but_control() -> list[Manifest]:
@@ -39,9 +49,12 @@ def _all_but_control() -> list[Manifest]:
     ]
 
 
-def trainer_network_policy(owner: Owner, *, job: str, trainer: str, pool: str) -> Manifest:
+def trainer_network_policy(
+    owner: Owner, *, job: str, trainer: str, pool: str, pool_job: str | None = None
+) -> Manifest:
     """Ingress of trainer `trainer`'s rank pods: control port from the driver only; the rest from
-    the group's own ranks and the pool `pool`'s engines."""
+    the group's own ranks and the pool `pool`'s engines (whose job label is `pool_job`: a standalone
+    pool's own name; default the job)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -57,10 +70,11 @@ def trainer_network_policy(owner: Owner, *, job: str, trainer: str, pool: str) -
                 {
                     "from": [
                         {"podSelector": {"matchLabels": selector_labels(job, trainer=trainer)}},
-                        {"podSelector": {"matchLabels": selector_labels(job, pool=pool)}},
+                        {"podSelector": {"matchLabels": selector_labels(pool_job or job, pool=pool)}},
                     ],
                     "ports": _all_but_control(),
                 },
+                _scrape(),
             ],
         },
     }
@@ -88,14 +102,45 @@ def engine_network_policy(owner: Owner, *, job: str, pool: str, trainer: str) ->
                     "from": [trainers, {"podSelector": {"matchLabels": selector_labels(job, pool=pool)}}],
                     "ports": [{"protocol": "TCP", "port": 1, "endPort": MAX_PORT}],
                 },
+                _scrape(),
             ],
         },
     }
 
 
+def shared_engine_network_policy(owner: Owner, *, pool: str, teacher: bool = False) -> Manifest:
+    """Ingress of a standalone pool's engine pods (no job owns them): every TCP port from the pool's own
+    engines, and from its clients: a rollout pool's are the driver and trainer pods of the jobs that
+    use it (label pool-client=<pool>, set by rollout.poolRef), on every TCP port (weight updates); a
+    teacher pool's (`teacher`) are the driver pods of the jobs it teaches (label
+    teacher-client.rl.lockstep.dev/<pool>, set by a teacher's poolRef), on the HTTP port only: they
+    score, nothing writes to a teacher. No job's pods otherwise."""
+    engines = {"podSelector": {"matchLabels": selector_labels(pool, pool=pool)}}
+    all_ports = [{"protocol": "TCP", "port": 1, "endPort": MAX_PORT}]
+    if teacher:
+        readers = {"podSelector": {"matchLabels": {teacher_client_label(pool): "true"}}}
+        ingress = [
+            {"from": [readers], "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
+            {"from": [engines], "ports": all_ports},
+        ]
+    else:
+        clients = {"podSelector": {"matchLabels": {LABEL_POOL_CLIENT: pool}}}
+        ingress = [{"from": [clients, engines], "ports": all_ports}]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, engine_network_policy_name(pool), job_labels(pool, "engine", pool=pool)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(pool, pool=pool)},
+            "policyTypes": ["Ingress"],
+            "ingress": [*ingress, _scrape()],
+        },
+    }
+
+
 def driver_network_policy(owner: Owner, *, job: str) -> Manifest:
-    """Ingress of the driver pod: none. Its session server and agents talk over loopback, and it
-    reaches out (engines, trainer, its progress ConfigMap); nothing may connect in."""
+    """Ingress of the driver pod: its metrics port only. Its session server and agents talk over
+    loopback, and it reaches out (engines, trainer, its progress ConfigMap); nothing else connects in."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -103,6 +148,6 @@ def driver_network_policy(owner: Owner, *, job: str) -> Manifest:
         "spec": {
             "podSelector": {"matchLabels": selector_labels(job, driver=True)},
             "policyTypes": ["Ingress"],
-            "ingress": [],
+            "ingress": [_scrape()],
         },
     }

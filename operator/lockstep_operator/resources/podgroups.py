@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lockstep.api.rljob import RLJobSpec
+from lockstep.api.rljob import RLJobSpec, TrainingRecipe
 
 from lockstep_operator.resources.common import Manifest, Owner, gang_name, job_labels, metadata
 from lockstep_operator.resources.pods import Gang
@@ -30,8 +30,11 @@ SCHEDULER_NAMES = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins
 
 
 def gang_min_member(spec: RLJobSpec) -> int:
-    """All trainer rank pods + the pool's min_available engines (one PodGroup holds every member)."""
-    return int(spec.trainer.nodes) + spec.rollout.min_available
+    """All trainer rank pods + the pool's min_available engines (one PodGroup holds every member); a
+    job on a standalone pool (rollout.poolRef) has no engines of its own in the gang."""
+    no_pool = spec.rollout.pool_ref is not None or spec.recipe is TrainingRecipe.SFT  # an SFT job: none
+    engines = 0 if no_pool else spec.rollout.min_available
+    return int(spec.trainer.nodes) + engines
 
 
 def group_api(scheduler: Scheduler) -> tuple[str, str] | None:

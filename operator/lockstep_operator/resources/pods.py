@@ -11,7 +11,7 @@ the TrainerGroup reconcile packed them into one NVLink domain (lockstep_operator
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -28,8 +28,10 @@ from lockstep_operator.resources.common import (
     ENGINE_PORT,
     LABEL_JOB,
     LABEL_POOL,
+    LABEL_POOL_CLIENT,
     LABEL_ROLE,
     LABEL_TRAINER,
+    METRICS_PORT,
     POD_IP_ENV,
     RENDEZVOUS_PORT,
     RUN_MOUNT,
@@ -38,6 +40,7 @@ from lockstep_operator.resources.common import (
     Manifest,
     Owner,
     api_key_secret_name,
+    clone,
     config_name,
     driver_name,
     job_labels,
@@ -57,8 +60,19 @@ from lockstep_operator.resources.model import (
     convert_command,
     pull_command,
 )
+from lockstep_operator.resources.platforms import ARCH_LABEL, ImageArchitectureError, NodeFacts
 
 GPU = "nvidia.com/gpu"
+POD_SECURITY: Manifest = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Every job pod's securityContext: with each container's allowPrivilegeEscalation false and every
+capability dropped, what Pod Security Standards "restricted" asks. The one exception is a rank pod of
+a p2p job, which adds IPC_LOCK to pin its RDMA buffers (docs/security.md, "Pod Security")."""
 ENGINE_STARTUP_S = 3600
 """How long an engine may take to load its checkpoint before the kubelet restarts it."""
 ENGINE_DRAIN_S = 600
@@ -89,6 +103,8 @@ class Placement:
     """Additional node selector from the spec."""
     tolerations: Sequence[Mapping[str, Any]] = ()
     """Additional tolerations from the spec."""
+    architectures: Sequence[str] = ()
+    """kubernetes.io/arch values the pod's images exist for (resources.platforms); () = no rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +222,7 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "securityContext": POD_SECURITY,
     }
     inits: list[Manifest] = []
     if c.model is not None and model_mount is not None:
@@ -226,16 +242,46 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         spec["tolerations"] = tolerations
     if gang.scheduler_name:
         spec["schedulerName"] = gang.scheduler_name
+    rules: list[Manifest] = []
+    if p.architectures:  # never an image on a node whose architecture it lacks
+        rules.append({"key": ARCH_LABEL, "operator": "In", "values": list(p.architectures)})
     if p.avoid_clique:
-        rule = {"key": CLIQUE_LABEL, "operator": "NotIn", "values": [p.avoid_clique]}
+        rules.append({"key": CLIQUE_LABEL, "operator": "NotIn", "values": [p.avoid_clique]})
+    if rules:
         spec["affinity"] = {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [{"matchExpressions": [rule]}]
+                    "nodeSelectorTerms": [{"matchExpressions": rules}]
                 }
             }
         }
     return spec
+
+
+def pod_images(c: Container) -> list[str]:
+    """Every image a pod of `c` runs (its main container and init steps)."""
+    images = [c.image]
+    if c.model is not None:
+        images.append(c.model.image)
+    if c.convert is not None:
+        images.append(c.convert.image)
+    return images
+
+
+def with_architectures(
+    p: Placement, c: Container, facts: NodeFacts, sidecars: Sequence[str] = ()
+) -> Placement:
+    """`p` restricted to the architectures every image of `c` (and the `sidecars` images) exists for;
+    raises ImageArchitectureError naming the images when they share none."""
+    images = [*pod_images(c), *sidecars]
+    arches = facts.pod_architectures(images)
+    if not arches:
+        found = {image: facts.image_architectures(image) for image in images}
+        raise ImageArchitectureError(
+            f"the pod's images exist for no common architecture ({found}): declare the images' "
+            "architectures in LOCKSTEP_OPERATOR_IMAGE_ARCHITECTURES or use images built for the same ones"
+        )
+    return dataclasses.replace(p, architectures=arches)
 
 
 def api_key_env(job: str) -> Manifest:
@@ -245,6 +291,7 @@ def api_key_env(job: str) -> Manifest:
 
 
 def _with_api_key(spec: Manifest, job: str) -> Manifest:
+    """The API key of `job`'s engines: its own Secret, or a standalone pool's (`job` = the pool)."""
     spec["containers"][0]["env"].append(api_key_env(job))
     return spec
 
@@ -300,11 +347,17 @@ def _pull_container(pull: ModelPull, mount: Manifest, pull_policy: str) -> Manif
     return out
 
 
+def _metrics_port() -> Manifest:
+    """The Prometheus port every job pod declares (the PodMonitors select it by name)."""
+    return {"name": "metrics", "containerPort": METRICS_PORT}
+
+
 def _base_env(job: str) -> dict[str, str]:
     return {
         "LOCKSTEP_JOB": job,
         "LOCKSTEP_CONFIG": f"{CONFIG_MOUNT}/{CONFIG_FILE}",
         "LOCKSTEP_CONFIG_MAP": config_name(job),
+        "LOCKSTEP_METRICS_PORT": str(METRICS_PORT),
     }
 
 
@@ -331,7 +384,7 @@ def engine_pod(
     }
     spec = _pod_spec(container, placement, gang, env=env, restart="Never")
     main = spec["containers"][0]
-    main["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}]
+    main["ports"] = [{"name": "http", "containerPort": ENGINE_PORT}, _metrics_port()]
     main["startupProbe"] = {
         "httpGet": {"path": "/health", "port": ENGINE_PORT},
         "periodSeconds": 10,
@@ -346,6 +399,7 @@ def engine_pod(
     main["lifecycle"] = {"preStop": {"sleep": {"seconds": 10}}}
     spec["terminationGracePeriodSeconds"] = ENGINE_DRAIN_S
     spec["readinessGates"] = [{"conditionType": WEIGHTS_CURRENT}]
+    spec["automountServiceAccountToken"] = False  # an engine never calls the Kubernetes API
     labels = {**job_labels(job, "engine", pool=pool, replica=str(replica)), **gang.labels}
     return {
         "apiVersion": "v1",
@@ -403,8 +457,13 @@ def rank_pod(
     gang: Gang,
     router_url: str,
     engines_service: str,
+    shared_pool: str | None = None,
+    grace_seconds: int | None = None,
 ) -> Manifest:
     """Trainer rank pod `<trainer>-<rank>` with a stable hostname under the headless Service `<trainer>`.
+
+    `shared_pool`: the standalone RolloutPool the job uses (rollout.poolRef): the engines' API key is
+    that pool's, and the pod carries the pool-client label its engines' NetworkPolicy admits.
 
     The ranks take the RL steps: rank 0 serves the driver's commands on the `control` port (29600,
     `lockstep trainer --serve`) and pushes weights to every engine itself, each address of the
@@ -417,7 +476,9 @@ def rank_pod(
     restartPolicy Never: a failed rank fails the whole group, which the TrainerGroup reconcile
     restarts as a gang (all ranks deleted and recreated with `generation` + 1). A rank that cannot
     start reports why into the progress ConfigMap (ServiceAccount `<job>-trainer`, patch only), so the
-    job fails with the reason instead of restarting the gang.
+    job fails with the reason instead of restarting the gang. `grace_seconds` (the job's
+    preemptionGraceSeconds) is the pod's terminationGracePeriodSeconds: after SIGTERM rank 0 finishes
+    its command and writes the checkpoint the driver asks for within it.
     """
     nproc = max(placement.gpus, 1)
     env = {
@@ -429,18 +490,23 @@ def rank_pod(
         "LOCKSTEP_PROGRESS_CONFIGMAP": progress_name(job),
         **rank_env(trainer=trainer, namespace=owner.namespace, rank=rank, nodes=nodes, nproc=nproc),
     }
-    spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), job)
+    spec = _with_api_key(_pod_spec(container, placement, gang, env=env, restart="Never"), shared_pool or job)
     if not container.shared_volume_claim:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
     spec["serviceAccountName"] = trainer_name(job)
+    if grace_seconds is not None:
+        spec["terminationGracePeriodSeconds"] = grace_seconds
     spec["hostname"] = f"{trainer}-{rank}"
     spec["subdomain"] = trainer
     spec["containers"][0]["ports"] = [
         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
         {"name": "control", "containerPort": CONTROL_PORT},
+        _metrics_port(),
     ]
     labels = {**job_labels(job, "trainer", trainer=trainer, rank=str(rank)), **gang.labels}
+    if shared_pool:
+        labels[LABEL_POOL_CLIENT] = shared_pool
     annotations = {**gang.annotations, Annotation.GANG_GENERATION.value: str(generation)}
     return {
         "apiVersion": "v1",
@@ -468,15 +534,20 @@ def driver_pod(
     progress_config_map: str,
     engines_service: str,
     placement: Placement | None = None,
+    shared_pool: str | None = None,
+    grace_seconds: int | None = None,
 ) -> Manifest:
     """The driver pod: owns the RL loop and the async buffer; reports progress into one ConfigMap.
+    `shared_pool`: as for rank_pod (the standalone pool's API key and pool-client label).
 
     It sends the RL steps to trainer rank 0 at LOCKSTEP_TRAINER_URL (the only pod the trainer's
     NetworkPolicy lets reach that port) and runs as ServiceAccount `<job>-driver`, whose Role only
     allows get/patch on that ConfigMap. `placement`: the job's node selector and tolerations (a job
     pinned to some nodes pins its driver too); it requests one CPU and no GPU.
     Its run dir is `driver_run_dir` (a writable volume).
-    restartPolicy OnFailure: a crashed driver resumes from its last checkpoint.
+    restartPolicy OnFailure: a crashed driver resumes from its last checkpoint. `grace_seconds` (the
+    job's preemptionGraceSeconds) is its terminationGracePeriodSeconds: after SIGTERM the driver stops
+    rollout and checkpoints within it.
     """
     shared = bool(container.shared_volume_claim)
     env = {
@@ -490,16 +561,29 @@ def driver_pod(
         "LOCKSTEP_RUN_DIR": driver_run_dir(job, shared=shared),
     }
     place = placement or Placement()
-    cpu_only = Placement(cpu="1", node_selector=place.node_selector, tolerations=place.tolerations)
-    spec = _with_api_key(_pod_spec(container, cpu_only, Gang(), env=env, restart="OnFailure"), job)
+    cpu_only = Placement(
+        cpu="1",
+        node_selector=place.node_selector,
+        tolerations=place.tolerations,
+        architectures=place.architectures,
+    )
+    spec = _with_api_key(
+        _pod_spec(container, cpu_only, Gang(), env=env, restart="OnFailure"), shared_pool or job
+    )
     if not shared:
         spec["volumes"].append({"name": "run", "emptyDir": {}})
         spec["containers"][0]["volumeMounts"].append({"name": "run", "mountPath": RUN_MOUNT})
     spec["serviceAccountName"] = driver_name(job)
+    if grace_seconds is not None:
+        spec["terminationGracePeriodSeconds"] = grace_seconds
+    spec["containers"][0]["ports"] = [_metrics_port()]
+    labels = job_labels(job, "driver")
+    if shared_pool:
+        labels[LABEL_POOL_CLIENT] = shared_pool
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": metadata(owner, driver_name(job), job_labels(job, "driver")),
+        "metadata": metadata(owner, driver_name(job), labels),
         "spec": spec,
     }
 
@@ -518,7 +602,7 @@ def pod_template_hash(pod: Manifest, inputs: Mapping[str, Any] | None = None) ->
 
 def with_template_hash(pod: Manifest, inputs: Mapping[str, Any] | None = None) -> Manifest:
     """A copy of `pod` annotated with its pod_template_hash (rl.lockstep.dev/pod-template-hash)."""
-    out = copy.deepcopy(pod)
+    out = clone(pod)
     annotations = out["metadata"].setdefault("annotations", {})
     annotations[Annotation.POD_TEMPLATE_HASH.value] = pod_template_hash(pod, inputs)
     return out

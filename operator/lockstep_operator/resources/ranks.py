@@ -10,10 +10,24 @@ from __future__ import annotations
 from lockstep.api.trainergroup import TrainerGroupSpec
 
 from lockstep_operator.resources import podgroups
-from lockstep_operator.resources.commands import product_label, trainer_command
-from lockstep_operator.resources.common import Manifest, Owner, engines_service_name, pool_name, router_url
+from lockstep_operator.resources.commands import trainer_command
+from lockstep_operator.resources.common import (
+    Manifest,
+    Owner,
+    engines_service_name,
+    pool_router_url,
+    used_pool,
+)
+from lockstep_operator.resources.local_disk import local_disk_volume
 from lockstep_operator.resources.model import model_pull
-from lockstep_operator.resources.pods import Container, Placement, rank_pod, with_template_hash
+from lockstep_operator.resources.platforms import NodeFacts, default_facts
+from lockstep_operator.resources.pods import (
+    Container,
+    Placement,
+    rank_pod,
+    with_architectures,
+    with_template_hash,
+)
 
 GPU_SHM = "32Gi"
 """/dev/shm of a GPU rank pod (NCCL's shared-memory transport between the node's GPUs)."""
@@ -36,6 +50,8 @@ def rank_manifest(
     shared_volume: str | None = None,
     config_hash: str = "",
     p2p_rdma: str | None = None,
+    facts: NodeFacts | None = None,
+    shared_pool: str | None = None,
 ) -> Manifest:
     """Rank pod `rank` of generation `generation` (pure), annotated with its pod-template hash.
 
@@ -43,11 +59,14 @@ def rank_manifest(
     from job.yaml, set by the RLJob reconcile); never the generation or gang-membership metadata.
     GPU ranks get a memory-backed /dev/shm (NCCL); `p2p_rdma` (the job's transport is p2p) names the
     RDMA resource each rank requests one of, with IPC_LOCK to pin its registered buffers.
+    `shared_pool`: the standalone RolloutPool the job uses (rollout.poolRef), whose engines it updates. `facts`
+    (the operator settings' GPU product labels and image architectures) place it.
     """
+    facts = facts or default_facts()
     place = spec.placement
     placement = Placement(
         gpus=gpus_per_pod(spec),
-        product=product_label(place.gpu_product.value),
+        product=facts.product_label(place.gpu_product.value),
         clique=clique or None,
         node_selector=dict(place.node_selector),
         tolerations=[t.wire() for t in place.tolerations],
@@ -68,6 +87,7 @@ def rank_manifest(
         capabilities=("IPC_LOCK",) if p2p_rdma else (),
         model=model_pull(spec.model, image),
     )
+    placement = with_architectures(placement, container, facts)
     pod = rank_pod(
         owner,
         job=spec.job,
@@ -78,7 +98,13 @@ def rank_manifest(
         container=container,
         placement=placement,
         gang=keys,
-        router_url=router_url(spec.job),
-        engines_service=engines_service_name(pool_name(spec.job)),
+        router_url=pool_router_url(used_pool(spec.job, shared_pool)),
+        engines_service=engines_service_name(used_pool(spec.job, shared_pool)),
+        shared_pool=shared_pool,
+        grace_seconds=spec.preemption_grace_seconds,
     )
+    if spec.trainer.local_disk is not None:  # offload: disk and the streamed optimizer state
+        volume, mount = local_disk_volume(spec.trainer.local_disk)
+        pod["spec"]["volumes"].append(volume)
+        pod["spec"]["containers"][0]["volumeMounts"].append(mount)
     return with_template_hash(pod, {"config": config_hash, "group": spec.wire()})

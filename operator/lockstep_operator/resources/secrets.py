@@ -1,7 +1,7 @@
 """The job's shared API key: one random Secret per RLJob, owned by it.
 
 Why it exists: engines, session server and trainer command server all change state the job depends
-on, so each requires the same bearer key (issue 14). The key is made here once (`secrets`, 256 bits)
+on, so each requires the same bearer key (docs/security.md, "One key per job"). The key is made here once (`secrets`, 256 bits)
 and never rendered into a pod spec, a log or a status: pods read it through a secretKeyRef
 (resources.pods.api_key_env). Rendering is pure given the key; the RLJob reconcile creates the
 Secret only when it is missing (an apply would rotate it under running pods) and never reads it back.

@@ -13,8 +13,12 @@ every update arrives quantized by the same recipe); kvCacheDtype -> --kv-cache-d
 the model's profile's switches (lockstep.api.profiles: --enable-deterministic-inference
 --rl-on-policy-target fsdp --attention-backend fa3, plus TRUE_ON_POLICY_ENV); a
 prefill-decode role -> --disaggregation-mode; multiTokenPrediction -> EAGLE speculative decoding over
-the model's MTP head; --weight-version 0 (the loaded checkpoint is version 0, as the reference
-engine reports); --api-key from the job's Secret through the container env (never in the pod spec).
+the model's MTP head; model.lora -> --enable-lora --max-lora-rank --lora-target-modules;
+--weight-version 0 (the loaded checkpoint is version 0, as the reference engine reports). The key: never
+a flag. The container runs SGLANG_START first (lockstep.observability.sglang_start), which writes the
+job's key from the Secret-backed env var into the `--config` file SGLang reads and a logging
+configuration that redacts it, then execs SGLang, so neither the command line nor SGLang's start-up log
+(which prints every resolved argument) shows it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from lockstep.api.profiles import (
 from lockstep.api.profiles import SGLANG_VERSION as SGLANG_VERSION  # the pin (the trainer reads it too)
 from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec
 
-from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, POD_IP_ENV
+from lockstep_operator.resources.common import ENGINE_PORT, POD_IP_ENV
 
 MTP_FLAGS = (
     "--speculative-algorithm", "EAGLE",
@@ -44,6 +48,9 @@ TRUE_ON_POLICY_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
 """Environment of true-on-policy engines: a fixed NCCL reduction order, deterministic cuBLAS, and
 SGLang's batch-invariant matmul on the Triton kernel the trainer runs too."""
 
+SGLANG_START = ("python3", "-m", "lockstep.observability.sglang_start", "--")
+"""The engine container's command before SGLang's: the key through --config, redacted logs."""
+
 Disaggregation = Literal["prefill", "decode"]
 """The role of one server of a prefill-decode pair."""
 
@@ -56,7 +63,8 @@ def sglang_command(
     true_on_policy: bool = False,
     disaggregation: Disaggregation | None = None,
 ) -> list[str]:
-    """`python3 -m sglang.launch_server ...` for one engine replica (pure)."""
+    """`python3 -m sglang.launch_server ...` for one engine replica (pure); the pod runs it behind
+    SGLANG_START, which adds `--config` with the key."""
     cmd = [
         "python3", "-m", "sglang.launch_server",
         "--model-path", model.checkpoint,
@@ -64,7 +72,7 @@ def sglang_command(
         "--port", str(ENGINE_PORT),
         "--tp-size", str(engine.tensor_parallel),
         "--weight-version", "0",
-        "--api-key", f"$({API_KEY_ENV})",  # the kubelet expands it from the Secret-backed env var
+        "--enable-metrics",  # sglang:* series at GET /metrics of the HTTP port (manifests/monitoring scrape them)
     ]  # fmt: skip
     if model.tokenizer:
         cmd += ["--tokenizer-path", model.tokenizer]
@@ -83,4 +91,15 @@ def sglang_command(
         cmd += ["--disaggregation-mode", disaggregation]
     if engine.multi_token_prediction:
         cmd += list(MTP_FLAGS)
-    return cmd + list(engine.extra_args)
+    return cmd + lora_flags(model) + list(engine.extra_args)
+
+
+def lora_flags(model: ModelSpec) -> list[str]:
+    """SGLang's LoRA serving flags for a model with spec.model.lora (pure): adapters are loaded at run
+    time, so the rank and targets are declared up front (--max-lora-rank, --lora-target-modules;
+    `all` for all-linear, SGLang's spelling). Empty without LoRA."""
+    if model.lora is None:
+        return []
+    targets = ["all"] if "all-linear" in model.lora.target_modules else list(model.lora.target_modules)
+    # SGLang's `all` covers every linear layer and the embedding/output heads, so names beside it add nothing
+    return ["--enable-lora", "--max-lora-rank", str(model.lora.rank), "--lora-target-modules", *targets]

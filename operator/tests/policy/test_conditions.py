@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from lockstep.api.progress import ProgressReport
 from lockstep.api.rljob import Phase, Transport
 from lockstep.api.weightchannel import WeightChannelStatus
 from lockstep_operator.policy import channel_conditions, job_conditions, pool_conditions, trainer_conditions
@@ -19,6 +20,7 @@ CHECKED = WeightChannelStatus(
     preflight_passed=False, conditions=[cond("PreflightPassed", False, "Mismatch", "w1")]
 )
 NO_CHECK = {"weightSync": {"checkWeightUpdateEqual": False}}
+UNTRAINED = ProgressReport(step=5, degraded="3 steps in a row trained no token")
 
 JOB: list[tuple[str, Update, Update]] = [
     (
@@ -66,6 +68,21 @@ JOB: list[tuple[str, Update, Update]] = [
         "bad progress",
         job_conditions.degraded(RUNNING_OK, seen(problem="not JSON")),
         Update("Degraded", True, "Degraded", "not JSON"),
+    ),
+    (
+        "trains nothing",
+        job_conditions.degraded(RUNNING_OK, seen(progress=UNTRAINED)),
+        Update("Degraded", True, "NoTrainedTokens", "3 steps in a row trained no token"),
+    ),
+    (
+        "pods missing outrank it",
+        job_conditions.degraded(RUNNING_MISSING, seen(progress=UNTRAINED)),
+        Update("Degraded", True, "Degraded", "engines ready 0/1"),
+    ),
+    (
+        "a failed job is not degraded",
+        job_conditions.degraded(FAILED, seen(progress=UNTRAINED)),
+        Update("Degraded", False, "Healthy", ""),
     ),
     (
         "progressing",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
@@ -10,7 +11,7 @@ from lockstep.api.progress import ProgressReport
 from lockstep.api.rljob import Phase
 from lockstep.api.weightchannel import WeightChannelStatus
 from lockstep_operator.policy.job_failure import deadline_exceeded, job_failure
-from lockstep_operator.policy.job_observed import JobObserved, init_failure
+from lockstep_operator.policy.job_observed import JobObserved, init_failure, main_restarts
 from lockstep_operator.policy.job_phase import job_phase
 from lockstep_operator.policy.job_success import job_success
 from policy_fixtures import T0, job_spec, seen
@@ -93,6 +94,16 @@ FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
         ("ModelPullFailed", "driver pod: pull-model exited 2: a"),
     ),
     ("driver pod failed", seen(driver="Failed"), ("DriverFailed", "the driver pod failed")),
+    ("driver restarted up to the limit", dataclasses.replace(seen(), driver_restarts=3), None),
+    (
+        "driver crash loop",
+        dataclasses.replace(seen(), driver_restarts=4, driver_last_exit="exited 1: ValueError: version 0"),
+        (
+            "DriverCrashLoop",
+            "the driver restarted 4 times, more than backoffLimit=3; last run exited 1: ValueError: version 0"
+            " (the crashed run's log: kubectl logs --previous on the driver pod)",
+        ),
+    ),
     (
         "trainer wins over driver",
         seen(trainer_failed="x", driver="Failed"),
@@ -103,9 +114,29 @@ FAILURES: list[tuple[str, JobObserved, tuple[str, str] | None]] = [
 
 @pytest.mark.parametrize(("obs", "want"), [c[1:] for c in FAILURES], ids=[c[0] for c in FAILURES])
 def test_job_failure_table(obs: JobObserved, want: tuple[str, str] | None) -> None:
-    verdict = job_failure(obs)
+    verdict = job_failure(obs, driver_restart_limit=3)
     assert (None if verdict is None else (verdict.reason, verdict.message)) == want
     assert verdict is None or verdict.phase == Phase.FAILED
+
+
+MAIN_RESTARTS: list[tuple[str, dict[str, Any] | None, tuple[int, str | None]]] = [
+    ("no pod", None, (0, None)),
+    ("not started", {"status": {}}, (0, None)),
+    ("running, never restarted", {"status": {"containerStatuses": [{"restartCount": 0, "state": {"running": {}}}]}},
+     (0, None)),
+    ("restarted after a crash", {"status": {"containerStatuses": [{
+        "restartCount": 2, "state": {"running": {}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "boom\n"}}}]}}, (2, "exited 1: boom")),
+    ("ended non-zero, not restarted yet", {"status": {"containerStatuses": [{
+        "restartCount": 0, "state": {"terminated": {"exitCode": 6, "reason": "Error"}}}]}}, (0, "exited 6: Error")),
+    ("a clean exit is no failure", {"status": {"containerStatuses": [{
+        "restartCount": 1, "lastState": {"terminated": {"exitCode": 0}}}]}}, (1, None)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("pod", "want"), [c[1:] for c in MAIN_RESTARTS], ids=[c[0] for c in MAIN_RESTARTS])
+def test_main_restarts_table(pod: dict[str, Any] | None, want: tuple[int, str | None]) -> None:
+    assert main_restarts(pod) == want
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,40 @@ class Ref(Expr):
     def size(self) -> Expr:
         return Size(self)
 
+    def all(self, var: str, body: Expr) -> Expr:
+        """True when `body` holds for every element bound to `var` (CEL `list.all(var, body)`);
+        `body` reads the element as field(path, root=var)."""
+        return Macro("all", self, var, body)
+
+    def exists(self, var: str, body: Expr) -> Expr:
+        """True when `body` holds for some element (CEL `list.exists(var, body)`)."""
+        return Macro("exists", self, var, body)
+
+    def exists_one(self, var: str, body: Expr) -> Expr:
+        """True when `body` holds for exactly one element (CEL `list.exists_one(var, body)`)."""
+        return Macro("exists_one", self, var, body)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Macro(Expr):
+    """CEL's list macros all / exists / exists_one over the elements of `ref`, bound to `var`."""
+
+    kind: str
+    ref: Ref
+    var: str
+    body: Expr
+
+    def to_cel(self) -> str:
+        return f"{self.ref.to_cel()}.{self.kind}({self.var}, {self.body.to_cel()})"
+
+    def evaluate(self, env: Mapping[str, Any]) -> Any:
+        hits = [_bool(self.body.evaluate({**env, self.var: item})) for item in self.ref.evaluate(env)]
+        if self.kind == "all":
+            return all(hits)
+        if self.kind == "exists":
+            return any(hits)
+        return sum(hits) == 1
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Has(Expr):
@@ -264,6 +298,17 @@ def _int_mod(a: int, b: int) -> int:
 def field(path: str, root: str = "self") -> Ref:
     """A field reference from a dotted camelCase path relative to the rule's scope."""
     return Ref(root, tuple(path.split(".")))
+
+
+def var(name: str) -> Ref:
+    """The element a list macro binds (`all(var, ...)`) when it is a scalar, e.g. a label string."""
+    return Ref(name, ())
+
+
+def has_var(name: str, path: str) -> Expr:
+    """has() of a field of the element a list macro binds, e.g. has_var("t", "labels") is has(t.labels)
+    (an optional list the apiserver leaves out when the manifest does)."""
+    return Has(field(path, root=name))
 
 
 def old(path: str) -> Ref:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -34,6 +34,9 @@ NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 """A DNS-1123 label: lowercase letters, digits and '-', starting and ending alphanumeric."""
 IMPORT_PATH_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 """A Python import path `package.module:function`."""
+
+# Bounded strings inside lists and maps: the apiserver estimates CEL cost from these bounds.
+Label = Annotated[str, Field(max_length=63)]
 
 
 class ApiModel(BaseModel):
@@ -117,6 +120,13 @@ class Condition(ApiModel):
     """When the status last changed (RFC 3339)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation this condition was computed from."""
+
+
+class PoolRef(ApiModel):
+    """A RolloutPool in the job's namespace, by name."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """The RolloutPool's metadata.name."""
 
 
 class KubeObject(ApiModel):

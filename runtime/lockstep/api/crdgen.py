@@ -117,6 +117,8 @@ KINDS: tuple[Kind, ...] = (
             Column("Transport", "string", ".status.transport", "Transport in use."),
             Column("Version", "integer", ".status.weightVersion", "Last version delivered."),
             Column("Preflight", "boolean", ".status.preflightPassed", "Weight-equality preflight result."),
+            Column("Sync", "number", ".status.lastUpdateSeconds", "Seconds of the last update."),
+            Column("Slowest", "string", ".status.lastUpdateSlowest", "Its slowest phase and share."),
             AGE,
             Column("Reason", "string", ".status.reason", "Why this transport.", 1),
         ),

@@ -1,6 +1,6 @@
 """The registry of true-on-policy profiles: which models get the exact-logprob guarantee, and how.
 
-Why it exists: true on-policy (seed §4.3) is a narrow, strict kernel contract, proved per model: the
+Why it exists: true on-policy (§4.3) is a narrow, strict kernel contract, proved per model: the
 rollout engine and the trainer must run one computation, so a model is admitted only once its layers
 are all covered by the batch-invariant kernels (lockstep.numerics). Like Miles, Lockstep refuses the
 mode at apply for any model without a registered profile rather than run with a weaker promise

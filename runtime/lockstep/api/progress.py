@@ -9,7 +9,7 @@ Failed with the error), the RolloutPool (per-engine versions) and the WeightChan
 result, last update). Both sides import this module, so
 it lives in lockstep.api (pydantic only, no torch) rather than in the operator or the driver.
 
-Who calls it: lockstep.driver.report (writes, `ProgressReport.to_json`), the operator's reconciles
+Who calls it: lockstep.progress (writes, `ProgressReport.to_json`), the operator's reconciles
 (`lockstep_operator.reconcile.progress.read_progress`), and the e2e tests.
 """
 
@@ -58,6 +58,21 @@ class ProgressReport(BaseModel):
     """Wall time of the last weight update (pause to continue)."""
     wire_bytes: int | None = Field(default=None, ge=0, alias="wireBytes")
     """Bytes that crossed the wire in the last weight update."""
+    last_update_fallback: str | None = Field(default=None, alias="lastUpdateFallback", max_length=32)
+    """The transport that delivered the last update because the chosen one failed (p2p falls back to
+    broadcast); unset when the chosen transport delivered it."""
+    update_fallbacks: int | None = Field(default=None, ge=0, alias="updateFallbacks")
+    """Updates delivered by a fallback transport since the driver started."""
+    last_update_phases: dict[str, float] | None = Field(default=None, alias="lastUpdatePhases", max_length=32)
+    """Seconds of the last weight update per phase (gather, convert, quantize, bucket, encode,
+    transfer, patch, engine_load, commit, pause, resume, membership, other); they sum to
+    lastUpdateSeconds (docs/weights.md, "Where an update's time goes")."""
+    degraded: str | None = Field(default=None, max_length=4096)
+    """Why the run trains nothing while it runs (e.g. steps in a row without a trained token); the
+    operator sets the job's Degraded condition with it (reason NoTrainedTokens). Unset when healthy."""
+    sandbox_aborts: int | None = Field(default=None, ge=0, alias="sandboxAborts")
+    """Samples aborted because their sandbox failed, timed out or could not be claimed, since the driver
+    started (spec.agent.sandbox; docs/sandbox.md)."""
     done: bool = False
     """True once the driver finished all steps (the job succeeds)."""
     error: str | None = Field(default=None, max_length=4096)

@@ -10,19 +10,34 @@ engines' addresses and versions).
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 from pydantic import Field
 
 from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
-from lockstep.api.rljob import Autoscaling, EngineSpec, ModelSpec, PlacementSpec, min_available
+from lockstep.api.model import ModelSpec
+from lockstep.api.placement import PlacementSpec
+from lockstep.api.rollout import Autoscaling, EngineSpec, min_available
+
+
+class PoolRole(enum.StrEnum):
+    """What a pool's engines are for."""
+
+    ROLLOUT = "rollout"
+    TEACHER = "teacher"
 
 
 class RolloutPoolSpec(ApiModel):
     """Desired state of a pool of rollout engine replicas."""
 
-    job: str = Field(min_length=1, max_length=63, pattern=NAME_PATTERN)
-    """Name of the RLJob the pool serves."""
+    job: str | None = Field(default=None, min_length=1, max_length=63, pattern=NAME_PATTERN)
+    """Name of the RLJob the pool serves (the operator sets it on the pools it creates). Unset: a
+    standalone pool, created by a user and owned by no job (of role teacher: the OPD teacher of the jobs
+    that name it in algorithm.opd.teachers[].poolRef): RLJobs use it through rollout.poolRef,
+    each with its own LoRA adapter, and its lifetime and scaling are independent of any of them. A
+    standalone pool's model.lora declares the adapters it serves (rank: SGLang's --max-lora-rank;
+    targetModules: --lora-target-modules)."""
     replicas: int = Field(default=1, ge=0, le=4096)
     """Desired engine replicas (the /scale subresource writes this)."""
     autoscaling: Autoscaling | None = None
@@ -36,13 +51,19 @@ class RolloutPoolSpec(ApiModel):
     r3: bool = False
     """Rollout routing replay (the job's algorithm.r3): the engines return the routed experts of
     every token (SGLang --enable-return-routed-experts)."""
+    role: PoolRole = PoolRole.ROLLOUT
+    """`rollout`: the job's policy, updated every version (engines ready only at the current version,
+    the weights-current gate); `teacher`: an on-policy-distillation teacher that jobs only read, never
+    updated, ready once it serves: a job's own (spec.algorithm.opd.teachers[].checkpoint) or, with
+    spec.job unset, a standalone one that jobs name in teachers[].poolRef (no rollout.poolRef may name
+    it; its NetworkPolicy admits their drivers on the HTTP port only)."""
     true_on_policy: bool = False
     """The job's algorithm.trueOnPolicy: the engines run deterministic kernels matched to the FSDP
     trainer (SGLang --enable-deterministic-inference --rl-on-policy-target fsdp)."""
 
     @property
     def min_available(self) -> int:
-        """The engines the pool must have ready (lockstep.api.rljob.min_available)."""
+        """The engines the pool must have ready (lockstep.api.rollout.min_available)."""
         return min_available(self.replicas, self.autoscaling)
 
 
@@ -83,8 +104,9 @@ class RolloutPoolStatus(ApiModel):
 
 
 class RolloutPool(KubeObject):
-    """The rollout engine replicas of one RLJob behind one router; scalable through /scale
-    (`kubectl scale rolloutpool`). Created by the operator from the job's spec.rollout."""
+    """The rollout engine replicas of one RLJob behind one router, or (spec.job unset) a standalone pool
+    several LoRA jobs share; scalable through /scale (`kubectl scale rolloutpool`). The operator creates
+    a job's pool from its spec.rollout; a standalone pool is created by a user."""
 
     api_version: Literal["rl.lockstep.dev/v1alpha1"] = "rl.lockstep.dev/v1alpha1"
     """rl.lockstep.dev/v1alpha1"""

@@ -1,6 +1,6 @@
 """The cross-field rules of the Lockstep API, each declared once for CEL and for Python.
 
-Why it exists: some combinations cannot keep their promise (seed §10: fail early). Each rule here is
+Why it exists: some combinations cannot keep their promise (§10: fail early). Each rule here is
 one `Rule`: the model it sits on (its scope), one expression in lockstep.api.cel, the field to blame and
 a message that names the fix. lockstep.api.crdgen emits the expression as CEL into the CRD
 (x-kubernetes-validations, so `kubectl apply` refuses the object) and `check_rules` evaluates the same
@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel
 
-from lockstep.api.cel import Expr, field, has, old
+from lockstep.api.cel import Expr, field, has, has_var, lit, old, var
 from lockstep.api.common import NAME_PATTERN, KubeObject
 from lockstep.api.profiles import (
     SGLANG_KERNEL_PROFILES,
@@ -33,6 +33,7 @@ from lockstep.api.rljob import (
     EngineSpec,
     GangScheduling,
     KVCacheDtype,
+    LocalDiskSpec,
     MismatchSpec,
     ModelSpec,
     OPDSpec,
@@ -40,6 +41,7 @@ from lockstep.api.rljob import (
     RolloutSpec,
     SamplingSpec,
     SFTWarmStartSpec,
+    Teacher,
     TrainerSpec,
 )
 from lockstep.api.rolloutpool import RolloutPoolSpec
@@ -48,6 +50,9 @@ WEIGHT_STREAMING_TRANSPORTS: Final[list[str]] = ["p2p", "disk-delta"]
 MEGATRON_FAMILIES: Final[tuple[str, ...]] = ("tiny", "qwen3")
 """spec.model.family values the megatron backend builds (lockstep.train.megatron.config: Qwen3 and
 Qwen3-MoE architectures; the tiny family is a Qwen3)."""
+SESSION_FAMILIES: Final[tuple[str, ...]] = ("glm47", "glm5", "qwen3", "tiny")
+"""Families the TITO session server knows the chat boundaries of (lockstep.models.families; a test keeps
+the two lists equal): a multi-turn agent's turns are merged and split by them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,44 @@ RULES: Final[tuple[Rule, ...]] = (
         RLJobSpec,
         _streaming.implies(~has("model.lora")),
         "weightSync.transport",
-        "p2p and disk-delta do not support LoRA: use transport broadcast or auto, or remove model.lora",
+        "p2p and disk-delta move full weight tensors and cannot carry an adapter: use transport auto, "
+        "broadcast or cuda-ipc (the adapter goes to SGLang's /load_lora_adapter routes), or remove "
+        "model.lora",
+    ),
+    Rule(
+        "shared-pool-needs-lora",
+        RLJobSpec,
+        has("rollout.poolRef").implies(has("model.lora")),
+        "rollout.poolRef",
+        "a shared rollout pool serves one base model to several jobs, which must never write it: set "
+        "model.lora (each job trains its own adapter), or remove rollout.poolRef",
+    ),
+    Rule(
+        "lora-needs-fsdp",
+        RLJobSpec,
+        has("model.lora").implies(field("trainer.backend").eq("fsdp")),
+        "trainer.backend",
+        "LoRA is built on the fsdp backend only (peft adapters; the megatron backend trains all weights): "
+        "set trainer.backend to fsdp, or remove model.lora",
+    ),
+    Rule(
+        "lora-true-on-policy-not-built",
+        RLJobSpec,
+        has("model.lora").implies(field("algorithm.trueOnPolicy").eq(False)),
+        "algorithm.trueOnPolicy",
+        "true on-policy with LoRA is not built yet (the batch-invariant kernels do not cover the adapter's "
+        "matmuls): set algorithm.trueOnPolicy to false, or remove model.lora",
+    ),
+    Rule(
+        "lora-quantized-serving-not-built",
+        RLJobSpec,
+        has("model.lora").implies(
+            field("rollout.precision").eq("bf16") & field("trainer.precision").eq("bf16")
+        ),
+        "rollout.precision",
+        "LoRA with low-precision serving or training is not built yet (the adapter would be applied to "
+        "quantized base weights the trainer never sees): set rollout.precision and trainer.precision to "
+        "bf16, or remove model.lora",
     ),
     Rule(
         "streaming-transport-prefill-decode",
@@ -271,6 +313,30 @@ RULES: Final[tuple[Rule, ...]] = (
         "algorithm.dynamicSampling",
         "dynamic sampling is built for the sync schedule: remove algorithm.dynamicSampling or set "
         "schedule.mode to sync (fully-async jobs drop groups with agent.groupFilterFunction)",
+    ),
+    Rule(
+        "local-disk-ephemeral-size",
+        LocalDiskSpec,
+        field("source").eq("ephemeral").implies(has("size")),
+        "size",
+        "an ephemeral local disk is a volume claim created with each rank pod: set "
+        "trainer.localDisk.size (e.g. 500Gi), or use source hostPath for the node's own directory",
+    ),
+    Rule(
+        "local-disk-host-path-as-is",
+        LocalDiskSpec,
+        field("source").eq("hostPath").implies(~has("size") & ~has("storageClassName")),
+        "source",
+        "size and storageClassName describe an ephemeral volume; a hostPath is the node's directory as it "
+        "is: remove them, or set trainer.localDisk.source to ephemeral",
+    ),
+    Rule(
+        "local-disk-has-a-use",
+        TrainerSpec,
+        has("localDisk").implies(field("offload").eq("disk") | field("streamOptimizerStateToDisk").eq(True)),
+        "localDisk",
+        "trainer.localDisk holds offloaded state (offload: disk) and streamed optimizer state "
+        "(streamOptimizerStateToDisk: true): set one of them, or remove localDisk",
     ),
     Rule(
         "trainer-parallelism-divides-gpus",
@@ -427,6 +493,136 @@ RULES: Final[tuple[Rule, ...]] = (
         "defaultTeacher must name one of the teachers: fix the name or add that teacher",
     ),
     Rule(
+        "opd-teacher-one-source",
+        Teacher,
+        (has("url") & ~has("checkpoint") & ~has("poolRef"))
+        | (~has("url") & has("checkpoint") & ~has("poolRef"))
+        | (~has("url") & ~has("checkpoint") & has("poolRef")),
+        "",
+        "a teacher is served from exactly one place: set one of url (an SGLang server), checkpoint (a pool "
+        "the operator runs) and poolRef (a standalone RolloutPool), and remove the others",
+    ),
+    Rule(
+        "opd-replicas-need-checkpoint",
+        Teacher,
+        field("replicas").eq(1) | has("checkpoint"),
+        "replicas",
+        "replicas sizes the pool the operator runs for a checkpoint teacher; a url or poolRef teacher is "
+        "scaled where it is served: remove replicas",
+    ),
+    Rule(
+        "opd-label-one-teacher",
+        OPDSpec,
+        field("teachers").all(
+            "t",
+            ~has_var("t", "labels")
+            | field("labels", "t").all(
+                "l",
+                field("teachers").exists_one(
+                    "u", has_var("u", "labels") & var("l").in_(field("labels", "u"))
+                ),
+            ),
+        ),
+        "teachers",
+        "each sample goes to exactly one teacher: a label may appear in the labels of one teacher only "
+        "(multi-teacher OPD routes, it does not ensemble)",
+    ),
+    Rule(
+        "opd-every-teacher-routed",
+        OPDSpec,
+        field("teachers").all(
+            "t",
+            (has_var("t", "labels") & field("labels", "t").size().gt(0))
+            | (has("defaultTeacher") & field("defaultTeacher").eq(field("name", "t"))),
+        ),
+        "teachers",
+        "a teacher that no label routes to and that is not defaultTeacher would score nothing: give it "
+        "labels, or name it in defaultTeacher (a single teacher: defaultTeacher: <its name>)",
+    ),
+    Rule(
+        "opd-teacher-pool-not-rollout-pool",
+        RLJobSpec,
+        (has("algorithm.opd") & has("rollout.poolRef")).implies(
+            field("algorithm.opd.teachers").all(
+                "t", ~has_var("t", "poolRef") | ~field("poolRef.name", "t").eq(field("rollout.poolRef.name"))
+            )
+        ),
+        "algorithm.opd.teachers",
+        "a teacher's poolRef names the job's own rollout.poolRef: a pool serves rollouts (updated by its "
+        "jobs) or a teacher (never updated), not both: give the teacher a pool of role teacher",
+    ),
+    Rule(
+        "opd-builtin-label-routed",
+        RLJobSpec,
+        (
+            has("algorithm.opd")
+            & ~has("algorithm.opd.defaultTeacher")
+            & field("data.prompts").matches("^builtin:")
+            & field("algorithm.opd.labelKey").eq("label")
+        ).implies(
+            field("algorithm.opd.teachers").exists(
+                "t",
+                has_var("t", "labels")
+                & field("labels", "t").exists("l", (lit("builtin:") + var("l")).eq(field("data.prompts"))),
+            )
+        ),
+        "algorithm.opd.defaultTeacher",
+        "every sample of a built-in task carries the task's name as its label (builtin:reverse: reverse) "
+        "and no teacher lists it: add the label to a teacher's labels or set defaultTeacher",
+    ),
+    Rule(
+        "opd-temperature-one",
+        RLJobSpec,
+        has("algorithm.opd").implies(field("rollout.sampling.temperature").eq(1.0)),
+        "rollout.sampling.temperature",
+        "OPD compares the student's sampling distribution with the teacher's, which scores at temperature "
+        "1 (SGLang's input logprobs): set rollout.sampling.temperature to 1.0",
+    ),
+    Rule(
+        "sft-no-sampling",
+        RLJobSpec,
+        field("recipe")
+        .eq("sft")
+        .implies(
+            ~has("algorithm.opd")
+            & field("algorithm.r3").eq(False)
+            & field("algorithm.trueOnPolicy").eq(False)
+            & ~has("algorithm.dynamicSampling")
+            & field("algorithm.kl.coef").eq(0.0)
+            & field("algorithm.sftWarmStart.steps").eq(0)
+        ),
+        "recipe",
+        "an sft job trains on its data and samples nothing: remove algorithm.opd, r3, trueOnPolicy, "
+        "dynamicSampling, kl.coef and sftWarmStart (or set recipe to rl)",
+    ),
+    Rule(
+        "sft-no-agent",
+        RLJobSpec,
+        field("recipe")
+        .eq("sft")
+        .implies(~has("agent.agentFunction") & ~has("agent.generateFunction") & ~has("agent.rewardFunction")),
+        "agent",
+        "an sft job runs no agent, generate or reward function: remove them from spec.agent (or set "
+        "recipe to rl)",
+    ),
+    Rule(
+        "sft-sync",
+        RLJobSpec,
+        field("recipe")
+        .eq("sft")
+        .implies(_mode.eq("sync") & field("weightSync.checkWeightUpdateEqual").eq(False)),
+        "schedule.mode",
+        "an sft job has no engines to overlap with or to check weights on: set schedule.mode to sync and "
+        "weightSync.checkWeightUpdateEqual to false",
+    ),
+    Rule(
+        "sft-eval-not-built",
+        RLJobSpec,
+        field("recipe").eq("sft").implies(~has("schedule.evalInterval")),
+        "schedule.evalInterval",
+        "evaluation of an sft job (held-out loss) is not built yet: remove schedule.evalInterval",
+    ),
+    Rule(
         "fully-async-no-abort",
         RLJobSpec,
         _mode.eq("fully-async").implies(~field("weightSync.pauseMode").eq("abort")),
@@ -466,20 +662,6 @@ RULES: Final[tuple[Rule, ...]] = (
         "which builds every family through transformers",
     ),
     Rule(
-        "lora-not-built",
-        ModelSpec,
-        ~has("lora"),
-        "lora",
-        "LoRA is not built yet (the trainer trains all weights): remove model.lora",
-    ),
-    Rule(
-        "opd-not-built",
-        AlgorithmSpec,
-        ~has("opd"),
-        "opd",
-        "on-policy distillation is not built yet: remove algorithm.opd",
-    ),
-    Rule(
         "prefill-decode-not-built",
         EngineSpec,
         field("prefillDecode").eq(False),
@@ -494,6 +676,26 @@ RULES: Final[tuple[Rule, ...]] = (
         "multiTokenPrediction",
         "multi-token prediction is SGLang's speculative decoding; the reference engine has none: set "
         "engine to sglang or multiTokenPrediction to false",
+    ),
+    Rule(
+        "agent-needs-a-session-family",
+        RLJobSpec,
+        has("agent.agentFunction").implies(field("model.family").in_(list(SESSION_FAMILIES))),
+        "model.family",
+        "a multi-turn agent runs through the TITO session server, which knows the chat boundaries of "
+        "the families " + ", ".join(SESSION_FAMILIES) + " only (every turn of another family would fail "
+        "and train nothing): set model.family to one of them, or remove agent.agentFunction",
+    ),
+    Rule(
+        "extra-args-no-key",
+        EngineSpec,
+        # guarded: a manifest that leaves extraArgs out has no such key on the apiserver (no default there)
+        has("extraArgs").implies(
+            ~lit("--api-key").in_(field("extraArgs")) & ~lit("--config").in_(field("extraArgs"))
+        ),
+        "extraArgs",
+        "extraArgs may not set --api-key or --config: the job's key reaches the engine from its Secret "
+        "through the config file the pod writes (never a command-line flag, which SGLang logs): remove them",
     ),
     Rule(
         "session-token-cap-not-built",

@@ -14,7 +14,9 @@ from typing import Literal
 from pydantic import Field
 
 from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
-from lockstep.api.rljob import ModelSpec, PlacementSpec, TrainerSpec
+from lockstep.api.model import ModelSpec
+from lockstep.api.placement import PlacementSpec
+from lockstep.api.trainer import TrainerSpec
 
 
 class TrainerGroupSpec(ApiModel):
@@ -28,6 +30,9 @@ class TrainerGroupSpec(ApiModel):
     """Backend, size, parallelism, precision, offload (backend immutable)."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec, json_schema_extra=EMPTY_DEFAULT)
     """Where the ranks go."""
+    preemption_grace_seconds: int = Field(default=120, ge=10, le=3600)
+    """The job's spec.schedule.preemptionGraceSeconds: the rank pods' terminationGracePeriodSeconds,
+    the time rank 0 has after SIGTERM to finish its command and write the checkpoint the driver asks for."""
 
 
 class TrainerGroupStatus(ApiModel):

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field
 
 from lockstep.api.common import EMPTY_DEFAULT, NAME_PATTERN, ApiModel, Condition, KubeObject
-from lockstep.api.rljob import Transport, WeightSyncSpec
+from lockstep.api.weightsync import Transport, WeightSyncSpec
 
 
 class WeightChannelSpec(ApiModel):
@@ -46,6 +46,15 @@ class WeightChannelStatus(ApiModel):
     """Wall time of the last update, pause to continue."""
     wire_bytes: int | None = Field(default=None, ge=0)
     """Bytes that crossed the wire or hit the shared disk in the last update."""
+    last_update_phases: dict[str, float] | None = Field(default=None, max_length=32)
+    """Seconds of the last update per phase (gather, convert, quantize, bucket, encode, transfer,
+    patch, engine_load, commit, pause, resume, membership, other); they sum to lastUpdateSeconds."""
+    last_update_fallback: str | None = Field(default=None, max_length=32)
+    """The transport that delivered the last update because the chosen one failed; unset otherwise."""
+    update_fallbacks: int | None = Field(default=None, ge=0)
+    """Updates a fallback transport delivered (the Degraded condition says which and why)."""
+    last_update_slowest: str | None = Field(default=None, max_length=64)
+    """The phase the last update spent most time in and its share, e.g. `transfer 62%`."""
     last_update_time: dt.datetime | None = None
     """When the last update finished."""
     preflight_passed: bool | None = None
@@ -55,7 +64,8 @@ class WeightChannelStatus(ApiModel):
         max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Conditions: Ready, PreflightPassed, Degraded."""
+    """Conditions: Ready, RequestedTransportFeasible, PreflightPassed, Degraded (the last update went
+    over a fallback transport)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation the status describes."""
 

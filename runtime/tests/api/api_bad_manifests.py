@@ -119,7 +119,14 @@ CHOICES: dict[str, list[Any]] = {
     "spec.trainer.parallelism.tensor": [1, 2, 4],
     "spec.trainer.parallelism.pipeline": [1, 2],
     "spec.trainer.parallelism.context": [1, 2],
-    "spec.algorithm.opd": [None, {"teachers": [{"name": "t", "url": "http://t:30000"}]}],
+    "spec.algorithm.opd": [
+        None,
+        {"teachers": [{"name": "t", "url": "http://t:30000"}]},
+        {"teachers": [{"name": "t", "checkpoint": "builtin:tiny", "labels": ["reverse"]}]},
+        {"teachers": [{"name": "t", "url": "http://t:30000", "labels": ["x"]}], "defaultTeacher": "t"},
+    ],
+    "spec.recipe": ["rl", "sft"],
+    "spec.rollout.sampling.temperature": [1.0, 0.5],
     "spec.trainer.parallelism.expert": [1, 2, 8],
     "spec.placement.gang": [
         {"scheduler": "none"},

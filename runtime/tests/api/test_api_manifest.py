@@ -76,7 +76,7 @@ def test_show_defaults_prints_the_filled_in_object(capsys: pytest.CaptureFixture
     assert main(["validate", "--show-defaults", str(EXAMPLES / "tiny-local.yaml")]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["spec"]["weightSync"]["bucketMiB"] == 512
-    # The API's defaults (TIS with bounds [0, 2], seed §4.2) overlaid by whatever the example states.
+    # The API's defaults (TIS with bounds [0, 2], §4.2) overlaid by whatever the example states.
     given = yaml.safe_load((EXAMPLES / "tiny-local.yaml").read_text())["spec"]["algorithm"].get(
         "mismatch", {}
     )

@@ -114,7 +114,7 @@ def test_manifest_error_is_one_line_per_problem() -> None:
 
 
 def test_the_gb300_example_is_a_job_that_runs() -> None:
-    """Seed §9's GLM-5 on megatron is refused at apply naming the fix; the example is what runs: a GLM
+    """§9's GLM-5 on megatron is refused at apply naming the fix; the example is what runs: a GLM
     on the fsdp backend (data parallel over the 32 trainer GPUs), FP8 serving over broadcast."""
     job = load_manifest(EXAMPLES / "glm5-gb300.yaml")
     t = job.spec.trainer
@@ -183,3 +183,11 @@ def test_random_manifests_evaluate_without_rule_bugs() -> None:
             assert all(p.message for p in err.problems)
             outcomes["refused"] += 1
     assert outcomes["valid"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+def test_the_session_families_of_the_agent_rule_are_the_registered_ones() -> None:
+    """The rule agent-needs-a-session-family names exactly the families the session server knows."""
+    from lockstep.api.rules import SESSION_FAMILIES
+    from lockstep.models.families import names
+
+    assert list(SESSION_FAMILIES) == names()
