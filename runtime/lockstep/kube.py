@@ -100,3 +100,18 @@ def in_cluster(
     configuration.ssl_ca_cert = str(ca) if ca.exists() else None
     use_token_file(configuration, token)
     return configuration
+
+
+def api_client() -> Any:
+    """A sync `kubernetes` ApiClient: in a pod its ServiceAccount (in_cluster), else KUBECONFIG (tests,
+    bench). The driver's users: sandbox claims (lockstep.sandbox.cluster) and session routing
+    (lockstep.serving.membership.EndpointSliceMembers)."""
+    from kubernetes import client, config
+
+    conf = client.Configuration()
+    try:
+        in_cluster(conf)
+    except ValueError:
+        # KUBECONFIG read now: the client reads it once, at its import, which may come before it is set.
+        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=conf)  # type: ignore[no-untyped-call]
+    return client.ApiClient(conf)

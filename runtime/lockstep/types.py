@@ -2,7 +2,7 @@
 
 Why it exists: every stage of the loop passes the same few things around (a sampled trajectory, a
 group of trajectories of one prompt, a weight version). Defining them once, as slotted dataclasses,
-keeps the stages swappable and makes the five per-token equalities of the seed (§2) checkable: each
+keeps the stages swappable and makes the five per-token equalities of §2 checkable: each
 sampled token carries its token ID, its rollout logprob and the weight version that produced it, and
 the trainer reads exactly these. The words (version, step, sample, group, ...) are the glossary's
 (docs/glossary.md). Nothing here imports torch.
@@ -14,6 +14,7 @@ Groups), lockstep.driver (moves them), lockstep.weights.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +65,35 @@ class Sample:
     """R3 routing replay data (int32, shape [P+R-1, layers, topk]) when enabled, else None."""
     label: str | None = None
     """Free label of the sample (e.g. the OPD teacher route)."""
+    teacher: str | None = None
+    """OPD: the teacher that scored this sample (its route), None without OPD."""
+    teacher_logprobs: list[float] | None = None
+    """OPD, length R: the teacher's logprob of each token, scored on these exact IDs (0.0 where
+    loss_mask is 0); None until scored."""
+    opd_logratio: list[float] | None = None
+    """OPD with a candidate set, length R: the set's estimate of d_t per token (0.0 where loss_mask is
+    0); None for sampled-token OPD (the trainer computes d_t from its own old logprobs)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data the reward function needs (e.g. the reference answer); never trained on."""
+
+    def take_trajectory(self, traj: Mapping[str, Any]) -> None:
+        """Set the token fields, the status and metadata["tito_mismatch"] from a session server's
+        sample record (one entry of `POST /sessions/{id}/samples`, lockstep.rollout.session): the
+        multi-turn agents' one way to turn a session into this sample."""
+        self.prompt_ids = traj["prompt_ids"]
+        self.response_ids = traj["response_ids"]
+        self.loss_mask = traj["loss_mask"]
+        self.rollout_logprobs = traj["rollout_logprobs"]
+        self.token_versions = traj["token_versions"]
+        self.status = SampleStatus(traj["status"])
+        self.metadata["tito_mismatch"] = traj["mismatch"]
 
     def check(self) -> None:
         """Raise ValueError when the per-token lists disagree in length (a broken TITO invariant)."""
         r = len(self.response_ids)
-        for name in ("loss_mask", "rollout_logprobs", "token_versions"):
+        for name in ("loss_mask", "rollout_logprobs", "token_versions", "teacher_logprobs", "opd_logratio"):
+            if getattr(self, name) is None:
+                continue
             n = len(getattr(self, name))
             if n != r:
                 raise ValueError(
@@ -92,7 +115,7 @@ class Group:
         return [s.reward if s.reward is not None else 0.0 for s in self.samples]
 
     def token_versions(self) -> list[int | None]:
-        """All per-token versions of the generated tokens of the group (for staleness, seed §5)."""
+        """All per-token versions of the generated tokens of the group (for staleness, §5)."""
         out: list[int | None] = []
         for s in self.samples:
             out.extend(v for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m)

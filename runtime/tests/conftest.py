@@ -1,5 +1,6 @@
-"""Shared pytest set-up for the runtime tests: GPU tests are skipped where CUDA is absent; HF-layout
-fixture checkpoints per family (hf_checkpoints.py) are built once per session."""
+"""Shared pytest set-up for the runtime tests: GPU tests are skipped where CUDA is absent; the tests
+listed in heavy.txt are marked `heavy` (`make check` leaves them out); HF-layout fixture checkpoints
+per family (hf_checkpoints.py) are built once per session."""
 
 from __future__ import annotations
 
@@ -8,8 +9,18 @@ from pathlib import Path
 
 import pytest
 
+HEAVY = frozenset(
+    line.strip()
+    for line in (Path(__file__).parent / "heavy.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+"""Node IDs and test files marked heavy (heavy.txt says which and why)."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in HEAVY or item.nodeid.split("::")[0] in HEAVY:
+            item.add_marker(pytest.mark.heavy)
     if not any(item.get_closest_marker("gpu") for item in items):
         return
     try:

@@ -114,8 +114,10 @@ ALLOWED = {
     # kopf registers the handlers when their module is imported: only at `lockstep-operator` start.
     ("lockstep_operator/__main__.py", "lockstep_operator.handlers"),
     ("lockstep_operator/reconcile/rljob.py", "lockstep.api.rljob"),
-    # megatron-core is an optional extra: the factory imports its backend only when a job asks for it.
+    # megatron-core is an optional extra: the factory imports its backend only when a job asks for it
+    # (the package itself exports only the configs, which every trainer rank maps the manifest to).
     ("lockstep/train/factory.py", "lockstep.train.megatron"),
+    ("lockstep/train/factory.py", "lockstep.train.megatron.backend"),
     # the bucket planning is pure and torch-free; only a fused expert tensor needs torch to split.
     ("lockstep/weights/pipeline.py", "lockstep.numerics"),
 }

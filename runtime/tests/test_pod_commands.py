@@ -100,3 +100,44 @@ def test_the_engine_pods_conversion_step_and_engine_command_agree_with_the_runti
     loaded = ReferenceEngine.load(dest, context_length=32)
     _check_quantization(flag, loaded.scheme)  # SystemExit when the flag and the files disagree
     assert loaded.scheme is not None and loaded.scheme.format.value == precision
+
+
+def test_the_disk_delta_agent_sidecar_parses_with_the_runtime_cli() -> None:
+    """An explicit disk-delta job's engine pods run `lockstep delta agent` (resources.delta_agent)."""
+    from lockstep.cli.delta import agent_engine
+    from lockstep.serving.membership import DELTA_AGENT_PORT
+    from lockstep_operator.resources.delta_agent import AGENT_PORT, agent_command
+
+    args = build_parser().parse_args(_lockstep_args(agent_command("job")))
+    assert (
+        args.delta_command == "agent" and args.port == AGENT_PORT == DELTA_AGENT_PORT and callable(args.func)
+    )
+    # The engine it reloads is the one on the pod IP Kubernetes substitutes, an IPv6 one in brackets.
+    for pod_ip, engine in (("10.1.2.3", "http://10.1.2.3:30000"), ("fd00::5", "http://[fd00::5]:30000")):
+        command = [pod_ip if a == "$(POD_IP)" else a for a in agent_command("job")]
+        assert agent_engine(build_parser().parse_args(_lockstep_args(command))) == engine
+
+
+def test_a_shared_pools_unload_pod_parses_with_the_runtime_cli() -> None:
+    """A standalone pool's unload pod runs `lockstep unload-adapter` (resources.adapter_gc)."""
+    from lockstep_operator.resources.adapter_gc import unload_pod
+    from lockstep_operator.resources.common import Owner
+
+    owner = Owner("rl.lockstep.dev/v1alpha1", "RolloutPool", "pool", "uid", "ns")
+    engines = [{"status": {"podIP": "10.0.0.1"}}, {"status": {"podIP": "10.0.0.2"}}]
+    cmd = unload_pod(owner, pool="pool", adapter="job-a", engines=engines, image="rt")["spec"]["containers"][
+        0
+    ]["command"]
+    args = build_parser().parse_args(_lockstep_args(cmd))
+    assert args.adapter == "job-a" and args.engine == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    assert callable(args.func)
+
+
+def test_the_sglang_engine_pods_metrics_relay_parses_with_the_runtime_cli() -> None:
+    """The sidecar of SGLang engine pods (resources.metrics_relay) is `lockstep metrics-relay`."""
+    from lockstep_operator.resources.common import ENGINE_PORT, METRICS_PORT
+    from lockstep_operator.resources.metrics_relay import relay_command
+
+    args = build_parser().parse_args(_lockstep_args(relay_command()))
+    assert callable(args.func) and args.port == METRICS_PORT and args.host == "$(POD_IP)"
+    assert args.source == f"http://$(POD_IP):{ENGINE_PORT}/metrics"

@@ -1,6 +1,6 @@
 """`lockstep convert-model SRC --dest DIR --precision fp8|mxfp8|nvfp4 [--bf16-modules P ...]`.
 
-Why it exists: stage 1 of the low-precision contract (seed §6) in a cluster. Engine pods must serve the
+Why it exists: stage 1 of the low-precision contract (§6) in a cluster. Engine pods must serve the
 checkpoint converted by the job's recipe (the shared quantizer, the same BF16 exceptions as every
 push), in the layout SGLang's loaders read (`quantization_config` in config.json; FP8 `weight` plus
 `weight_scale_inv`, ModelOpt NVFP4 `weight` plus `weight_scale`/`weight_scale_2`). The operator's

@@ -1,9 +1,10 @@
-"""`lockstep delta publish|apply|verify`: the disk-delta transport by hand, for operators and debugging.
+"""`lockstep delta publish|apply|verify|agent`: the disk-delta transport by hand, and its engine-side agent.
 
-Why it exists: the disk-delta transport (lockstep.weights.disk_delta, seed §7.2.4) normally runs inside
+Why it exists: the disk-delta transport (lockstep.weights.disk_delta, §7.2.4) normally runs inside
 the driver and the engine pods; these commands run the same code on checkpoint directories so an
 operator can publish a version from two checkpoints, patch a host's local copy, or audit a publish
 root. Every failure exits non-zero with a one-line reason and leaves the local checkpoint as it was.
+`agent` serves lockstep.weights.delta_agent: the sidecar of every engine pod of a cluster disk-delta job.
 
 Who calls it: people, and runtime/tests/weights/test_delta_cli.py.
 """
@@ -11,11 +12,17 @@ Who calls it: people, and runtime/tests/weights/test_delta_cli.py.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from pathlib import Path
 
 from lockstep.cli.commands import HELP
+from lockstep.observability.logs import configure_logging
+from lockstep.serving.client import api_key_from_env
+from lockstep.serving.membership import DELTA_AGENT_PORT, ENGINE_PORT, engine_url
 from lockstep.weights import disk_delta as dd
+from lockstep.weights.delta_agent import DeltaAgent, serve
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,9 +50,41 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     app.add_argument("--version", type=int, default=None, help="target version (default: latest)")
     app.set_defaults(func=_apply)
 
+    agent = sub.add_parser(
+        "agent", help="serve the agent that keeps an engine's local copy at the published versions"
+    )
+    agent.add_argument("--root", type=Path, required=True, help="the shared publish root the trainer writes")
+    agent.add_argument("--local", type=Path, required=True, help="this engine's node-local checkpoint copy")
+    agent.add_argument(
+        "--engine",
+        default=None,
+        help=f"the engine to reload (default: port {ENGINE_PORT} on --host, an IPv6 address in brackets)",
+    )
+    agent.add_argument(
+        "--name", default=None, help="the agent's name in ROOT/agents/ (default: $POD_NAME or host)"
+    )
+    agent.add_argument("--host", default="127.0.0.1")
+    agent.add_argument("--port", type=int, default=DELTA_AGENT_PORT)
+    agent.add_argument("--pause-mode", choices=["retract", "abort", "in_place"], default="retract")
+    agent.set_defaults(func=_agent)
+
     ver = sub.add_parser("verify", help="check lineage and every shard of a publish root")
     ver.add_argument("--root", type=Path, required=True)
     ver.set_defaults(func=_verify)
+
+
+def agent_engine(args: argparse.Namespace) -> str:
+    """The engine the agent reloads: --engine, else the engine's port on --host (the pod IP in a pod,
+    where the engine listens; an IPv6 address in brackets)."""
+    return str(args.engine or engine_url(args.host, ENGINE_PORT))
+
+
+def _agent(args: argparse.Namespace) -> int:
+    configure_logging()
+    name = args.name or os.environ.get("POD_NAME") or socket.gethostname()
+    agent = DeltaAgent(args.root, args.local, agent_engine(args), name=name, pause_mode=args.pause_mode)
+    serve(agent, args.host, args.port, api_key_from_env())
+    return 0
 
 
 def _fail(msg: str) -> int:

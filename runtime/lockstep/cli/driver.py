@@ -5,7 +5,7 @@ driver pod with LOCKSTEP_ROUTER_URL pointing at the rollout pool's router; this 
 as `lockstep run` against that URL. With --trainer-url (LOCKSTEP_TRAINER_URL) the TrainerGroup's ranks
 take every step and keep the checkpoints; without it the trainer runs in this process. Either way a
 restarted pod resumes from the latest checkpoint, if there is one. In the pod the loop patches its
-progress into the ConfigMap the operator folds into RLJob status (lockstep.driver.report).
+progress into the ConfigMap the operator folds into RLJob status (lockstep.progress).
 docs/trainer.md explains the split.
 
 Who calls it: the driver pod (operator/lockstep_operator/resources/commands.py).
@@ -22,10 +22,11 @@ from typing import Any
 
 from lockstep.api import ManifestError, load_manifest
 from lockstep.cli.commands import HELP
-from lockstep.cli.run import EXIT_CODES, RunOptions, execute
-from lockstep.driver.report import ConfigMapReporter, reporter_from_env, start_failure
-from lockstep.driver.settings import Resume
+from lockstep.cli.run import EXIT_CODES, execute
+from lockstep.config.driver import needs_engines
+from lockstep.driver.settings import Resume, RunOptions
 from lockstep.observability.logs import configure_logging
+from lockstep.progress import ConfigMapReporter, reporter_from_env, start_failure
 
 
 def register(subparsers: Any) -> None:
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     urls = list(args.engine_url) or (
         [os.environ["LOCKSTEP_ROUTER_URL"]] if os.environ.get("LOCKSTEP_ROUTER_URL") else []
     )
-    if not urls:
+    if not urls and needs_engines(job):  # an SFT job has no engines
         print("error: no engine URL: pass --engine-url or set LOCKSTEP_ROUTER_URL", file=sys.stderr)
         return 2
     options = RunOptions(
@@ -83,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
         engine_timeout_s=args.engine_timeout,
         trainer_url=args.trainer_url,
         trainer_timeout_s=args.trainer_timeout,
+        preempted_exit=3,  # after SIGTERM's checkpoint: a pod that was not deleted restarts and resumes
     )
     _log_progress_channel()
     return execute(job, args.run_dir, options, install_signal=True)

@@ -4,7 +4,8 @@ Why it exists: engine pods and local runs start the engine the same way:
 `lockstep engine --model DIR|builtin:tiny --host 127.0.0.1 --port 30000 [--device cpu|cuda]`, and for
 true on-policy SGLang's own `--enable-deterministic-inference --rl-on-policy-target fsdp`.
 Binds to 127.0.0.1 unless --host says otherwise (in a pod: the pod IP). With --api-key (or
-LOCKSTEP_API_KEY) every route but health and version reads needs the bearer key. SIGTERM drains for
+LOCKSTEP_API_KEY) every route but health and version reads needs the bearer key; --weights-root confines
+/update_weights_from_disk to those directories. SIGTERM drains for
 --drain-timeout seconds, then exits even if a thread is stuck in a collective.
 
 Who calls it: the rollout pods the operator creates, `lockstep run`, users.
@@ -18,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 import torch
 from aiohttp import web
@@ -26,9 +28,12 @@ from lockstep.api import Precision
 from lockstep.api.profiles import SGLANG_QUANTIZATION
 from lockstep.cli.commands import HELP
 from lockstep.engine import ReferenceEngine, create_app
-from lockstep.engine.server import MAX_BODY_BYTES
+from lockstep.engine.disk_reads import DISK_READ_TIMEOUT_S
+from lockstep.engine.metrics import engine_registry
+from lockstep.engine.server import MAX_BODY_BYTES, serving
 from lockstep.models import CheckpointError, resolve_checkpoint
 from lockstep.numerics.quant import Scheme
+from lockstep.observability.metrics import metrics_port_from_env, serve_registry
 from lockstep.serving.client import API_KEY_ENV, api_key_from_env
 
 
@@ -82,6 +87,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="seconds a /init_weights_update_group rendezvous may take (default 120)",
     )
     p.add_argument(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="cut a request beyond the context to fit instead of answering 400 (SGLang's flag; off "
+        "by default, as in SGLang: the runtime's client asks only for what fits)",
+    )
+    p.add_argument(
+        "--weights-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory /update_weights_from_disk may read checkpoints from (repeatable; default: "
+        "any directory, logged as a warning); the operator passes the job's shared volume",
+    )
+    p.add_argument(
+        "--disk-read-timeout",
+        type=float,
+        default=DISK_READ_TIMEOUT_S,
+        help=f"seconds reading one disk update's files may take (default {DISK_READ_TIMEOUT_S:.0f})",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=20.0,
@@ -112,6 +137,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["fsdp"],
         help="run the FSDP trainer's numerics, bit for bit (true on-policy; needs the switch above)",
     )
+    # LoRA serving, with SGLang's flags: several adapters on the base, one per request (docs/lora.md).
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters on the base (lora_path)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank a load may have")
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="module leaf names adapters may target (q_proj ...), or all (the default)",
+    )
+    p.add_argument("--max-loaded-loras", type=int, default=None, help="most adapters loaded at once")
     p.add_argument(
         "--attention-backend",
         default=None,
@@ -140,9 +175,20 @@ def _run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         true_on_policy=args.rl_on_policy_target is not None,
         kv_cache_dtype=args.kv_cache_dtype,
+        allow_auto_truncate=args.allow_auto_truncate,
     )
     _check_quantization(args.quantization, engine.scheme)
     engine.set_weight_version(args.weight_version)
+    if args.enable_lora or args.max_lora_rank is not None or args.lora_target_modules:
+        if args.max_lora_rank is None:
+            raise SystemExit("--enable-lora needs --max-lora-rank (the largest adapter rank to serve)")
+        if engine.scheme is not None:
+            raise SystemExit("--enable-lora with a quantized checkpoint is not built: serve the bf16 base")
+        engine.enable_lora(
+            max_rank=args.max_lora_rank,
+            target_modules=args.lora_target_modules,
+            max_loaded=args.max_loaded_loras,
+        )
     app = create_app(
         engine,
         allow_tensor_updates=args.allow_tensor_updates,
@@ -150,7 +196,16 @@ def _run(args: argparse.Namespace) -> int:
         api_key=args.api_key or api_key_from_env(),
         max_body_bytes=args.max_body_bytes,
         weight_group_timeout_s=args.weight_group_timeout,
+        weights_roots=args.weights_root,
+        disk_read_timeout_s=args.disk_read_timeout,
     )
+    metrics_port = metrics_port_from_env()
+    if metrics_port:  # in a pod: the `metrics` port the operator declares (manifests/monitoring scrape it)
+        serve_registry(engine_registry(engine, partial(serving, app)), metrics_port)
+    if args.weights_root is None:
+        logging.getLogger(__name__).warning(
+            "/update_weights_from_disk reads any directory this process can; pass --weights-root to confine it"
+        )
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_timeout)
     _exit_if_stuck()
     return 0

@@ -1,9 +1,9 @@
 """`lockstep precision-check MANIFEST`: check a job's low-precision recipe before training with it.
 
-Why it exists: seed §6 says how a recipe earns trust: shared quantizer, exception alignment,
+Why it exists: §6 says how a recipe earns trust: shared quantizer, exception alignment,
 per-tensor weight-update check, logprobs on the same sampled tokens, online importance ratio, in
 this order. This command runs the five steps on this machine with the job's model and recipe
-(lockstep.driver.precision) and prints one line per step; `--json` prints them as JSON.
+(lockstep.cli.precision) and prints one line per step; `--json` prints them as JSON.
 
 Exit codes: 0 every step passed, 1 a step failed, 2 bad manifest or no low-precision recipe.
 Who calls it: users before `lockstep run` or `kubectl apply` of a fp8/mxfp8/nvfp4 job; tests.
@@ -20,7 +20,7 @@ from typing import Any
 
 from lockstep.api import ManifestError, load_manifest
 from lockstep.cli.commands import HELP
-from lockstep.driver.precision import precision_check
+from lockstep.cli.precision import precision_check
 
 
 def register(subparsers: Any) -> None:

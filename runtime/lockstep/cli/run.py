@@ -17,22 +17,21 @@ import argparse
 import logging
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lockstep.api import ManifestError, RLJob, load_manifest
 from lockstep.cli.commands import HELP
-from lockstep.driver import run
+from lockstep.driver import Preemption, run
 from lockstep.driver.loop import install_sigint
 from lockstep.driver.remote import TrainerUnreachable
-from lockstep.driver.settings import Resume
+from lockstep.driver.settings import Resume, RunOptions
 from lockstep.observability.logs import configure_logging
 from lockstep.observability.metrics import read_jsonl
 from lockstep.rollout.async_worker import RolloutFailed
 from lockstep.serving.client import EngineUnreachable
-from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
-from lockstep.weights.preflight import PreflightResult
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
+from lockstep.weights.preflight import PREFLIGHT_FILE, PreflightResult
 
 log = logging.getLogger("lockstep.run")
 
@@ -72,47 +71,16 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunOptions:
-    """What `lockstep run` and `lockstep driver` read from their flags for lockstep.driver.run."""
-
-    steps: int | None = None
-    """--steps: overrides spec.schedule.steps."""
-    resume: Resume = Resume.NEVER
-    """--resume (required), a driver pod (if any), else never."""
-    engine_urls: tuple[str, ...] = ()
-    """--engine-url: running engines to use instead of starting them."""
-    metrics_port: int = 0
-    """--metrics-port: Prometheus on 127.0.0.1 (0 = off)."""
-    cache_dir: Path | None = None
-    """--cache-dir: where builtin:<name> checkpoints are written."""
-    engine_timeout_s: float = 60.0
-    """--engine-timeout: seconds to wait for the engines."""
-    trainer_url: str | None = None
-    """--trainer-url (`lockstep driver`): rank 0 of the trainer group; None trains in this process."""
-    trainer_timeout_s: float = 600.0
-    """--trainer-timeout: seconds to wait for the trainer group."""
-
-
 def execute(job: RLJob, run_dir: Path, options: RunOptions, install_signal: bool) -> int:
-    """Run `job` and map the known failures to exit codes with one clear line each."""
+    """Run `job` and map the known failures to exit codes with one clear line each. SIGTERM stops
+    rollout at once and checkpoints (lockstep.driver.preemption; exit options.preempted_exit)."""
     stop = threading.Event()
+    preemption = Preemption()
     if install_signal:
         install_sigint(stop)
+        preemption.install(stop)
     try:
-        state = run(
-            job,
-            run_dir,
-            steps=options.steps,
-            resume=options.resume,
-            stop=stop,
-            engine_urls=options.engine_urls,
-            prometheus_port=options.metrics_port,
-            cache_dir=options.cache_dir,
-            engine_ready_timeout_s=options.engine_timeout_s,
-            trainer_url=options.trainer_url,
-            trainer_timeout_s=options.trainer_timeout_s,
-        )
+        state = run(job, run_dir, options, stop=stop, preemption=preemption)
     except (EngineUnreachable, TrainerUnreachable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
@@ -136,22 +104,29 @@ def execute(job: RLJob, run_dir: Path, options: RunOptions, install_signal: bool
             f"abandoned; resume from the last checkpoint with --resume (run dir {run_dir})", file=sys.stderr
         )
         return 130
-    how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
+    took = preemption.seconds_since()
+    if took is not None:
+        how = f"stopped by SIGTERM, checkpoint in {took:.1f} s; continue with --resume"
+    else:
+        how = "stopped by Ctrl-C; continue with --resume" if stop.is_set() else "done"
     print(
         f"{how}: step {state.step}{_reward_summary(run_dir)}{_preflight_summary(run_dir)}, "
         f"run dir {run_dir} (metrics.jsonl, metrics.png)"
     )
-    return 0
+    return options.preempted_exit if took is not None else 0
 
 
 def _reward_summary(run_dir: Path) -> str:
     """ ", reward 0.91 (last 10 steps), eval 0.98" from the run's metrics file ("" when it has none)."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    train = [r["reward_mean"] for r in rows if r["kind"] == "train" and r.get("reward_mean") is not None][
-        -10:
-    ]
+    # OPD with taskReward zero trains on reward 0: its task reward is the one to show.
+    key = "task_reward_mean" if any("task_reward_mean" in r for r in rows) else "reward_mean"
+    train = [r[key] for r in rows if r["kind"] == "train" and r.get(key) is not None][-10:]
     evals = [r["reward_mean"] for r in rows if r["kind"] == "eval" and r.get("reward_mean") is not None]
     out = f", reward {sum(train) / len(train):.2f} (last {len(train)} steps)" if train else ""
+    losses = [r["loss"] for r in rows if r["kind"] == "train" and key not in r and "loss" in r]
+    if losses and not train:  # an SFT job: its loss, first step and last
+        out = f", loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     return out + (f", eval {evals[-1]:.2f}" if evals else "")
 
 

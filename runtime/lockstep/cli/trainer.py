@@ -9,9 +9,12 @@ under --out and carry the driver's loop state. `auto` transport is resolved from
 (the operator's choice). Without --serve it only proves the sharded load / SFT / save path.
 docs/trainer.md explains it all.
 
-Exit codes (--serve): 0 shut down by the driver, 2 bad manifest, settings, checkpoint or transport
-file, 3 no engine reachable or no transport file in time. A rank that cannot start (exit 2) writes its
-error into the job's progress ConfigMap under `rank-<RANK>.json`, so the job fails with the reason.
+Exit codes (--serve): 0 shut down by the driver, or stopped by its own SIGTERM, 2 bad manifest,
+settings, checkpoint or transport file, 3 no engine reachable or no transport file in time, 4 its
+group stopped before the driver's shutdown without its own SIGTERM (a peer rank's pod deleted or its
+node drained: the job is not done, so the pod must not end Succeeded; under `lockstep launch` torchrun
+reports the worker's failure and exits 1). A rank that cannot start (exit 2) writes its error into the
+job's progress ConfigMap under `rank-<RANK>.json`, so the job fails with the reason.
 
 Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 """
@@ -19,9 +22,11 @@ Who calls it: trainer rank pods; tests (world size 1 and 2 with gloo).
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,19 +35,14 @@ from lockstep.api import TRANSPORT_KEY, ManifestError, RLJob, load_manifest
 from lockstep.api.auth import API_KEY_ENV, api_key_from_env
 from lockstep.api.progress import rank_key
 from lockstep.cli.commands import HELP
-from lockstep.driver.report import START_FAILURES, reporter_from_env, start_failure
-from lockstep.models import load_tokenizer, resolve_checkpoint
-from lockstep.models.hub_data import resolve_data
+from lockstep.config.trainer import trainer_config, with_transport
 from lockstep.observability.logs import configure_logging
+from lockstep.progress import START_FAILURES, reporter_from_env, start_failure
 from lockstep.serving.client import EngineUnreachable
-from lockstep.serving.membership import members_from
-from lockstep.tasks import data_task
-from lockstep.train.common.losses import sft_loss
-from lockstep.train.common.packing import pack_sft
-from lockstep.train.factory import build_backend
-from lockstep.trainer.local import SFT_ITEM_BASE
+from lockstep.serving.membership import StaticMembers, members_from
 from lockstep.trainer.server import DRAIN_TIMEOUT_S, serve
-from lockstep.trainer.settings import TrainerSettings
+from lockstep.trainer.settings import TrainerConfig
+from lockstep.trainer.standalone import sft_and_save
 
 DEFAULT_PORT = 29600
 """The trainer's command port (rank 0); the driver pod's LOCKSTEP_TRAINER_URL points at it."""
@@ -116,6 +116,29 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return end_worker(_run(args))
+
+
+def end_worker(code: int, env: Mapping[str, str] | None = None) -> int:
+    """Under torchrun, end this worker's process here with `code`, after Python's own exit steps (its
+    thread shutdown: idle pool workers woken, non-daemon threads joined; the atexit handlers; the logs
+    and streams flushed) but without the interpreter's C++ teardown: torch's static destructors at
+    exit sometimes abort a rank that had shut down cleanly ("terminate called without an active
+    exception", SIGABRT; seen in CI after the driver's shutdown), and torchrun then reports the whole
+    group as failed. Elsewhere (a test that calls the command in its own process) the code is returned."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return code
+    # The interpreter's own first exit step: wake the thread pools' idle workers, join non-daemon threads
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         job = load_manifest(args.config)
     except (ManifestError, FileNotFoundError) as e:
@@ -125,13 +148,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.serve:
         return serve_rank(job, args)
-    return run_rank(job, args)
+    return run_rank(trainer_config(job), args)
 
 
 def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
-    """This rank of a serving trainer group (see the module docstring); exit code."""
+    """This rank of a serving trainer group (see the module docstring); exit code. `job` is read
+    only through lockstep.config.trainer (and again with the operator's transport choice)."""
     configure_logging()
+    config = trainer_config(job)
     members = members_from(args.engine_url, os.environ)
+    if members is None and config.settings.sft_job:
+        members = StaticMembers(())  # an SFT job has no engines
     if members is None:
         print(
             "error: no engine: pass --engine-url or set LOCKSTEP_ENGINES_SERVICE (or LOCKSTEP_ROUTER_URL)",
@@ -141,7 +168,7 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
     listening: list[int] = []
     try:
         return serve(
-            job,
+            config,
             out=args.out,
             members=members,
             host=args.host,
@@ -155,6 +182,7 @@ def serve_rank(job: RLJob, args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout,
             on_listening=lambda port: _listening(listening, args.host, port),
+            retransport=lambda transport: trainer_config(with_transport(job, transport)),
         )
     except (EngineUnreachable, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -180,46 +208,7 @@ def report_start_failure(error: BaseException, env: Mapping[str, str] | None = N
     return reporter.report(start_failure(error, f"trainer rank {rank}"))
 
 
-def run_rank(job: RLJob, args: argparse.Namespace) -> int:
-    """Join, load sharded, optionally SFT, save; prints one summary line on rank 0."""
-    s = TrainerSettings.from_job(job)
-    model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=args.cache_dir, seed=s.seed)
-    tok = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template, args.cache_dir)
-    task = data_task(resolve_data(job.spec.data))
-    lr = s.sft_learning_rate or s.learning_rate
-    backend = build_backend(
-        job, model_dir, lr=lr, grad_clip=s.grad_clip, micro_batch_size=s.micro_batch_size, seed=s.seed
-    )
-    try:
-        want = job.spec.trainer.nodes * job.spec.trainer.gpus_per_node
-        if backend.world_size != want and backend.rank == 0:
-            print(
-                f"warning: world size {backend.world_size} != trainer.nodes x gpusPerNode = {want}",
-                file=sys.stderr,
-            )
-        steps = args.sft_steps if args.sft_steps is not None else s.sft_steps
-        rows = s.sft_rows
-        loss = float("nan")
-        for k in range(steps):
-            # Each rank trains on its own slice of the global batch (data parallel over FSDP shards).
-            idx = range(
-                SFT_ITEM_BASE + k * rows + backend.rank, SFT_ITEM_BASE + (k + 1) * rows, backend.world_size
-            )
-            pairs = []
-            for i in idx:
-                item = task.item(i, "train")
-                pairs.append(
-                    (
-                        tok.render(item.messages, add_generation_prompt=True),
-                        [*tok.encode(item.answer), tok.eos_token_id],
-                    )
-                )
-            loss = backend.train_step(pack_sft(pairs, tok.pad_token_id), sft_loss).loss
-        backend.save(args.out, extra={"sft_steps": steps})
-        if backend.rank == 0:
-            print(
-                f"trainer: world size {backend.world_size}, {steps} SFT steps, last loss {loss:.4f}, saved {args.out}"
-            )
-    finally:
-        backend.close()
+def run_rank(config: TrainerConfig, args: argparse.Namespace) -> int:
+    """Without --serve: join, load sharded, optionally SFT, save (lockstep.trainer.standalone)."""
+    sft_and_save(config, args.out, cache_dir=args.cache_dir, steps=args.sft_steps)
     return 0

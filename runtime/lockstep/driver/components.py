@@ -1,55 +1,61 @@
-"""Components: everything one run is made of, built once from the RLJob.
+"""Components: everything one run is made of, built once from the RunConfig.
 
 Why it exists: the loops (sync in loop.py, fully-async in fully_async.py) should read like pseudocode
-(seed §1); all construction happens here: the model checkpoint resolved, the reference engine(s)
-started in-process as real aiohttp servers on 127.0.0.1 (or external engine URLs used), one
-EngineClient per engine on the shared LoopThread loop, the trainer backend, the weight transport, the
-task and its rollout (plugins loaded and validated), and the metrics sink. The trainer is either in
-this process (LocalTrainer: the FSDP2 backend as one rank and the weight transport of
-lockstep.weights.factory, spec.weightSync.transport) or the TrainerGroup's ranks reached over HTTP
-(RemoteTrainer, when a trainer URL is given: the driver pod of a cluster).
+(§1); construction happens before them, here, in the order a run needs its parts: the inputs
+(inputs.py: checkpoint, tokenizer, task), the reference engine(s) started in-process as real aiohttp
+servers on 127.0.0.1 or external engine URLs (engines.py), one EngineClient per engine on the shared
+LoopThread loop, OPD's teachers (opd.py), the policy (policy.py: this process's trainer, or the
+TrainerGroup's ranks over HTTP when a trainer URL is given), the sandboxes (sandboxes.py), the rollout
+(rollout.py: plugins loaded and validated) and the metrics sink. This module is the driver's
+composition root: it names every part, so it imports more modules than the rule of
+docs/engineering.md allows (its exception is listed there).
 
-`Components` is a documented slotted dataclass so both loops share it: the fully-async loop takes it as
-`run_fully_async(job, components)`.
+`Components` is a documented slotted dataclass so both loops share it: `run_sync(c)` and
+`run_fully_async(c)` take it.
 
-Who calls it: lockstep.driver.run (and `lockstep run` through it), tests.
+Who calls it: lockstep.driver.loop.run (and `lockstep run`, `lockstep driver` through it), tests, bench.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.driver.engines import EngineServer, PoolClient, start_reference_engine
-from lockstep.driver.remote import RemoteTrainer
-from lockstep.driver.report import DriverProgress, ProgressReporter, reporter_from_env
-from lockstep.driver.settings import Resume, RunSettings, settings_from_job
+from lockstep.config.driver import RunConfig, RunSettings
+from lockstep.driver.engines import (
+    EngineServer,
+    close_clients,
+    cuda_available,
+    engine_device,
+    serving_checkpoint,
+    start_engines,
+    wait_for_engines,
+)
+from lockstep.driver.inputs import load_inputs
+from lockstep.driver.lora import adapter_reporter, versioned_trainer
+from lockstep.driver.opd import build_opd, resolve_teachers
+from lockstep.driver.policy import build_trainer
+from lockstep.driver.rollout import build_rollout
+from lockstep.driver.sandboxes import build_sandboxes
+from lockstep.driver.settings import Resume, RunOptions
 from lockstep.driver.threads import share_cpu
-from lockstep.models import ChatTokenizer, load_tokenizer, resolve_checkpoint
-from lockstep.models.hub_data import resolve_data
-from lockstep.models.moe import routing_shape
-from lockstep.numerics.recipe import convert_checkpoint, recipe_of
 from lockstep.observability.metrics import MetricsSink
-from lockstep.rollout.generate import Rollout, RoutedExpertsClient, single_turn
-from lockstep.rollout.plugins import AgentContext, RolloutContext, load_plugins
-from lockstep.serving.client import EngineClient, EngineUnreachable
+from lockstep.progress import DriverProgress, ProgressReporter, reporter_from_env
+from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
-from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, ServiceMembers, wait_for_serving
-from lockstep.serving.payloads import SamplingParams
-from lockstep.tasks import Task, TaskItem, data_task
-from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
-from lockstep.weights.factory import check_transport, needs_tensor_updates
+from lockstep.weights.factory import check_transport
 
 if TYPE_CHECKING:
-    from lockstep.api import RLJob
+    from lockstep.driver.preemption import Preemption
+    from lockstep.rollout.generate import Rollout
+    from lockstep.rollout.opd.scorer import TeacherScorer
+    from lockstep.tasks import Task, TaskItem
     from lockstep.trainer.protocol import Trainer
-    from lockstep.types import Sample
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +64,8 @@ log = logging.getLogger(__name__)
 class Components:
     """The parts of one run. Build with `build_components`, release with `close()`."""
 
-    job: RLJob
-    """The validated manifest."""
-    settings: RunSettings
-    """Plain knobs read from the manifest (steps, batch, intervals, sampling, SFT warm start)."""
+    config: RunConfig
+    """Everything read from the manifest (lockstep.config.driver), once."""
     run_dir: Path
     """Run directory: metrics.jsonl, metrics.png, checkpoints/, weights/."""
     model_dir: Path
@@ -91,10 +95,20 @@ class Components:
     """Whether to start from the trainer's latest checkpoint (required, if any, never)."""
     stop: threading.Event = field(default_factory=threading.Event)
     """Set by the first Ctrl-C: loops finish the current step, save and return."""
+    preemption: Preemption | None = None
+    """SIGTERM's state (lockstep.driver.preemption): loops abandon rollout waits and checkpoint at once."""
     progress: DriverProgress = field(default_factory=DriverProgress)
     """The progress channel: the loops report the init step, each step, done and fatal errors."""
     engine_ready_timeout_s: float = 60.0
     """How long to wait for the engines to serve (at the start and after the first update)."""
+    opd: TeacherScorer | None = None
+    """On-policy distillation: the teacher scorer every finished sample passes through (also
+    rollout.scorer); None without spec.algorithm.opd."""
+
+    @property
+    def settings(self) -> RunSettings:
+        """The loops' knobs (steps, batch, intervals, sampling, SFT warm start): config.settings."""
+        return self.config.settings
 
     def item_metadata(self, item: TaskItem) -> dict[str, Any]:
         """What each sample of `item` carries in Sample.metadata (reward functions read it)."""
@@ -110,71 +124,85 @@ class Components:
         self.closers.clear()
 
 
-def check_r3_model(job: RLJob, model_dir: Path) -> None:
-    """R3 replays MoE routing: refuse it on a dense checkpoint, naming the field and the fix."""
-    if job.spec.algorithm.r3 and routing_shape(model_dir) is None:
-        raise ValueError(
-            f"spec.algorithm.r3: {job.spec.model.checkpoint} is a dense model (its config.json has no "
-            "num_experts / num_experts_per_tok); R3 replays MoE routing: set r3: false"
-        )
-
-
 def build_components(
-    job: RLJob,
+    config: RunConfig,
     run_dir: Path,
+    options: RunOptions | None = None,
     *,
-    steps: int | None = None,
-    engine_urls: Sequence[str] = (),
-    prometheus_port: int = 0,
-    cache_dir: Path | None = None,
-    connect_retries: int = 5,
-    engine_ready_timeout_s: float = 60.0,
-    resume: Resume = Resume.NEVER,
     reporter: ProgressReporter | None = None,
-    trainer_url: str | None = None,
-    trainer_timeout_s: float = 600.0,
 ) -> Components:
     """Build every part of a run; on any failure, what was already started is stopped again.
 
-    With `trainer_url` the policy lives in the trainer group behind that URL (its rank 0); the
+    With options.trainer_url the policy lives in the trainer group behind that URL (its rank 0); the
     transport is then the trainer's business and this process never loads the model's weights.
     """
+    o = options if options is not None else RunOptions()
+    engine_urls, cache_dir, trainer_url = o.engine_urls, o.cache_dir, o.trainer_url
     if trainer_url is None:
-        check_transport(job, external_engines=bool(engine_urls), cuda_available=_cuda())
-    settings = settings_from_job(job, steps)
+        check_transport(
+            config.trainer.transport, external_engines=bool(engine_urls), cuda_available=cuda_available()
+        )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
     try:
-        model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir, seed=settings.seed)
-        check_r3_model(job, model_dir)
-        model = job.spec.model
-        tokenizer = load_tokenizer(model_dir, model.tokenizer, model.chat_template, cache_dir)
-        task = data_task(resolve_data(job.spec.data))
+        inputs = load_inputs(config, cache_dir)
+        model_dir, tokenizer = inputs.model_dir, inputs.tokenizer
         runner = LoopThread()
         closers.append(runner.close)
-        engines = (
-            [] if engine_urls else _start_engines(job, serving_checkpoint(job, model_dir, run_dir), closers)
+        distill = config.opd
+        teachers = (  # first: a teacher this process cannot reach fails before any engine starts
+            resolve_teachers(
+                config.teachers, cache_dir=cache_dir, closers=closers, device=engine_device(config.engines)
+            )
+            if distill is not None
+            else None
         )
-        closers.append(share_cpu(_cpu_workers(job, engines, trainer_url)))
+        engines = (
+            []
+            if engine_urls
+            else start_engines(
+                config.engines, serving_checkpoint(config.serving, model_dir, run_dir), closers
+            )
+        )
+        closers.append(
+            share_cpu(_cpu_workers(config, [*engines, *(teachers.engines if teachers else [])], trainer_url))
+        )
         clients = [
-            EngineClient(u, retries=connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
+            EngineClient(u, retries=o.connect_retries) for u in [*engine_urls, *(e.url for e in engines)]
         ]
-        closers.append(lambda: _close_clients(runner, clients))
-        _wait_for_engines(runner, clients, engine_ready_timeout_s, cluster=trainer_url is not None)
-        trainer = _build_trainer(
-            job,
-            settings,
+        closers.append(lambda: close_clients(runner, clients))
+        wait_for_engines(runner, clients, o.engine_timeout_s, cluster=trainer_url is not None)
+        opd = (
+            build_opd(
+                distill,
+                runner,
+                teachers,
+                clients,
+                len(tokenizer.hf),
+                closers,
+                ready_timeout_s=o.engine_timeout_s,
+            )
+            if distill is not None and teachers is not None
+            else None
+        )
+        trainer = build_trainer(
+            config,
             run_dir,
             model_dir,
             [c.base_url for c in clients],
             closers,
             trainer_url,
-            trainer_timeout_s,
-            embedded_engines=bool(engines),
+            o.trainer_timeout_s,
+            handoffs=[e.handoff for e in engines if e.handoff is not None],
         )
-        rollout = _build_rollout(job, settings, tokenizer, task, clients)
-        metrics = MetricsSink(run_dir / "metrics.jsonl", prometheus_port)
+        sandboxes = build_sandboxes(config.sandbox, run_dir)
+        if sandboxes is not None:
+            closers.append(lambda: runner.run(sandboxes.aclose()))
+        rollout = build_rollout(config, tokenizer, inputs.task, clients, sandboxes)
+        trainer = versioned_trainer(trainer, rollout)  # a LoRA job samples the version last published
+        rollout.scorer = opd
+        metrics = MetricsSink(run_dir / "metrics.jsonl", o.metrics_port)
         closers.append(metrics.close)
     except BaseException:
         for fn in reversed(closers):
@@ -184,167 +212,31 @@ def build_components(
                 log.warning("clean-up after a failed start: %s: %s", type(e).__name__, e)
         raise
     return Components(
-        job=job,
-        settings=settings,
+        config=config,
         run_dir=run_dir,
         model_dir=model_dir,
         runner=runner,
         clients=clients,
         engines=engines,
         trainer=trainer,
-        task=task,
+        task=inputs.task,
         rollout=rollout,
         metrics=metrics,
         pad_id=tokenizer.pad_token_id,
         closers=closers,
-        resume=resume,
-        engine_ready_timeout_s=engine_ready_timeout_s,
+        resume=o.resume,
+        engine_ready_timeout_s=o.engine_timeout_s,
+        opd=opd,
         # None: the environment decides (ConfigMapReporter in a driver pod, else NullReporter).
-        progress=DriverProgress(reporter if reporter is not None else reporter_from_env()),
+        progress=DriverProgress(
+            # a LoRA job's probe reads adapter versions, whoever built the reporter (the loop builds
+            # the driver pod's ConfigMapReporter and passes it in)
+            adapter_reporter(config.adapter, reporter if reporter is not None else reporter_from_env())
+        ),
     )
 
 
-def _wait_for_engines(
-    runner: LoopThread, clients: list[EngineClient], timeout_s: float, *, cluster: bool
-) -> None:
-    """Wait until the engines serve. In a cluster (a driver pod: LOCKSTEP_ENGINES_SERVICE and a trainer
-    group) the router Service lists only engines at the job's current weight version (their readiness
-    gate), and a (re)started driver establishes that version only with its first update: waiting for
-    the router first deadlocked a driver restarted after its engine was replaced (found on the real
-    node). So it waits for any engine of the pool's headless Service here, and for the router right
-    after the first update (steps.start)."""
-    service = os.environ.get(ENGINES_SERVICE_ENV)
-    if cluster and service:
-        try:
-            wait_for_serving(ServiceMembers(service, ENGINE_PORT), timeout_s)
-        except TimeoutError as e:
-            raise EngineUnreachable(f"http://{service}:{ENGINE_PORT}/health", 1, e) from e
-        return
-    for client in clients:
-        runner.run(client.wait_ready(timeout_s=timeout_s))
-
-
-def serving_checkpoint(job: RLJob, model_dir: Path, run_dir: Path) -> Path:
-    """The checkpoint the engines load: `model_dir`, or with spec.rollout.precision other than bf16 its
-    conversion by the job's recipe (seed §6 stage 1) under run_dir/serving-<precision>."""
-    serving = recipe_of(job)
-    if serving is None:
-        return model_dir
-    return convert_checkpoint(model_dir, run_dir / f"serving-{serving.scheme.format}", serving)
-
-
-def _start_engines(job: RLJob, model_dir: Path, closers: list[Callable[[], None]]) -> list[EngineServer]:
-    """spec.rollout.replicas reference engines in this process (CUDA when gpusPerEngine > 0 and present).
-
-    They accept tensor updates only when the transport is cuda-ipc (the restricted unpickler is the
-    only door for pickled tensors, so it stays shut otherwise)."""
-    device = "cuda" if job.spec.rollout.gpus_per_engine > 0 and _cuda() else "cpu"
-    allow = needs_tensor_updates(job)  # cuda-ipc sends /update_weights_from_tensor
-    engines = []
-    for _ in range(max(job.spec.rollout.replicas, 1)):
-        server = start_reference_engine(
-            model_dir,
-            device=device,
-            allow_tensor_updates=allow,
-            true_on_policy=job.spec.algorithm.true_on_policy,
-            kv_cache_dtype=str(job.spec.rollout.kv_cache_dtype),
-        )
-        closers.append(server.stop)
-        engines.append(server)
-    return engines
-
-
-def _build_trainer(
-    job: RLJob,
-    settings: RunSettings,
-    run_dir: Path,
-    model_dir: Path,
-    engine_urls: list[str],
-    closers: list[Callable[[], None]],
-    trainer_url: str | None,
-    trainer_timeout_s: float,
-    *,
-    embedded_engines: bool = False,
-) -> Trainer:
-    """RemoteTrainer at `trainer_url` (waited for), else the FSDP2 backend of this process (whose true
-    on-policy kernels match the reference engines this process embeds, if it does)."""
-    if trainer_url is not None:
-        remote = RemoteTrainer(trainer_url, run_dir=run_dir)
-        closers.append(remote.close)
-        remote.wait_ready(job.metadata.name, timeout_s=trainer_timeout_s)
-        return remote
-    backend = build_backend(job, settings.trainer, model_dir, embedded_engines=embedded_engines)
-    closers.append(backend.close)
-    parts = build_trainer_parts(job, settings.trainer, run_dir, model_dir, backend, engine_urls, closers)
-    return LocalTrainer(parts)
-
-
-def _build_rollout(
-    job: RLJob, settings: RunSettings, tokenizer: ChatTokenizer, task: Task, clients: list[EngineClient]
-) -> Rollout:
-    """Sampling params, the rollout context and the plugins (validated now, named by manifest field)."""
-    sampling = SamplingParams(
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        stop_token_ids=list(tokenizer.stop_token_ids),
-    )
-    ctx = RolloutContext(
-        # R3: every /generate asks for the routed experts; an engine that returns none is refused.
-        client=RoutedExpertsClient(PoolClient(clients)) if job.spec.algorithm.r3 else PoolClient(clients),
-        sampling=sampling,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        encode=tokenizer.encode,
-        seed=settings.seed,
-    )
-
-    def task_reward(sample: Sample, response: str) -> float:
-        return task.reward(response, sample.metadata["item"])
-
-    agent = job.spec.agent
-    plugins = load_plugins(
-        single_turn,
-        task_reward,
-        generate_path=agent.generate_function,
-        reward_path=agent.reward_function,
-        agent_path=agent.agent_function,
-    )
-    agent_ctx = None
-    if plugins.agent is not None:
-        timeout = float(agent.timeout_seconds) if agent.timeout_seconds else None
-        agent_ctx = AgentContext(
-            ctx.client,
-            sampling,
-            ctx.decode,
-            ctx.encode,
-            settings.seed,
-            max_turns=agent.max_turns,
-            timeout_s=timeout,
-            # The session server renders turns with the family's chat-template rules (TITO) and the
-            # checkpoint's own tokenizer; its new sessions default to spec.rollout.session.
-            extra={
-                "family": job.spec.model.family,
-                "tokenizer_dir": tokenizer.source,
-                "session": job.spec.rollout.session.wire(),
-            },
-        )
-        agent_ctx.generate = lambda s: plugins.generate(ctx, s)
-    render = lambda msgs: tokenizer.render(msgs, add_generation_prompt=True)  # noqa: E731
-    return Rollout(ctx=ctx, plugins=plugins, render=render, agent_ctx=agent_ctx)
-
-
-def _cpu_workers(job: RLJob, engines: list[EngineServer], trainer_url: str | None) -> int:
+def _cpu_workers(config: RunConfig, engines: list[EngineServer], trainer_url: str | None) -> int:
     """Threads of this process that compute on the CPU: the in-process trainer and CPU engines."""
-    trainer = trainer_url is None and job.spec.trainer.device == "cpu"
+    trainer = trainer_url is None and config.trainer.transport.trainer_device == "cpu"
     return int(trainer) + sum(str(e.engine.device) == "cpu" for e in engines if e.engine is not None)
-
-
-def _close_clients(runner: LoopThread, clients: list[EngineClient]) -> None:
-    for client in clients:
-        runner.run(client.aclose())
-
-
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())

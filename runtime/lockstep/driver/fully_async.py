@@ -1,11 +1,11 @@
-"""The fully-async RL loop: rollout and training decoupled, joined by a bounded buffer (seed §5).
+"""The fully-async RL loop: rollout and training decoupled, joined by a bounded buffer (§5).
 
 Why it exists: in the sync loop the engines wait for the optimizer and the trainer waits for the
 slowest trajectory of each batch. Here a background worker (lockstep.rollout.async_worker) keeps a
 fixed number of trajectories in flight while the trainer trains on complete groups from the buffer
 (lockstep.rollout.buffer); at each update interval the engines' weights are updated with in-flight
 requests retracted, the staleness of every consumed group is measured, and evaluation runs in the
-background. Colocate and pause mode abort are refused at apply (lockstep.api.rules; seed §10).
+background. Colocate and pause mode abort are refused at apply (lockstep.api.rules; §10).
 `AsyncLoop` is written against small hooks (`LoopHooks`) so it is testable on its own; `run_fully_async(c)` builds them from
 the Components the sync loop uses. docs/fully-async.md explains the loop and its metrics.
 
@@ -24,17 +24,19 @@ from typing import TYPE_CHECKING, Protocol
 
 from tqdm import tqdm
 
-from lockstep.driver.settings import Schedule
+from lockstep.config.driver import AsyncSettings
+from lockstep.driver.batch_checks import BatchWatch, record_data
+from lockstep.driver.opd import opd_metrics
+from lockstep.driver.preemption import Preempted, Preemption, announce_state, until_preempted
 from lockstep.driver.steps import EvalOutcome, evaluate, start
 from lockstep.observability.plot import plot_metrics
 from lockstep.rollout.async_worker import AsyncRolloutWorker, GenerateSample, Prompt
-from lockstep.rollout.buffer import BufferClosed, GroupBuffer, GroupFilter, load_group_filter
+from lockstep.rollout.buffer import BufferClosed, BufferCounters, GroupBuffer, GroupFilter, load_group_filter
 from lockstep.rollout.staleness import StalenessStats
 from lockstep.trainer.state import DriverState
 from lockstep.types import Group
 
 if TYPE_CHECKING:
-    from lockstep.api import RLJob
     from lockstep.driver.components import Components
 
 log = logging.getLogger(__name__)
@@ -59,40 +61,6 @@ FULLY_ASYNC_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval latency (s)", ("eval_eval_latency_s",)),
 )
 """Extra panels of the end-of-run plot (observability.plot's extra_panels)."""
-
-
-@dataclass(slots=True, frozen=True, kw_only=True)
-class AsyncSettings:
-    """The fully-async loop's knobs: the run's Schedule (the same object) and the async-only ones."""
-
-    schedule: Schedule
-    """Steps, batch, intervals: what the sync loop counts too."""
-    max_in_flight: int
-    """Trajectories kept generating at once (spec.rollout.maxInFlight); >= samples per prompt."""
-    max_staleness: int | None = None
-    """Bound on S_old in published versions (spec.schedule.maxWeightStaleness); None never rejects."""
-    buffer_groups: int | None = None
-    """Buffer capacity in groups; None means 2 x batch_groups."""
-    sample_timeout_s: float | None = None
-    """Per-trajectory limit (spec.agent.timeoutSeconds); an over-long trajectory is aborted, its group
-    dropped at put."""
-    eval_pins_version: bool = True
-    """When evaluation shares the rollout engines, the next weight update waits for running evaluations so a
-    score never mixes checkpoints (training and generation continue meanwhile; only the update waits)."""
-
-    def __post_init__(self) -> None:
-        if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
-        if self.max_in_flight < self.schedule.samples_per_prompt:
-            raise ValueError(
-                f"spec.rollout.maxInFlight ({self.max_in_flight}) must be >= spec.algorithm.samplesPerPrompt "
-                f"({self.schedule.samples_per_prompt}): a whole group is submitted at once"
-            )
-
-    @property
-    def capacity(self) -> int:
-        """The buffer capacity actually used."""
-        return self.buffer_groups if self.buffer_groups is not None else 2 * self.schedule.batch_groups
 
 
 @dataclass(slots=True)
@@ -189,13 +157,57 @@ class AsyncLoop:
     """Finished evaluations, in completion order."""
     trained_samples: int = 0
     """Samples trained on by this run (not counting a resumed run's earlier steps)."""
+    preemption: Preemption | None = None
+    """SIGTERM's state: the wait for a batch is abandoned at once (its groups stay pending) and the
+    loop saves and returns (lockstep.driver.preemption)."""
+    pending: dict[int, int] = field(default_factory=dict)
+    """Group index -> data position of every group drawn but not yet trained or dropped (buffered or in
+    flight); saved with each checkpoint (DriverState.pending_groups) so a resumed run generates them
+    again instead of skipping them."""
+    announce: Callable[[DriverState], None] | None = None
+    """Called on the event loop before each train with the state once that step is done (its update
+    included, when due): what a trainer group checkpoints if SIGTERM comes before the next save
+    (lockstep.driver.preemption.announce_state)."""
     _eval_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _saved_at: int = -1
+    _worker: AsyncRolloutWorker | None = None
 
     def _counting_prompts(self) -> Iterator[Prompt]:
         for p in self.prompts:
-            self.state.prompts_consumed += 1
+            if p.group_index is None:  # a fresh draw moves the data position; a redrawn group does not
+                self.state.prompts_consumed = (
+                    p.position + 1 if p.position >= 0 else self.state.prompts_consumed + 1
+                )
             yield p
+
+    def _submitted(self, group_index: int, prompt: Prompt) -> None:
+        self.pending[group_index] = prompt.position
+
+    def _state_after(self, groups: list[Group], buffer: GroupBuffer) -> DriverState:
+        """The state once the step training `groups` is done (its update included, when due), as the
+        loop would save it then (announced to a trainer group; on the event loop, like every change of
+        the buffer, so the pending groups and the counts are of one instant)."""
+        s = self.settings.schedule
+        after = self._snapshot(buffer)
+        after.step = self.state.step + 1
+        after.version = self.state.version + (after.step % s.update_interval == 0 or after.step == s.steps)
+        trained = {g.index for g in groups}
+        after.pending_groups = [[gi, p] for gi, p in after.pending_groups if gi not in trained]
+        return after
+
+    def _snapshot(self, buffer: GroupBuffer) -> DriverState:
+        """The state to save now: the loop's position with the groups still pending (a dropped group is
+        decided: no longer pending, and counted)."""
+        for gi in buffer.take_dropped():
+            self.pending.pop(gi, None)
+        snapshot = DriverState(**self.state.as_dict())
+        if self._worker is not None:
+            # The worker's next index, not the one of the last step's end: groups submitted since then are
+            # pending under indices from there on, and a resume must not hand them out again.
+            snapshot.next_group_index = self._worker.next_group_index
+        snapshot.pending_groups = [[gi, pos] for gi, pos in sorted(self.pending.items()) if pos >= 0]
+        snapshot.group_counts = buffer.counters.run_counts()  # the same instant as pending_groups
+        return snapshot
 
     async def run(self) -> DriverState:
         """Start the worker, run steps until the schedule's steps (or should_stop), stop everything, save."""
@@ -204,7 +216,8 @@ class AsyncLoop:
             capacity=self.settings.capacity,
             max_staleness=self.settings.max_staleness,
             filters=self.filters,
-            version=self.state.version,
+            version=self.state.version,  # v_c starts at the resumed version (the engines hold it)
+            counters=BufferCounters.resumed(self.state.group_counts),
         )
         worker = AsyncRolloutWorker(
             self.generate,
@@ -214,7 +227,9 @@ class AsyncLoop:
             max_in_flight=self.settings.max_in_flight,
             sample_timeout_s=self.settings.sample_timeout_s,
             first_group_index=self.state.next_group_index,
+            on_submit=self._submitted,
         )
+        self._worker = worker
         worker.start()
         t_start = self.clock()
         if self.state.step > 0:
@@ -223,6 +238,13 @@ class AsyncLoop:
             while self.state.step < s.steps and not self.should_stop():
                 try:
                     await self._one_step(buffer, worker, t_start)
+                except Preempted:
+                    log.warning(
+                        "SIGTERM at step %d: checkpointing with %d groups pending",
+                        self.state.step,
+                        len(self.pending),
+                    )
+                    break
                 except BufferClosed:
                     if worker.failure is not None:
                         # The original error (e.g. EngineUnreachable) keeps its type: `lockstep run` maps it.
@@ -238,26 +260,41 @@ class AsyncLoop:
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
         if self._saved_at != self.state.step:
-            snapshot = DriverState(**self.state.as_dict())
-            await asyncio.get_running_loop().run_in_executor(self.trainer_executor, self.hooks.save, snapshot)
+            snapshot = self._snapshot(buffer)
+
+            def save() -> None:
+                if self.preemption is not None:
+                    self.preemption.timed_save(lambda: self.hooks.save(snapshot))
+                else:
+                    self.hooks.save(snapshot)
+
+            await asyncio.get_running_loop().run_in_executor(self.trainer_executor, save)
         return self.state
 
     async def _one_step(self, buffer: GroupBuffer, worker: AsyncRolloutWorker, t_start: float) -> None:
         s, st = self.settings.schedule, self.state
         t0 = self.clock()
-        consumed = await buffer.get_batch(s.batch_groups)
+        consumed = await until_preempted(buffer.get_batch(s.batch_groups), self.preemption)
         t1 = self.clock()
         groups = [c.group for c in consumed]
+        if self.announce is not None:
+            self.announce(self._state_after(groups, buffer))
         loop = asyncio.get_running_loop()
         metrics = dict(await loop.run_in_executor(self.trainer_executor, self.hooks.train, groups, st.step))
         t2 = self.clock()
         st.step += 1
+        for g in groups:  # trained: never generated again
+            self.pending.pop(g.index, None)
         self.trained_samples += sum(len(g.samples) for g in groups)
         metrics.update({"wait_data_s": t1 - t0, "train_wall_s": t2 - t1})
         if st.step % s.update_interval == 0 or st.step == s.steps:
             if self.settings.eval_pins_version and self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks, return_exceptions=True)
-            metrics.update(await self.hooks.update_weights(st.version + 1))
+            try:
+                metrics.update(await self.hooks.update_weights(st.version + 1))
+            except Exception:  # the step trained (a trainer group may have checkpointed it): log it
+                self.hooks.log("train", st.step, metrics)
+                raise
             st.version += 1
             await buffer.set_version(st.version)
             metrics["update_weights_wall_s"] = self.clock() - t2
@@ -276,10 +313,12 @@ class AsyncLoop:
                 "trained_samples_per_s": self.trained_samples / elapsed,
             }
         )
+        if self.settings.max_staleness is not None:  # the bound, beside the measure (the staleness alert)
+            metrics["max_weight_staleness"] = float(self.settings.max_staleness)
         if s.eval_interval and (st.step % s.eval_interval == 0 or st.step == s.steps):
             self._launch_eval(st.step, st.version)
         if s.save_interval and st.step % s.save_interval == 0:
-            await loop.run_in_executor(self.trainer_executor, self.hooks.save, DriverState(**st.as_dict()))
+            await loop.run_in_executor(self.trainer_executor, self.hooks.save, self._snapshot(buffer))
             self._saved_at = st.step
         self.hooks.log("train", st.step, metrics)
         if self.on_step is not None:
@@ -313,23 +352,9 @@ class AsyncLoop:
 # ------------------------------------------------------------------------------- the real components
 
 
-def settings_for_job(job: RLJob, schedule: Schedule) -> AsyncSettings:
-    """The loop's knobs from the manifest around the run's Schedule (pure, golden-tested)."""
-    spec = job.spec
-    timeout = spec.agent.timeout_seconds
-    return AsyncSettings(
-        schedule=schedule,
-        max_in_flight=spec.rollout.max_in_flight,
-        max_staleness=spec.schedule.max_weight_staleness,
-        buffer_groups=spec.schedule.buffer_groups,
-        sample_timeout_s=float(timeout) if timeout is not None else None,
-    )
-
-
-def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
-    """The user group filter of spec.agent.groupFilterFunction (imported now, so a bad path fails at
-    start)."""
-    path = job.spec.agent.group_filter_function
+def group_filters(path: str | None) -> tuple[GroupFilter, ...]:
+    """The user group filter at `path` (spec.agent.groupFilterFunction), imported now so a bad path
+    fails at start."""
     if not path:
         return ()
     try:
@@ -348,12 +373,17 @@ class ComponentHooks:
         """spec.weightSync.pauseMode (retract by default; abort is refused earlier)."""
         self.executor = executor
         """The trainer thread (weight export runs there, like training)."""
+        self.watch = BatchWatch(c.progress)
+        """No silent success: every batch is checked before it trains (lockstep.driver.batch_checks)."""
 
     def train(self, groups: list[Group], step: int) -> dict[str, float]:
-        return self.c.trainer.train(groups)
+        # every trajectory failed or a reward the loss cannot use: stop; no trained token: Degraded
+        checked = self.watch.check(step + 1, groups)
+        record_data(self.c, step + 1, groups)
+        return self.c.trainer.train(groups) | checked
 
     async def update_weights(self, version: int) -> dict[str, float]:
-        """Retract in-flight requests on every engine, update the weights to `version`, continue (seed §5)."""
+        """Retract in-flight requests on every engine, update the weights to `version`, continue (§5)."""
         clients = self.c.clients
         await asyncio.gather(*(cl.pause_generation(self.pause_mode) for cl in clients))
         try:
@@ -370,16 +400,30 @@ class ComponentHooks:
         self.c.trainer.save(state)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
+        if kind == "train":  # in place: the progress report of this step reads the same dict
+            metrics.update(opd_metrics(self.c.opd))
         self.c.metrics.log(kind, step, metrics)
 
 
-def task_prompts(c: Components, start: int) -> Iterator[Prompt]:
-    """The task's train prompts from data position `start` on, rendered with the chat format."""
-    index = start
+def task_prompts(c: Components, state: DriverState) -> Iterator[Prompt]:
+    """The task's train prompts, rendered with the chat format: first the groups a resumed checkpoint
+    left pending (under their own group indices), then the data from position state.prompts_consumed on."""
+
+    def prompt(position: int, group_index: int | None = None) -> Prompt:
+        item = c.task.item(position, "train")
+        meta = {**c.item_metadata(item), "prompt_position": position}
+        return Prompt(c.rollout.render(item.messages), meta, position=position, group_index=group_index)
+
+    if state.pending_groups:
+        log.info(
+            "resuming: %d groups drawn before the checkpoint are generated again", len(state.pending_groups)
+        )
+    for group_index, position in state.pending_groups:
+        yield prompt(position, group_index)
+    position = state.prompts_consumed
     while True:
-        item = c.task.item(index, "train")
-        yield Prompt(c.rollout.render(item.messages), c.item_metadata(item))
-        index += 1
+        yield prompt(position)
+        position += 1
 
 
 def run_fully_async(c: Components) -> DriverState:
@@ -389,10 +433,9 @@ def run_fully_async(c: Components) -> DriverState:
     weights sent to the engines before the first step, eval before training and at the eval interval,
     metrics.jsonl (kinds train/eval) and metrics.png (plus the queue and staleness panels).
     """
-    spec = c.job.spec
-    pause_mode = spec.weight_sync.pause_mode  # retract or in_place: abort is refused at apply
-    settings = settings_for_job(c.job, c.settings.schedule)
-    filters = filters_for_job(c.job)
+    pause_mode = c.config.pause_mode  # retract or in_place: abort is refused at apply
+    settings = c.config.async_settings
+    filters = group_filters(c.config.agent.group_filter_function)
     # resume, SFT warm start once, engines == trainer before step 1 (pre-flight when asked)
     state = start(c)
     bar = tqdm(
@@ -411,17 +454,21 @@ def run_fully_async(c: Components) -> DriverState:
         )
 
     with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-trainer") as trainer:
+        hooks = ComponentHooks(c, pause_mode, trainer)
         loop = AsyncLoop(
             settings,
-            ComponentHooks(c, pause_mode, trainer),
+            hooks,
             c.rollout.run_sample,
-            task_prompts(c, state.prompts_consumed),
+            task_prompts(c, state),
             state=state,
+            pending={gi: pos for gi, pos in state.pending_groups},
             filters=filters,
             clock=c.clock,
             should_stop=c.stop.is_set,
+            preemption=c.preemption,
             on_step=progress,
             trainer_executor=trainer,
+            announce=lambda after: announce_state(c.trainer, after),
         )
         state = c.runner.run(loop.run())
     log.info(

@@ -1,13 +1,14 @@
-"""The RL loop on one screen (seed §1): start here to read Lockstep.
+"""The RL loop on one screen (§1): start here to read Lockstep.
 
 Why it exists: this is the product's main job. `run` builds the components of a job (components.py)
-and runs its loop: `run_sync` below, or the fully-async loop (fully_async.py) for schedule mode
+and runs its loop: `run_sync` (sync.py), or the fully-async loop (fully_async.py) for schedule mode
 "fully-async". Before the first optimizer step the trainer's loaded weights go to the engines (so
 rollout starts from weights that went through the trainer's own export path); then per step: collect
 a batch of complete groups, train, update the engines' weights, save at the save interval, evaluate at
 the eval interval. The policy is behind the Trainer protocol (lockstep.trainer): in this process or a
 trainer group's ranks. Ctrl-C once finishes the current step, saves and returns (resumable with
---resume); Ctrl-C twice abandons the step (the last checkpoint stays intact).
+--resume); Ctrl-C twice abandons the step (the last checkpoint stays intact). SIGTERM checkpoints at
+once (lockstep.driver.preemption); its time to the durable checkpoint is logged here.
 
 Who calls it: lockstep.cli.run and lockstep.cli.driver (through lockstep.driver.run), tests, bench.
 """
@@ -17,26 +18,27 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from tqdm import tqdm
-
-from lockstep.api import RLJob, ScheduleMode
+from lockstep.api import RLJob
+from lockstep.config.driver import run_config
 from lockstep.driver.components import Components, build_components
 from lockstep.driver.fully_async import run_fully_async
-from lockstep.driver.report import START_FAILURES, DriverProgress, ProgressReporter, reporter_from_env
-from lockstep.driver.settings import Resume
-from lockstep.driver.steps import collect_batch, evaluate_at, start
-from lockstep.observability.plot import plot_metrics
+from lockstep.driver.preemption import Preemption
+from lockstep.driver.settings import RunOptions
+from lockstep.driver.sft import run_sft
+from lockstep.driver.sync import run_sync
+from lockstep.progress import START_FAILURES, DriverProgress, ProgressReporter, reporter_from_env
+from lockstep.rollout.async_worker import RolloutFailed
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed, Trainer
 from lockstep.trainer.state import DriverState
 
 log = logging.getLogger(__name__)
 
-FATAL_ERRORS: tuple[type[Exception], ...] = (PreflightFailed, NonFiniteLoss, ValueError)
+FATAL_ERRORS: tuple[type[Exception], ...] = (PreflightFailed, NonFiniteLoss, RolloutFailed, ValueError)
 """Errors a restart of the driver cannot fix: reported as the job's error. Others (an unreachable
 engine, a crash) are not: the driver pod restarts OnFailure and resumes from its checkpoint."""
 
@@ -44,43 +46,45 @@ engine, a crash) are not: the driver pod restarts OnFailure and resumes from its
 def run(
     job: RLJob,
     run_dir: Path,
+    options: RunOptions | None = None,
     *,
-    steps: int | None = None,
-    resume: Resume = Resume.NEVER,
     stop: threading.Event | None = None,
-    engine_urls: Sequence[str] = (),
-    prometheus_port: int = 0,
-    cache_dir: Path | None = None,
-    engine_ready_timeout_s: float = 60.0,
     reporter: ProgressReporter | None = None,
-    trainer_url: str | None = None,
-    trainer_timeout_s: float = 600.0,
+    preemption: Preemption | None = None,
 ) -> DriverState:
     """Build the components of `job`, run its loop, release the components; the final state.
 
-    `stop` (e.g. set by the SIGINT handler) ends the loop after the current step; the other options
-    are build_components'. A start that cannot succeed on a restart (START_FAILURES: a bad checkpoint,
+    `options` are the process's flags (RunOptions: engines, trainer group, cache, resume, --steps);
+    `stop` (e.g. set by the SIGINT handler) ends the loop after the current step; `preemption`
+    (SIGTERM's state, lockstep.driver.preemption) makes the loop checkpoint at once. A start that cannot succeed on a restart (START_FAILURES: a bad checkpoint,
     a missing tokenizer, an unbuilt model) is reported on the progress channel, so the job fails with
     the reason instead of the pod restarting in a loop.
     """
     reporter = reporter if reporter is not None else reporter_from_env()
+    # The manifest is read here, once (lockstep.config.driver); nothing below takes the RLJob.
+    options = options if options is not None else RunOptions()
+    config = run_config(job, steps=options.steps, embedded_engines=not options.engine_urls)
+    if config.sft:  # no engines, no rollout: the SFT loop
+        try:
+            return run_sft(config, run_dir, options, stop=stop, progress=DriverProgress(reporter))
+        except START_FAILURES as e:
+            DriverProgress(reporter).start_failed(e)
+            raise
     try:
-        c = build_components(
-            job, run_dir, steps=steps, resume=resume, engine_urls=engine_urls, prometheus_port=prometheus_port,
-            cache_dir=cache_dir, engine_ready_timeout_s=engine_ready_timeout_s, reporter=reporter,
-            trainer_url=trainer_url, trainer_timeout_s=trainer_timeout_s,
-        )  # fmt: skip
+        c = build_components(config, run_dir, options, reporter=reporter)
     except START_FAILURES as e:
         DriverProgress(reporter).start_failed(e)
         raise
     if stop is not None:
         c.stop = stop
+    c.preemption = preemption
     try:
         with fatal_errors_reported(c):
-            state = run_fully_async(c) if job.spec.schedule.mode is ScheduleMode.FULLY_ASYNC else run_sync(c)
+            state = run_fully_async(c) if config.fully_async else run_sync(c)
+        log_preemption(c, state)
         if state.step >= c.settings.schedule.steps:
             c.progress.finished()
-        if state.step >= job.spec.schedule.steps:
+        if state.step >= config.job_steps:
             # The job is done (not just a --steps override): a remote trainer group exits 0.
             shutdown_trainer(c.trainer)
         return state
@@ -109,49 +113,20 @@ def fatal_errors_reported(c: Components) -> Iterator[None]:
         raise
 
 
-def run_sync(c: Components) -> DriverState:
-    """Run steps until the schedule's steps (or until c.stop is set); returns the final state."""
-    s = c.settings.schedule
-    state = start(c)
-    saved_at = state.step
-    with _progress_bar(state.step, s.steps) as bar:
-        while state.step < s.steps and not c.stop.is_set():
-            groups, rollout_metrics = collect_batch(c, state)
-            metrics = c.trainer.train(groups) | rollout_metrics
-            state.step += 1
-            if state.step % s.update_interval == 0:
-                state.version += 1
-                metrics |= c.trainer.update_weights(state.version)
-            if _due(s.save_interval, state.step):
-                c.trainer.save(state)
-                saved_at = state.step
-            c.metrics.log("train", state.step, metrics)
-            c.progress.step(state.step, metrics)
-            if _due(s.eval_interval, state.step) or (s.eval_interval and state.step == s.steps):
-                c.metrics.log("eval", state.step, evaluate_at(c, state))
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.2f}",
-                lp_diff=f"{metrics.get('train_rollout_logprob_abs_diff', 0):.1e}",
-            )
-    if saved_at != state.step or state.step == 0:
-        c.trainer.save(state)
-    plot_metrics(c.metrics.path, c.run_dir / "metrics.png")
-    return state
-
-
-def _due(interval: int | None, step: int) -> bool:
-    return interval is not None and step % interval == 0
-
-
-@contextmanager
-def _progress_bar(initial: int, total: int) -> Iterator[tqdm]:
-    """A tqdm bar on stderr, closed at the end."""
-    bar = tqdm(initial=initial, total=total, desc="lockstep", unit="step", dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
+def log_preemption(c: Components, state: DriverState) -> None:
+    """After a SIGTERM's checkpoint: how long SIGTERM to the durable checkpoint took (metrics.jsonl
+    row `preemption`, and the log)."""
+    seconds = c.preemption.seconds_to_checkpoint() if c.preemption is not None else None
+    if seconds is None:
+        return
+    save_s = c.preemption.save_s if c.preemption is not None else None
+    log.warning(
+        "SIGTERM -> checkpoint of step %d in %.2f s (writing it: %.2f s)", state.step, seconds, save_s or 0
+    )
+    row = {"sigterm_to_checkpoint_s": seconds}
+    if save_s is not None:
+        row["checkpoint_write_s"] = save_s
+    c.metrics.log("preemption", state.step, row)
 
 
 def install_sigint(stop: threading.Event) -> None:

@@ -11,14 +11,14 @@ backoff, then `TrainerUnreachable` (exit 3, like an unreachable engine); a conne
 command runs is not retried (the command may have run) and also raises TrainerUnreachable: the
 driver pod restarts and resumes from the trainer's latest checkpoint.
 
-Who calls it: lockstep.driver.components (when --trainer-url / LOCKSTEP_TRAINER_URL is set), tests.
+Who calls it: lockstep.driver.policy (when --trainer-url / LOCKSTEP_TRAINER_URL is set), tests.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,7 +26,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from lockstep.api.auth import auth_headers
-from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.state import DriverState
 from lockstep.trainer.wire import (
     API_PREFIX,
@@ -43,11 +43,13 @@ from lockstep.trainer.wire import (
     OkReply,
     SaveReply,
     SaveRequest,
+    SFTRowWire,
+    SFTTrainRequest,
     TrainRequest,
     VersionRequest,
 )
 from lockstep.types import Group
-from lockstep.weights.preflight import PreflightResult
+from lockstep.weights.preflight import PREFLIGHT_FILE, PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,8 @@ class RemoteTrainer:
         self.run_dir = run_dir
         """The driver's run dir: the trainer's pre-flight result is mirrored there (PREFLIGHT_FILE), where
         the progress channel reads it, as with an in-process trainer."""
+        self.next_state: DriverState | None = None
+        """Sent with the next train (announce_state)."""
         self.instance: str | None = None
         """The trainer group's instance ID seen by wait_ready, sent with every command."""
 
@@ -164,8 +168,20 @@ class RemoteTrainer:
             path.write_text(result.model_dump_json(indent=2) + "\n")
 
     def train(self, groups: list[Group]) -> dict[str, float]:
-        body = TrainRequest(groups=[GroupWire.of(g) for g in groups])
+        state = DriverStateWire.of(self.next_state) if self.next_state is not None else None
+        self.next_state = None
+        body = TrainRequest(groups=[GroupWire.of(g) for g in groups], state=state)
         return self._call("train", body, MetricsReply).metrics
+
+    def announce_state(self, state: DriverState) -> None:
+        """The loop's state once the next train step (and its update) is done: sent with that train, so
+        the trainer group can checkpoint it if SIGTERM comes before the next save (preemption)."""
+        self.next_state = state
+
+    def sft_train(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+        """One step of an SFT job on the trainer group (lockstep.trainer.sft)."""
+        body = SFTTrainRequest(rows=[SFTRowWire(input_ids=list(i), loss_mask=list(m)) for i, m in rows])
+        return self._call("sft_train", body, MetricsReply).metrics
 
     def update_weights(self, version: int) -> dict[str, float]:
         """The update to `version`; repeated (same version) while it fails only because an engine it had

@@ -1,23 +1,19 @@
-"""RunSettings: the driver's knobs of one run, read once from the RLJob (a pure function, golden-tested).
+"""RunOptions: the driver process's options that are not in the manifest (its flags), and Resume.
 
-Why it exists: the loops should read plain, validated numbers, not walk the manifest. `settings_from_job`
-is the one place that maps manifest fields to them. Settings nest instead of copying: `Schedule` is
-what both loops count (the fully-async loop's AsyncSettings holds the same object), and the trainer's
-knobs are the TrainerSettings the trainer side builds for itself (lockstep.trainer.settings).
+Why it exists: `lockstep run` and `lockstep driver` read their flags once into RunOptions, and the
+driver hands the one object down (lockstep.driver.run -> build_components / run_sft) instead of
+copying each option through every signature. The manifest's knobs of a run are lockstep.config.driver's
+RunConfig; these are where this process finds its engines, trainer, cache and metrics port, and how
+it starts (Resume: `--resume`, a restarted driver pod, or fresh).
 
-Who calls it: lockstep.driver.components, lockstep.driver.fully_async.
+Who calls it: lockstep.cli.run, lockstep.cli.driver, lockstep.driver, tests.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from lockstep.trainer.settings import TrainerSettings
-
-if TYPE_CHECKING:
-    from lockstep.api import RLJob
+from pathlib import Path
 
 
 class Resume(enum.Enum):
@@ -32,74 +28,27 @@ class Resume(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Schedule:
-    """What both loops count: steps, the batch, and when to update weights, save and evaluate."""
+class RunOptions:
+    """What `lockstep run` and `lockstep driver` read from their flags for lockstep.driver.run."""
 
-    steps: int
-    """Optimizer steps to reach (a resumed run continues up to this)."""
-    batch_groups: int
-    """Groups per step (spec.algorithm.batchSize)."""
-    samples_per_prompt: int
-    """Samples per group (spec.algorithm.samplesPerPrompt)."""
-    update_interval: int = 1
-    """Update the engines' weights every this many steps (versions == steps only when 1)."""
-    save_interval: int | None = None
-    """Save every this many steps (always at the end)."""
-    eval_interval: int | None = None
-    """Evaluate every this many steps (and before the first step and at the end when set)."""
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_groups", "samples_per_prompt", "update_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSettings:
-    """The driver's knobs; the trainer's are nested as the trainer builds them."""
-
-    schedule: Schedule
-    """Steps, batch, intervals (both loops)."""
-    seed: int
-    """Run seed (spec.data.seed): data order, sampling seeds, random init."""
-    temperature: float
-    """Rollout sampling temperature."""
-    top_p: float
-    """Rollout nucleus mass."""
-    max_new_tokens: int
-    """Most tokens per reply."""
-    eval_temperature: float
-    """Sampling temperature of evaluation (0 = greedy)."""
-    trainer: TrainerSettings
-    """The trainer side's knobs (learning rates, SFT warm start, loss)."""
-    max_groups_per_step: int | None = None
-    """Dynamic sampling (spec.algorithm.dynamicSampling): most groups generated per step, dropped
-    groups without a reward spread included; None trains every group generated."""
-
-
-def settings_from_job(job: RLJob, steps: int | None = None) -> RunSettings:
-    """Read the driver's knobs from `job`; `steps` (the --steps flag) overrides spec.schedule.steps."""
-    spec = job.spec
-    sampling = spec.rollout.sampling
-    steps = steps if steps is not None else spec.schedule.steps
-    if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
-    return RunSettings(
-        schedule=Schedule(
-            steps=steps,
-            batch_groups=spec.algorithm.batch_size,
-            samples_per_prompt=spec.algorithm.samples_per_prompt,
-            update_interval=spec.weight_sync.update_interval,
-            save_interval=spec.schedule.save_interval,
-            eval_interval=spec.schedule.eval_interval,
-        ),
-        seed=spec.data.seed,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        max_new_tokens=sampling.max_new_tokens,
-        eval_temperature=spec.schedule.eval_temperature,
-        trainer=TrainerSettings.from_job(job),  # refuses temperature <= 0
-        max_groups_per_step=(
-            spec.algorithm.dynamic_sampling.max_groups_per_step if spec.algorithm.dynamic_sampling else None
-        ),
-    )
+    steps: int | None = None
+    """--steps: overrides spec.schedule.steps."""
+    resume: Resume = Resume.NEVER
+    """--resume (required), a driver pod (if any), else never."""
+    engine_urls: tuple[str, ...] = ()
+    """--engine-url: running engines to use instead of starting them."""
+    metrics_port: int = 0
+    """--metrics-port: Prometheus on 127.0.0.1 (0 = off)."""
+    cache_dir: Path | None = None
+    """--cache-dir: where builtin:<name> checkpoints are written."""
+    engine_timeout_s: float = 60.0
+    """--engine-timeout: seconds to wait for the engines."""
+    trainer_url: str | None = None
+    """--trainer-url (`lockstep driver`): rank 0 of the trainer group; None trains in this process."""
+    trainer_timeout_s: float = 600.0
+    """--trainer-timeout: seconds to wait for the trainer group."""
+    connect_retries: int = 5
+    """Attempts of each engine client's first connection."""
+    preempted_exit: int = 0
+    """Exit code after a SIGTERM's checkpoint: 0 for `lockstep run` (stopped with a checkpoint), 3 for
+    the driver pod, whose restartPolicy OnFailure then resumes it if the pod itself stays."""

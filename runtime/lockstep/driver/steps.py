@@ -1,10 +1,10 @@
 """The driver's steps of both loops: start (resume, SFT warm start, first update), collect a batch, evaluate.
 
-Why it exists: loop.py and fully_async.py should read like the seed's five-line loop; the lines that
+Why it exists: loop.py and fully_async.py should read like the five-line loop of §1; the lines that
 touch the engines (rollout) are here, the lines that touch the policy are the Trainer protocol's
 (lockstep.trainer.protocol). Both loops start and evaluate with the same functions.
 
-Who calls it: lockstep.driver.loop and lockstep.driver.fully_async.
+Who calls it: lockstep.driver.sync and lockstep.driver.fully_async.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from lockstep.driver.preemption import until_preempted
 from lockstep.driver.settings import Resume
 from lockstep.rollout.group_signal import group_signal_metrics, groups_to_generate, keep_groups, select_groups
+from lockstep.rollout.terminal import episode_metrics
 from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
@@ -40,6 +42,9 @@ def start(c: Components) -> DriverState:
     state = c.trainer.load_latest() if c.resume is not Resume.NEVER else None
     if state is None and c.resume is Resume.REQUIRED:
         raise FileNotFoundError(f"--resume: no checkpoint in {c.trainer.where()}; run without --resume")
+    # rows an earlier run wrote after this run's starting point are superseded (metrics.jsonl keeps them,
+    # read_jsonl and the plots do not count them twice)
+    c.metrics.resumed(state.step if state is not None else -1)
     state = state or DriverState()
     eval_interval = c.settings.schedule.eval_interval
     if not state.sft_done and c.settings.trainer.sft_steps > 0:
@@ -75,15 +80,16 @@ def collect_batch(c: Components, state: DriverState) -> tuple[list[Group], dict[
     and more are generated, within the cap (lockstep.rollout.group_signal). Returns the groups to
     train on and the rollout's metrics: groups generated and dropped, and reward_mean over every
     generated sample (it replaces the trainer's mean of the trained groups, logged as
-    trained_reward_mean), so the logged reward stays the policy's sampled reward.
+    trained_reward_mean), so the logged reward stays the policy's sampled reward. Raises Preempted when
+    SIGTERM arrives meanwhile (the caller restores the data position).
     """
     s = c.settings.schedule
     cap = c.settings.max_groups_per_step
-    generated = c.runner.run(_generate_groups(c, state, s.batch_groups))
+    generated = c.runner.run(until_preempted(_generate_groups(c, state, s.batch_groups), c.preemption))
     if cap is None:
-        return generated, {}
+        return generated, episode_metrics([x for g in generated for x in g.samples])
     while n := groups_to_generate(len(keep_groups(generated)), len(generated), s.batch_groups, cap):
-        generated += c.runner.run(_generate_groups(c, state, n))
+        generated += c.runner.run(until_preempted(_generate_groups(c, state, n), c.preemption))
     groups = select_groups(generated, s.batch_groups)
     dropped = len(generated) - len(keep_groups(generated))
     rewards = [r for g in generated for r in g.rewards]
@@ -96,6 +102,7 @@ def collect_batch(c: Components, state: DriverState) -> tuple[list[Group], dict[
         "groups_generated": float(len(generated)),
         "groups_dropped": float(dropped),
         **{f"generated_{k}": v for k, v in group_signal_metrics([g.rewards for g in generated]).items()},
+        **episode_metrics([x for g in generated for x in g.samples]),
     }
 
 
@@ -109,7 +116,7 @@ async def _generate_groups(c: Components, state: DriverState, n: int) -> list[Gr
                 state.next_group_index,
                 item.messages,
                 c.settings.schedule.samples_per_prompt,
-                c.item_metadata(item),
+                {**c.item_metadata(item), "prompt_position": state.prompts_consumed},
             )
         )
         state.prompts_consumed += 1
@@ -120,7 +127,14 @@ async def _generate_groups(c: Components, state: DriverState, n: int) -> list[Gr
 async def evaluate(c: Components) -> EvalOutcome:
     """Mean reward on the task's eval split, one sample per item at the eval temperature (both loops)."""
     sampling = c.rollout.ctx.sampling.model_copy(update={"temperature": c.settings.eval_temperature})
-    rollout = replace(c.rollout, ctx=replace(c.rollout.ctx, sampling=sampling))
+    ctx = replace(c.rollout.ctx, sampling=sampling)
+    agent_ctx = c.rollout.agent_ctx
+    if agent_ctx is not None:  # an agent samples through its own context (the terminal agent: its sessions)
+        agent_ctx = replace(agent_ctx, sampling=sampling)
+        generate = c.rollout.plugins.generate
+        agent_ctx.generate = lambda s: generate(ctx, s)
+    # The task's reward alone: evaluation never asks a teacher (OPD scores training samples only).
+    rollout = replace(c.rollout, ctx=ctx, agent_ctx=agent_ctx, scorer=None)
     samples = []
     for i in range(c.task.eval_size):
         item = c.task.item(i, "eval")

@@ -7,7 +7,7 @@ machine: on 2 cores the example job ran 1.4 RL steps/s with torch's default and 
 intra-op thread, same results (bench/results/cpu_threads_2026-12-03_cpu.md). So the cores are shared
 out between the CPU workers, unless the user chose (OMP_NUM_THREADS) or nothing computes on the CPU.
 
-Who calls it: lockstep.driver.components.build_components.
+Who calls it: lockstep.driver.components.build_components, lockstep.driver.sft.
 """
 
 from __future__ import annotations

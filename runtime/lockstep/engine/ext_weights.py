@@ -1,4 +1,4 @@
-"""The reference engine's one extension beyond stock SGLang: the P2P receive side (seed §7.2.3).
+"""The reference engine's one extension beyond stock SGLang: the P2P receive side (§7.2.3).
 
 Why it exists: the pinned SGLang can serve its weights to a new instance over Mooncake's
 TransferEngine (/remote_instance_transfer_engine_info), but it has no endpoint through which a

@@ -10,10 +10,10 @@ module code), quadratic in the sequence length, so it is for small models. SGLan
 engine for these families.
 
 Same interface as ModelRunner (prefill, decode, copy_prefix, logits, read_routes, generator), so the
-scheduler in lockstep.engine.core is unchanged. R3 routing capture is not available here: `routes`
+scheduler (lockstep.engine.scheduler) is unchanged. R3 routing capture is not available here: `routes`
 is None, and an R3 request is refused by the scheduler as for a dense model.
 
-Who calls it: lockstep.engine.core (chosen by `slotted_runner_supports`).
+Who calls it: lockstep.engine.core (chosen by `slotted_runner_supports`), then the scheduler.
 """
 
 from __future__ import annotations

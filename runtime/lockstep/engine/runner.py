@@ -22,18 +22,18 @@ expert IDs can be recorded. They go to a routing cache laid out like the KV cach
 int32 (slots, positions, layers, top-k), written at (slot, position) in the same step as the K/V, so
 prefix-cache reuse carries the prompt's routing exactly as it carries its KV (SGLang indexes its
 routed-experts buffer by KV location for the same reason). `read_routes` returns a finished
-sequence's rows 0..n-2 for R3 (seed §4.1). Layers without a MoE block keep zeros, as in SGLang.
+sequence's rows 0..n-2 for R3 (§4.1). Layers without a MoE block keep zeros, as in SGLang.
 CUDA graphs are switched off for MoE models: HF's expert dispatch selects experts with
 data-dependent shapes, which a graph cannot capture.
 
 Logprob definition (matches SGLang's default, SGLANG_RETURN_ORIGINAL_LOGPROB unset): for temperature
-T > 0 the returned logprob of the sampled token is log_softmax(logits / T)[token], taken before top-k
-/ top-p truncation; for greedy (T == 0) it is log_softmax(logits)[token]. logits are computed in
-fp32 from the final hidden state. The trainer must compute the same (logits / T, then log_softmax).
+T >= 1e-6 the returned logprob of the sampled token is log_softmax(logits / T)[token], taken before
+top-k / top-p truncation; for greedy (T < 1e-6, SGLang's rule) it is log_softmax(logits)[token]. logits
+are computed in fp32 from the final hidden state. The trainer must compute the same (logits / T, then log_softmax).
 Prompt logprobs (logprob_start_len >= 0) are log_softmax of the raw logits, as SGLang's
 input_token_logprobs are unless its temperature-scaled logprobs are switched on.
 
-Who calls it: lockstep.engine.core (the scheduler) only.
+Who calls it: lockstep.engine.scheduler (each step) and lockstep.engine.core (which builds it) only.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.numerics import exact, kernels
+from lockstep.serving.sampling_limits import GREEDY_BELOW
 
 # Buckets of captured CUDA graphs: batch sizes and kv lengths are rounded up to these.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -74,7 +75,7 @@ class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors on the device."""
 
     temperature: torch.Tensor
-    """[B] fp32; 0 means greedy."""
+    """[B] fp32; below GREEDY_BELOW (0 included) means greedy."""
     top_p: torch.Tensor
     """[B] fp32 in (0, 1]."""
     top_k: torch.Tensor
@@ -346,7 +347,7 @@ def sample(
     With `tiles` (true on-policy) the returned logprob is kernels.token_logprobs, the trainer's.
     """
     temp = params.temperature
-    greedy = temp <= 0
+    greedy = temp < GREEDY_BELOW  # SGLang's rule: dividing by a smaller temperature overflows float32
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]  # [B, V]
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V]
     probs = logp.exp()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections.abc as cabc
 import importlib
 import json
 import logging
@@ -36,14 +37,20 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from lockstep.engine import weights_checker
+from lockstep.engine import lora_routes, weights_checker
 from lockstep.engine.core import EngineBusy, EngineInputError, ReferenceEngine, Sequence
+from lockstep.engine.disk_reads import DISK_READ_TIMEOUT_S, DiskPolicy, DiskRefused, read_checkpoint
+from lockstep.engine.metrics import sglang_registry
+from lockstep.engine.update_sizes import check_size_preamble
+from lockstep.rollout.session.affinity import ROUTING_HEADER
 from lockstep.serving.guard import bearer_middleware, parse_json
 from lockstep.serving.payloads import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
+    DetokenizeRequest,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
@@ -61,6 +68,9 @@ log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", ReferenceEngine)
 """Where handlers (ours and ext_weights') find the engine: app[ENGINE_KEY]."""
 _ALLOW_TENSOR_KEY = web.AppKey("allow_tensor_updates", bool)
+_IPC_HELD_KEY = web.AppKey("ipc_held", list)
+"""The tensors of the update in progress mapped from /update_weights_from_tensor payloads."""
+_DISK_POLICY_KEY = web.AppKey("disk_policy", DiskPolicy)
 _EXT_MODULE = "lockstep.engine.ext_weights"
 
 
@@ -90,10 +100,6 @@ def _result(success: bool, message: str, **extra: Any) -> web.Response:
 def _unsupported(req: GenerateRequest, engine: ReferenceEngine) -> str | None:
     if req.stream:
         return "stream=true is not supported by the reference engine"
-    if req.top_logprobs_num:
-        return "top_logprobs_num > 0 is not supported by the reference engine"
-    if req.lora_path:
-        return "lora_path is not supported by the reference engine"
     if req.return_routed_experts and not engine.is_moe:
         return "return_routed_experts: this is a dense model, there are no routed experts"
     if req.routed_dp_rank not in (None, 0):
@@ -137,16 +143,29 @@ def _reply(engine: ReferenceEngine, seq: Sequence, req: GenerateRequest) -> dict
         meta["output_token_logprobs"] = [
             [lp, tok, dec([tok]) if dec else None] for lp, tok in zip(seq.logprobs, out, strict=True)
         ]
-        if seq.input_logprobs is not None:
+        scores = seq.input_scores
+        if scores is not None:
             ids = seq.tokens[seq.input_logprob_start : seq.prompt_len]
             meta["input_token_logprobs"] = [
-                [lp, tok, dec([tok]) if dec else None]
-                for lp, tok in zip(seq.input_logprobs, ids, strict=True)
+                [lp, tok, dec([tok]) if dec else None] for lp, tok in zip(scores.chosen, ids, strict=True)
             ]
+            if scores.top is not None:  # SGLang writes these keys only when they were asked for
+                meta["input_top_logprobs"] = _triples(scores.top, dec)
+            if scores.token_ids is not None:
+                meta["input_token_ids_logprobs"] = _triples(scores.token_ids, dec)
     if req.return_routed_experts and seq.routed_experts is not None:
         # SGLang's format: base64 of the int32 [prompt + output - 1, layers, top-k] array's bytes.
         meta["routed_experts"] = base64.b64encode(seq.routed_experts).decode("ascii")
     return {"text": text, "output_ids": out, "meta_info": meta}
+
+
+def _triples(
+    rows: list[list[tuple[float, int]] | None], dec: Callable[[list[int]], str] | None
+) -> list[list[list[Any]] | None]:
+    """Per position: None, or SGLang's [logprob, token_id, text-or-null] per candidate."""
+    return [
+        None if row is None else [[lp, tok, dec([tok]) if dec else None] for lp, tok in row] for row in rows
+    ]
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -178,20 +197,48 @@ async def generate(request: web.Request) -> web.Response:
                 rid=r,
                 logprob_start_len=req.logprob_start_len,
                 return_routed_experts=req.return_routed_experts,
+                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                token_ids_logprob=req.token_ids_logprob if req.return_logprob else None,
+                adapter=req.lora_path,
             )
             for p, sp, r in zip(prompts, params, rids, strict=True)
         ]
         done = await engine.submit_many(seqs)  # the whole batch or none of it (503 when full)
     except EngineInputError as e:
         return _bad(str(e))
+    if key := request.headers.get(ROUTING_HEADER):  # a session server's turn: which session it was
+        engine.stats.count_turn(key)
     replies = [_reply(engine, s, req) for s in done]
     return web.json_response(replies if batch else replies[0])
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """SGLang's /v1/detokenize (and /detokenize): one ID list -> one text, a list of lists -> a text each."""
+    engine = request.app[ENGINE_KEY]
+    body: DetokenizeRequest = await _parse(request, DetokenizeRequest)
+    if engine.tokenizer is None:
+        return _bad("this engine was started without a tokenizer; it cannot detokenize")
+    lists = body.tokens if body.tokens and isinstance(body.tokens[0], list) else [body.tokens]
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= int(t) < engine.vocab_size), None)  # type: ignore[arg-type]
+        if bad is not None:
+            return _bad(f"tokens contains {bad}, outside the vocabulary [0, {engine.vocab_size})")
+    skip = body.skip_special_tokens
+    texts = [engine.tokenizer.decode(list(ids), skip_special_tokens=skip) for ids in lists]  # type: ignore[arg-type]
+    if not body.tokens:
+        return web.json_response({"text": ""})
+    return web.json_response({"text": texts if isinstance(body.tokens[0], list) else texts[0]})
 
 
 async def abort_request(request: web.Request) -> web.Response:
     body: AbortRequest = await _parse(request, AbortRequest)
     await request.app[ENGINE_KEY].abort(None if body.abort_all else body.rid)
     return web.Response(status=200)
+
+
+def serving(app: web.Application) -> bool:
+    """What /health answers 200 to (also the engine's `lockstep_engine_ready` series)."""
+    return app[_JOIN_KEY].get("join") is None and not app[ENGINE_KEY].draining
 
 
 async def health(request: web.Request) -> web.Response:
@@ -233,18 +280,6 @@ async def continue_generation(request: web.Request) -> web.Response:
 
 
 # -- weights ---------------------------------------------------------------------------------
-
-
-def _read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors files")
-    named: list[tuple[str, torch.Tensor]] = []
-    for f in files:
-        named.extend(load_file(str(f)).items())
-    return named
 
 
 _UpdateBody = (
@@ -299,11 +334,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body: UpdateWeightsFromDiskRequest = await _parse(request, UpdateWeightsFromDiskRequest)
     try:
-        n = await _install(
-            engine,
-            body,
-            lambda: engine.stage_weights(_read_checkpoint(body.model_path), cast=True, owned=True),
-        )
+        engine.check_version(body.weight_version, new_weights=True)  # refused before any read
+        # read before the step lock, on a thread of its own: generation and /health go on meanwhile
+        named = await read_checkpoint(body.model_path, request.app[_DISK_POLICY_KEY])
+    except (EngineInputError, DiskRefused, TimeoutError, OSError) as e:
+        return _refused("update_weights_from_disk", engine, e)
+    try:
+        n = await _install(engine, body, lambda: engine.stage_weights(named, cast=True, owned=True))
     except UpdateRefused as e:
         return _refused("update_weights_from_disk", engine, e)
     return _result(True, f"Loaded {n} tensors from {body.model_path}.", num_paused_requests=0)
@@ -392,6 +429,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
             world_size=body.world_size,
             group_name=body.group_name,
             join_timeout_s=timeout,
+            announce_sizes=True,  # checked before any data collective, when the sender sends it too
         ),
         joined,
     )
@@ -492,6 +530,8 @@ def _receive(engine: ReferenceEngine, specs: list[_Spec], *, flattened: bool = F
     group = engine.weight_group
     if group is None:
         raise RuntimeError("the weight update group was destroyed during the update")
+    if group.announces_sizes():
+        check_size_preamble(engine, group, specs)
     try:
         engine.receive_targets(specs)
     except (KeyError, ValueError):
@@ -551,14 +591,24 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return _result(False, f"load_format {body.load_format!r} is not supported; send named tensors (None)")
     if len(body.serialized_named_tensors) != 1:
         return _result(False, "serialized_named_tensors needs exactly one entry (the engine is one TP rank)")
+    held = request.app[_IPC_HELD_KEY]
     try:
         named = await engine.run_in_worker(loads_named_tensors, body.serialized_named_tensors[0])
     except Exception as e:  # a bad payload of any kind is the caller's error, reported, never raised
+        held.clear()
         return _refused("update_weights_from_tensor", engine, UpdateRefused(f"{type(e).__name__}: {e}"))
+    # The mapped buffers stay mapped until the version is set: a sender that reuses its buffers
+    # (lockstep.weights.ipc) is mapped once per update, not once per bucket (torch's IPC cache).
+    held.append(named)
     try:
-        n = await _install(engine, body, lambda: engine.stage_weights(named, cast=True))
+        # Loaded straight from the sender's buffers (no staging copy): they are ours until we
+        # answer, and commit_weights finishes the copies before that.
+        n = await _install(engine, body, lambda: engine.stage_weights(named, cast=True, owned=True))
     except UpdateRefused as e:
+        held.clear()
         return _refused("update_weights_from_tensor", engine, e)
+    if body.weight_version is not None:
+        held.clear()
     return _result(True, f"Succeeded to update {n} parameters.")
 
 
@@ -574,7 +624,15 @@ async def update_weight_version(request: web.Request) -> web.Response:
     assert version is not None
     async with engine.exclusive():
         engine.set_weight_version(version)
+    request.app[_IPC_HELD_KEY].clear()  # the update is over: unmap its CUDA IPC buffers
     return _result(True, f"Weight version updated to {version}", new_version=str(version))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """SGLang's GET /metrics (with --enable-metrics): the `sglang:*` series the reference engine
+    measures (lockstep.engine.metrics.SGLangCollector), in Prometheus' text format."""
+    body = generate_latest(sglang_registry(request.app[ENGINE_KEY]))
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -592,6 +650,20 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
+async def list_models(request: web.Request) -> web.Response:
+    """SGLang's GET /v1/models: the base's card with the context length (`max_model_len`, which the
+    runtime's client reads to ask only for what fits), then one card per loaded LoRA adapter (its
+    parent the base), as SGLang lists them: which adapter versions this engine holds."""
+    engine = request.app[ENGINE_KEY]
+    base = str(engine.model_path)
+    cards: list[dict[str, Any]] = [
+        {"id": base, "object": "model", "root": base, "max_model_len": engine.context_length}
+    ]
+    listing = engine.adapters.listing() if engine.adapters is not None else {}
+    cards += [{"id": n, "object": "model", "root": path, "parent": base} for n, path in listing.items()]
+    return web.json_response({"object": "list", "data": cards})
+
+
 async def engine_stats(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     s = engine.stats
@@ -605,6 +677,9 @@ async def engine_stats(request: web.Request) -> web.Response:
             "requests": s.requests,
             "paused": engine.is_paused,
             "weight_version": engine.weight_version,
+            "adapter_tokens": dict(s.adapter_tokens),
+            "session_turns": dict(s.session_turns),
+            "loaded_adapters": engine.adapters.listing() if engine.adapters is not None else {},
         }
     )
 
@@ -620,7 +695,7 @@ async def _input_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
 
 
-OPEN_READS = frozenset({"/health", "/health_generate", "/model_info", "/engine_stats"})
+OPEN_READS = frozenset({"/health", "/health_generate", "/model_info", "/engine_stats", "/metrics"})
 """GET routes served without the key (probes and monitoring); every other route needs it."""
 MAX_BODY_BYTES = 32 << 20
 """Default request body cap: a batch of 1024 prompts of 4K tokens fits; beyond it, HTTP 413."""
@@ -634,13 +709,17 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     weight_group_timeout_s: float = 120.0,
+    weights_roots: cabc.Sequence[str | Path] | None = None,
+    disk_read_timeout_s: float = DISK_READ_TIMEOUT_S,
 ) -> web.Application:
     """The aiohttp app serving `engine`; it starts the engine on startup and closes it on cleanup.
 
     stock=True serves only what stock SGLang serves (no extension route or reply field).
     api_key: required as `Authorization: Bearer <key>` on every route but OPEN_READS (SGLang's
     --api-key); max_body_bytes: larger bodies get 413; weight_group_timeout_s bounds a weight-group
-    join. On shutdown (SIGTERM) the engine stops admitting (503) and /health answers 503.
+    join. weights_roots: the directories /update_weights_from_disk may read from (None: any), within
+    disk_read_timeout_s (lockstep.engine.disk_reads). On shutdown (SIGTERM) the engine stops
+    admitting (503) and /health answers 503.
     """
     app = web.Application(
         middlewares=[bearer_middleware(api_key, open_reads=OPEN_READS), _input_errors],
@@ -648,6 +727,8 @@ def create_app(
     )
     app[ENGINE_KEY] = engine
     app[_ALLOW_TENSOR_KEY] = allow_tensor_updates
+    app[_IPC_HELD_KEY] = []
+    app[_DISK_POLICY_KEY] = DiskPolicy.of(weights_roots, disk_read_timeout_s)
     app[_JOIN_KEY] = {"join": None}
     app[_JOIN_TIMEOUT_KEY] = float(weight_group_timeout_s)
     r = app.router
@@ -666,7 +747,12 @@ def create_app(
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
     r.add_get("/model_info", model_info)
+    r.add_get("/metrics", metrics)
+    r.add_get("/v1/models", list_models)
+    r.add_post("/v1/detokenize", detokenize)
+    r.add_post("/detokenize", detokenize)
     weights_checker.register(app, engine)
+    lora_routes.register(app, engine)
 
     async def _start(app: web.Application) -> None:
         await engine.start()

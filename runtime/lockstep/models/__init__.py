@@ -13,7 +13,13 @@ checkpoint), lockstep.rollout (renders chats), lockstep.driver, the CLI.
 
 from __future__ import annotations
 
-from lockstep.models.checkpoint import CheckpointError, load_tokenizer, resolve_checkpoint, resolve_tokenizer
+from lockstep.models.checkpoint import (
+    CheckpointError,
+    ModelSource,
+    load_tokenizer,
+    resolve_checkpoint,
+    resolve_tokenizer,
+)
 from lockstep.models.tiny import (
     BUILTIN_PREFIX,
     BUILTIN_SPECS,
@@ -29,6 +35,7 @@ __all__ = [
     "BUILTIN_SPECS",
     "ChatTokenizer",
     "CheckpointError",
+    "ModelSource",
     "bigger_config",
     "is_builtin",
     "load_tokenizer",

@@ -176,6 +176,29 @@ def _check_layout(path: Path, ref: str) -> Path:
     return path
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSource:
+    """Where a run's model comes from (spec.model: checkpoint, tokenizer, chatTemplate); resolved to a
+    local directory at start, with the same tokenizer on every side of the run."""
+
+    checkpoint: str
+    """A model reference: a directory, a hub repo id, or `builtin:<name>`."""
+    tokenizer: str | None = None
+    """Another checkpoint's tokenizer (a reference like `checkpoint`); None: the checkpoint's own."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's; None keeps it."""
+
+    def resolve(self, cache_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> Path:
+        """The checkpoint as a local HF-layout directory (resolve_checkpoint)."""
+        return resolve_checkpoint(self.checkpoint, cache_dir=cache_dir, seed=seed)
+
+    def load_tokenizer(
+        self, model_dir: Path, cache_dir: str | os.PathLike[str] | None = None
+    ) -> ChatTokenizer:
+        """The run's tokenizer for the resolved checkpoint `model_dir` (load_tokenizer)."""
+        return load_tokenizer(model_dir, self.tokenizer, self.chat_template, cache_dir)
+
+
 def load_tokenizer(
     model_dir: Path,
     tokenizer: str | None = None,

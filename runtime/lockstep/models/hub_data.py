@@ -13,8 +13,8 @@ In a cluster the pods that read prompts resolve the id themselves (no init step 
 dataset or a cluster without the hub, `lockstep pull-model --dataset REF --dest DIR` into the image
 and spec.data.prompts: DIR (docs/operator.md, "Hub checkpoints: the model volume").
 
-Who calls it: lockstep.driver.components, lockstep.trainer.local, lockstep.cli.trainer (resolve_data
-before lockstep.tasks.data_task), lockstep.cli.pull_model.
+Who calls it: lockstep.driver.inputs, lockstep.trainer.parts, lockstep.trainer.standalone (resolve_data
+before lockstep.tasks.data_task), lockstep.cli.precision, lockstep.cli.pull_model.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a checkpoint's config says about MoE routing, read from config.json without torch.
 
-Why it exists: R3 (routing replay, seed §4.1) only applies to mixture-of-experts models, and its
+Why it exists: R3 (routing replay, §4.1) only applies to mixture-of-experts models, and its
 payload's shape [tokens - 1, layers, top-k] comes from the model config. The driver must refuse
 `spec.algorithm.r3` on a dense model at start (before any engine runs), and cost estimates need the
 shape; both only need config.json.

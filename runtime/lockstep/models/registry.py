@@ -1,6 +1,6 @@
 """The model-family registry: chat template, tokenizer, boundary merge and reply parser per family.
 
-Why it exists: TITO (seed §3) is a per-model contract. The session server never re-tokenizes what
+Why it exists: TITO (§3) is a per-model contract. The session server never re-tokenizes what
 the model sampled; it keeps the sampled token IDs and only tokenizes the messages an agent appends
 (tool results, user turns) plus the next assistant opener. Where the stored row and that freshly
 tokenized suffix meet, each family has its own seam: Qwen3's template writes "\\n" after <|im_end|>

@@ -161,27 +161,29 @@ def has_tokenizer(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / TOKENIZER_FILE).is_file()
 
 
+TINY_FIELDS: dict[str, Any] = {
+    "vocab_size": 96,  # the tiny tokenizer's 91 IDs rounded up to a multiple of 8
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "pad_token_id": PAD_ID,
+    "eos_token_id": EOS_ID,
+    "bos_token_id": None,
+}
+"""The tiny models' shared fields (dense and MoE): their tokenizer, width, heads and norms."""
+
+
 def tiny_config(**overrides: Any) -> Qwen3Config:
     """The tiny Qwen3 config (fp32, tied embeddings); keyword overrides replace any field."""
     from transformers import Qwen3Config
 
-    fields: dict[str, Any] = {
-        "vocab_size": 96,  # 91 used IDs rounded up to a multiple of 8
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "pad_token_id": PAD_ID,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": None,
-    }
-    fields.update(overrides)
-    cfg = Qwen3Config(**fields)
+    cfg = Qwen3Config(**{**TINY_FIELDS, **overrides})
     cfg.architectures = ["Qwen3ForCausalLM"]
     return cfg
 
@@ -284,7 +286,7 @@ def _complete(d: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------------- tiny-moe
-# Why: R3 (rollout routing replay, seed §4.1) only means something on a mixture-of-experts
+# Why: R3 (rollout routing replay, §4.1) only means something on a mixture-of-experts
 # model, and every CPU test and a laptop `lockstep run` need one offline. It is transformers'
 # `Qwen3MoeForCausalLM` built from a small `Qwen3MoeConfig`, so the engine and the trainer load it
 # through the same HF-layout checkpoint code as a real Qwen3-MoE (Qwen3-30B-A3B and friends):
@@ -303,26 +305,14 @@ def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
     from transformers import Qwen3MoeConfig
 
     fields: dict[str, Any] = {
-        "vocab_size": 96,  # the tiny tokenizer's 91 IDs rounded up to a multiple of 8
-        "hidden_size": 64,
-        "intermediate_size": 128,  # dense-MLP width, used only by layers listed in mlp_only_layers
+        **TINY_FIELDS,  # "intermediate_size" is the dense-MLP width, used only by mlp_only_layers
         "moe_intermediate_size": 32,  # per-expert width
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,  # every layer is a MoE layer
         "mlp_only_layers": [],
         "output_router_logits": False,  # no auxiliary load-balancing loss in RL
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "pad_token_id": PAD_ID,
-        "eos_token_id": EOS_ID,
-        "bos_token_id": None,
     }
     fields.update(overrides)
     cfg = Qwen3MoeConfig(**fields)

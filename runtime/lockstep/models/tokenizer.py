@@ -150,6 +150,28 @@ class ChatTokenizer:
         """Prompt IDs of `messages` through the chat template (then `encode`)."""
         return self.encode(self.render_text(messages, add_generation_prompt, tools))
 
+    def reply_pair(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        reply: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """(prompt IDs with the generation prompt, the IDs of assistant message `reply` after it up to
+        its end-of-turn token, exclusive): what a model writes to produce `reply`, through the chat
+        template (a reference tool call for an SFT warm start). ValueError when the template is not
+        append-only here (the reply's render does not extend the prompt's)."""
+        prompt = self.render(messages, True, tools)
+        full = self.render([*messages, reply], False, tools)
+        if full[: len(prompt)] != prompt:
+            raise ValueError(
+                f"chat template of {self.source}: rendering an assistant reply changes the prompt before it "
+                "(not append-only); a reference reply cannot be imitated with it"
+            )
+        answer = full[len(prompt) :]
+        stops = set(self.stop_token_ids)
+        end = next((i for i, t in enumerate(answer) if t in stops), len(answer))
+        return prompt, answer[:end]
+
 
 def _template(d: Path, hf: Any, override: str | os.PathLike[str] | None, required: bool) -> str | None:
     if override is not None:

@@ -3,7 +3,7 @@
 Why it exists: the trainer runs transformers' own forward (under FSDP2) and the reference engine runs
 its own forward over the same modules (a KV cache, one decode token per sequence). For their
 logprobs to be bit-identical every numerical step both take must be one function with one
-reduction order (seed §4.3's kernel contract). `apply` swaps the leaf computations of the modules
+reduction order (§4.3's kernel contract). `apply` swaps the leaf computations of the modules
 for lockstep.numerics.kernels, in place, so both forwards run them without being rewritten:
 - every nn.Linear (projections, MLP, lm_head) -> kernels.linear;
 - every *RMSNorm -> kernels.rms_norm;

@@ -13,7 +13,7 @@ names), `views` (the engine receives per-expert names into its fused parameters,
 `install_forward` (a forward of the experts whose per-expert weights and inputs the recipe may pass
 through the quantizer: the training forward and the engine's NVFP4 activations).
 
-Who calls it: lockstep.numerics.recipe (all four stages), lockstep.engine.core (load and receive).
+Who calls it: lockstep.numerics.recipe (all four stages), lockstep.engine.live_weights (load and receive).
 """
 
 from __future__ import annotations

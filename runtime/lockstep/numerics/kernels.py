@@ -1,6 +1,6 @@
 """Batch-invariant kernels: every output element is computed the same way whatever the batch around it.
 
-Why it exists: true on-policy (seed §4.3) needs the engine, which decodes one token of many sequences
+Why it exists: true on-policy (§4.3) needs the engine, which decodes one token of many sequences
 at a time over a KV cache, and the trainer, which scores whole padded sequences, to produce
 bit-identical logprobs. Stock kernels do not: a matmul picks its algorithm (and its reduction order)
 from the shape, so a row's result depends on how many rows came with it; a CPU pointwise kernel runs

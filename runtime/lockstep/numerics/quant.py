@@ -1,6 +1,6 @@
 """The one quantizer: FP8 block-scaled, MXFP8 and NVFP4, shared by every stage that touches weights.
 
-Why it exists: low precision is a four-stage contract (seed §6): checkpoint conversion, training
+Why it exists: low precision is a four-stage contract (§6): checkpoint conversion, training
 forward, online export and rollout must see the same quantized values, or the two sides run
 different policies from one checkpoint. So there is exactly one `quantize` and one `dequantize`, and
 each stage calls them: the conversion and the export write what `quantize` returns in SGLang's

@@ -1,6 +1,6 @@
 """The low-precision recipe: which tensors are quantized, declared once, applied at all four stages.
 
-Why it exists: seed §6 makes low precision a contract over four stages (1 checkpoint conversion,
+Why it exists: §6 makes low precision a contract over four stages (1 checkpoint conversion,
 2 training forward, 3 online export, 4 rollout); an exception honoured at one stage only breaks it.
 So one `Recipe` (the format from spec.rollout.precision, the BF16 exceptions from
 spec.model.bf16Modules) decides, by tensor name and shape, and every stage asks it:
@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from lockstep.api import Precision, RLJob
 from lockstep.numerics import exact, experts, quant
 from lockstep.numerics.quant import Format, Scheme
 
@@ -526,19 +525,3 @@ def checkpoint_scheme(config: dict[str, Any]) -> Scheme | None:
     """The serving scheme a checkpoint's config.json declares (None: not quantized)."""
     qc = config.get("quantization_config")
     return None if not qc else Scheme.from_quantization_config(qc)
-
-
-def recipe_of(job: RLJob) -> Recipe | None:
-    """The job's serving recipe: spec.rollout.precision and spec.model.bf16Modules (None for bf16)."""
-    precision = job.spec.rollout.precision
-    if precision is Precision.BF16:
-        return None
-    return Recipe(Scheme.of(Format(precision.value)), tuple(job.spec.model.bf16_modules))
-
-
-def training_recipe(job: RLJob) -> Recipe | None:
-    """The recipe the trainer's forward follows (stage 2): spec.trainer.precision, same exceptions."""
-    precision = job.spec.trainer.precision
-    if precision is Precision.BF16:
-        return None
-    return Recipe(Scheme.of(Format(precision.value)), tuple(job.spec.model.bf16_modules))

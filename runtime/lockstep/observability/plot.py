@@ -19,7 +19,8 @@ Panel = tuple[str, tuple[str, ...]]
 """(title, metric names) of one subplot; "eval_" prefixed names come from kind="eval" records."""
 
 DEFAULT_PANELS: tuple[Panel, ...] = (
-    ("reward", ("reward_mean", "eval_reward_mean", "eval_init_reward_mean")),
+    ("reward", ("reward_mean", "task_reward_mean", "eval_reward_mean", "eval_init_reward_mean")),
+    ("OPD log-ratio d_t", ("opd_logratio_mean", "opd_logratio_abs_mean")),
     ("train-rollout logprob |diff|", ("train_rollout_logprob_abs_diff",)),
     ("mismatch ratio m", ("mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_ratio_p99")),
     ("mismatch clipfrac / |m-1| / KL", ("mismatch_clipfrac", "mismatch_abs", "train_rollout_kl")),

@@ -1,7 +1,7 @@
 """The background rollout worker of fully-async training: a fixed number of trajectories in flight.
 
 Why it exists: in a synchronous loop the trainer waits for the slowest trajectory of each batch and the
-engines wait for the optimizer (seed §5). This worker keeps `max_in_flight` trajectories generating at
+engines wait for the optimizer (§5). This worker keeps `max_in_flight` trajectories generating at
 all times, independent of training, and refills at sample granularity:
 - every finished trajectory frees one credit;
 - each time samples_per_prompt credits are free (and the buffer has room), a whole new group is
@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from lockstep.rollout.buffer import BufferClosed, GroupBuffer
+from lockstep.rollout.fatal import StopsTheRun
 from lockstep.types import Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ log = logging.getLogger(__name__)
 
 class RolloutFailed(RuntimeError):
     """Every recent trajectory failed: the generate callable (agent, reward, engine request) is broken,
-    so the run stops instead of dropping groups forever while the trainer waits."""
+    so the run stops instead of dropping groups forever while the trainer waits (or training nothing)."""
+
+    reason = "RolloutFailed"
+    """The reason the job fails with (the progress channel's `reason`)."""
 
 
 class GenerateSample(Protocol):
@@ -53,6 +57,11 @@ class Prompt:
     """Token IDs of the prompt, as sent to the engine."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Task data the reward needs (e.g. the reference answer); copied into every sample."""
+    position: int = -1
+    """The prompt's data position (its draw index in the train split); -1 when unknown."""
+    group_index: int | None = None
+    """The group index to generate it under: set for a group drawn before a resume and generated
+    again; None takes the worker's next index."""
 
 
 @dataclass(slots=True)
@@ -93,6 +102,7 @@ class AsyncRolloutWorker:
         sample_timeout_s: float | None = None,
         first_group_index: int = 0,
         max_consecutive_failures: int = 64,
+        on_submit: Callable[[int, Prompt], None] | None = None,
     ) -> None:
         if max_consecutive_failures < 1:
             raise ValueError(f"max_consecutive_failures must be >= 1, got {max_consecutive_failures}")
@@ -117,6 +127,8 @@ class AsyncRolloutWorker:
         """Per-trajectory wall-clock limit; a trajectory over it is ABORTED (dropped at put). None: no limit."""
         self.next_group_index = first_group_index
         """Index of the next group submitted (continues across resume)."""
+        self.on_submit = on_submit
+        """Called with (group index, prompt) as each group is submitted (the loop tracks what is pending)."""
         self.counters = WorkerCounters()
         """What the worker did so far."""
         self.exhausted = False
@@ -169,7 +181,7 @@ class AsyncRolloutWorker:
             await self.buffer.wait_room()  # the producer blocks while the buffer is full
             async with self._cond:
                 await self._cond.wait_for(self._credits_free)
-            if self.buffer.queue_size >= self.buffer.capacity:
+            if not self.buffer.has_room():
                 continue  # filled up while we waited for credits
             prompt = next(self.prompts, None)
             if prompt is None:
@@ -193,8 +205,12 @@ class AsyncRolloutWorker:
         await self.buffer.close()
 
     def _submit(self, prompt: Prompt) -> None:
-        gi = self.next_group_index
-        self.next_group_index += 1
+        gi = prompt.group_index
+        if gi is None:
+            gi = self.next_group_index
+            self.next_group_index += 1
+        if self.on_submit is not None:
+            self.on_submit(gi, prompt)
         self.counters.submitted_groups += 1
         self._partial[gi] = [None] * self.n
         self._in_flight += self.n
@@ -213,7 +229,7 @@ class AsyncRolloutWorker:
         except TimeoutError:
             self.counters.timed_out_samples += 1
             sample.status = SampleStatus.ABORTED
-        except (asyncio.CancelledError, ConnectionError):
+        except (asyncio.CancelledError, ConnectionError, StopsTheRun):
             raise  # an unreachable engine is not a failed sample: the run stops (see _run_sample)
         except Exception as err:
             self.counters.failed_samples += 1
@@ -225,7 +241,7 @@ class AsyncRolloutWorker:
     async def _run_sample(self, sample: Sample) -> None:
         try:
             done = await self._generate_one(sample)
-        except ConnectionError as err:
+        except (ConnectionError, StopsTheRun) as err:
             await self._fail(err)
             return
         self.counters.finished_samples += 1
@@ -244,14 +260,24 @@ class AsyncRolloutWorker:
             return
         slots = self._partial[done.group_index]
         slots[done.index] = done
-        async with self._cond:
-            self._in_flight -= 1  # sample-granularity refill: this credit is free now
-            self._cond.notify_all()
         if all(s is not None for s in slots):
             del self._partial[done.group_index]
             self.counters.completed_groups += 1
             group = Group(done.group_index, [s for s in slots if s is not None])
-            await self.buffer.put(group)
+            try:
+                # The group's last credit is held until it is in the queue: a complete group is always
+                # in flight, waiting to be put (buffer.has_room counts it) or queued, never nowhere, so
+                # the refill cannot draw past capacity + the in-flight budget (§5 staleness).
+                await self.buffer.put(group)
+            finally:
+                await self._free_credit()
+        else:
+            await self._free_credit()
+
+    async def _free_credit(self) -> None:
+        async with self._cond:
+            self._in_flight -= 1  # sample-granularity refill: this credit is free now
+            self._cond.notify_all()
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counters for the metrics sink."""

@@ -1,7 +1,7 @@
-"""The bounded buffer of complete groups between the rollout worker and the trainer (seed §5).
+"""The bounded buffer of complete groups between the rollout worker and the trainer (§5).
 
 Why it exists: fully-async training decouples generation from training; this FIFO joins them. It gives
-back-pressure (the producer waits when it is full) and applies the two kinds of checks at the moment
+back-pressure (the producer waits when it is full, complete groups waiting to be put included) and applies the two kinds of checks at the moment
 each can be decided:
 - at put: failures and timeouts (a group with an aborted or failed sample is dropped) and user filters
   (plugins named by import path). Their verdict cannot change after generation ends.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lockstep.rollout.plugins import load_function
@@ -43,9 +43,16 @@ def load_group_filter(path: str, field_path: str = "group filter") -> GroupFilte
     return fn
 
 
+RUN_COUNTERS = ("consumed_groups", "stale_groups_filtered", "aborted_groups_filtered", "filtered_groups")
+"""The counters of the run, not of the process: each counts groups whose fate (trained or dropped) is
+decided, once per group, so a checkpoint saves them and a resumed run counts on from them (a group
+still pending at the checkpoint is decided after the resume). put_groups and accepted_groups are not:
+a pending group is offered and accepted again after a resume."""
+
+
 @dataclass(slots=True)
 class BufferCounters:
-    """Monotonic counters of what went through the buffer (reset only with a new buffer)."""
+    """Monotonic counters of what went through the buffer (RUN_COUNTERS continue across a resume)."""
 
     put_groups: int = 0
     """Groups offered to put (accepted or not)."""
@@ -59,6 +66,16 @@ class BufferCounters:
     """Groups dropped at get because S_old exceeded the bound."""
     consumed_groups: int = 0
     """Groups handed to the trainer."""
+
+    def run_counts(self) -> dict[str, int]:
+        """The counts of decided groups (RUN_COUNTERS) that a checkpoint carries."""
+        return {name: getattr(self, name) for name in RUN_COUNTERS}
+
+    @classmethod
+    def resumed(cls, counts: Mapping[str, int]) -> BufferCounters:
+        """Counters that count on from a checkpoint's run_counts() (names outside RUN_COUNTERS start
+        at 0: a regenerated group is offered and accepted again)."""
+        return cls(**{name: int(counts.get(name, 0)) for name in RUN_COUNTERS})
 
 
 @dataclass(slots=True)
@@ -87,9 +104,13 @@ class GroupBuffer:
     """What went through the buffer so far."""
     window: StalenessStats = field(default_factory=StalenessStats)
     """Staleness of the groups consumed since the last take_window()."""
+    dropped: list[int] = field(default_factory=list)
+    """Indices of the groups dropped (at put or at get) since the last take_dropped()."""
     _queue: deque[Group] = field(default_factory=deque, init=False, repr=False)
     _cond: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
     _closed: bool = field(default=False, init=False)
+    _waiting_puts: int = field(default=0, init=False)
+    """Complete groups inside put (waiting for room): they count against the capacity at wait_room."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -104,14 +125,23 @@ class GroupBuffer:
         """Groups waiting for the trainer now."""
         return len(self._queue)
 
+    def has_room(self) -> bool:
+        """True when a group submitted now has a place: queued groups plus complete groups waiting to
+        be put are below capacity. A complete group has freed its credits while it waits at put;
+        counting it keeps the groups drawn but not trained within capacity + the in-flight budget,
+        else they pile up behind a full queue and age without bound (staleness)."""
+        return len(self._queue) + self._waiting_puts < self.capacity
+
     def _rejected_at_put(self, group: Group) -> bool:
         """Apply failures/timeouts and user filters; count and report a drop."""
         if any(s.status in (SampleStatus.ABORTED, SampleStatus.FAILED) for s in group.samples):
             self.counters.aborted_groups_filtered += 1
+            self.dropped.append(group.index)
             return True
         for keep in self.filters:
             if not keep(group):
                 self.counters.filtered_groups += 1
+                self.dropped.append(group.index)
                 return True
         return False
 
@@ -120,19 +150,23 @@ class GroupBuffer:
         self.counters.put_groups += 1
         if self._rejected_at_put(group):
             return False
-        async with self._cond:
-            await self._cond.wait_for(lambda: self._closed or len(self._queue) < self.capacity)
-            if self._closed:
-                raise BufferClosed("buffer closed while a group waited to be put")
-            self._queue.append(group)
-            self.counters.accepted_groups += 1
-            self._cond.notify_all()
+        self._waiting_puts += 1  # at once: the refill must see it before this put gets the lock
+        try:
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._closed or len(self._queue) < self.capacity)
+                if self._closed:
+                    raise BufferClosed("buffer closed while a group waited to be put")
+                self._queue.append(group)
+                self.counters.accepted_groups += 1
+                self._cond.notify_all()
+        finally:
+            self._waiting_puts -= 1
         return True
 
     async def wait_room(self) -> None:
-        """Wait until the queue is below capacity (the worker submits new groups only then)."""
+        """Wait until has_room() (the worker submits new groups only then)."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._closed or len(self._queue) < self.capacity)
+            await self._cond.wait_for(lambda: self._closed or self.has_room())
             if self._closed:
                 raise BufferClosed("buffer closed")
 
@@ -148,6 +182,7 @@ class GroupBuffer:
                 st = measure_staleness(group.token_versions(), self.version)
                 if is_too_stale(st, self.max_staleness):
                     self.counters.stale_groups_filtered += 1
+                    self.dropped.append(group.index)
                     continue
                 self.counters.consumed_groups += 1
                 self.window.add(st)
@@ -170,13 +205,19 @@ class GroupBuffer:
             self._closed = True
             self._cond.notify_all()
 
+    def take_dropped(self) -> list[int]:
+        """The indices of the groups dropped since the last call (a dropped group is consumed: a
+        resumed run never generates it again)."""
+        out, self.dropped = self.dropped, []
+        return out
+
     def take_window(self) -> StalenessStats:
         """Return the staleness of the groups consumed since the last call and start a new window."""
         window, self.window = self.window, StalenessStats()
         return window
 
     def metrics(self) -> dict[str, float]:
-        """Queue gauges and counters for the metrics sink (names as in seed §5)."""
+        """Queue gauges and counters for the metrics sink (names as in §5)."""
         c = self.counters
         return {
             "queue_size": float(len(self._queue)),

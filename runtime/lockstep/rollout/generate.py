@@ -10,7 +10,7 @@ with the chat format and runs n samples of it concurrently.
 Token-exactness (TITO): the response IDs, their logprobs and their weight versions are exactly what
 the engine returned; nothing is re-tokenised.
 
-R3 (MoE routing replay, seed §4.1): `RoutedExpertsClient` wraps the engine client so that every
+R3 (MoE routing replay, §4.1): `RoutedExpertsClient` wraps the engine client so that every
 /generate asks for return_routed_experts, whatever the generate or agent function passes (capture
 options are the runtime's business, as in the TITO session server). The driver wraps the client in
 it when spec.algorithm.r3 is on; `single_turn` stores the payload in Sample.routed_experts. An engine
@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.rollout.fatal import StopsTheRun
 from lockstep.rollout.plugins import AgentContext, Plugins, RolloutContext, call_reward
 from lockstep.serving.client import GenerateBackend, GenerateResult
 from lockstep.serving.payloads import SamplingParams
@@ -60,6 +61,10 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
     sample.rollout_logprobs = list(result.output_logprobs) if result.output_logprobs else [0.0] * n
     sample.token_versions = list(result.token_versions)
     sample.status = _FINISH_STATUS.get(result.finish_reason, SampleStatus.COMPLETED)
+    if sample.status is SampleStatus.ABORTED:  # named when a whole batch fails (driver.batch_checks)
+        sample.metadata["error"] = (
+            f"the engine aborted the request: {result.abort_message or 'no reason given'}"
+        )
     if result.routed_experts is not None:
         sample.routed_experts = result.routed_experts
     return sample
@@ -89,6 +94,7 @@ class RoutedExpertsClient:
         logprob_start_len: int = -1,
         return_routed_experts: bool = True,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """The wrapped generate with return_routed_experts forced on; raises RoutedExpertsError when a
         request that did not abort comes back without routing data."""
@@ -99,6 +105,7 @@ class RoutedExpertsClient:
             logprob_start_len=logprob_start_len,
             return_routed_experts=True,
             rid=rid,
+            lora_path=lora_path,
         )
         if result.routed_experts is None and result.finish_reason != "abort":
             raise RoutedExpertsError(
@@ -125,9 +132,21 @@ class Rollout:
     """Chat messages -> prompt IDs with the generation prompt appended (the family's chat format)."""
     agent_ctx: AgentContext | None = None
     """Context handed to the agent function (None when no agent is configured)."""
+    scorer: Callable[[Sample], Awaitable[Sample]] | None = None
+    """OPD: the teacher scorer run on every finished, rewarded sample (lockstep.rollout.opd.scorer);
+    None without OPD (and for evaluation, which scores the task alone)."""
 
     async def run_sample(self, sample: Sample) -> Sample:
-        """Generate (or run the agent) and score one sample; user-code errors mark it FAILED."""
+        """Generate (or run the agent) and score one sample; user-code errors mark it FAILED.
+
+        With a scorer (OPD) the teacher scores the finished sample after its reward; its errors stop
+        the run (StopsTheRun), they are not the sample's."""
+        sample = await self._run_user_code(sample)
+        if self.scorer is not None and sample.status not in (SampleStatus.ABORTED, SampleStatus.FAILED):
+            sample = await self.scorer(sample)
+        return sample
+
+    async def _run_user_code(self, sample: Sample) -> Sample:
         try:
             if self.plugins.agent is not None and self.agent_ctx is not None:
                 sample = await self.plugins.agent(self.agent_ctx, sample)
@@ -140,7 +159,7 @@ class Rollout:
                 [t for t, m in zip(sample.response_ids, sample.loss_mask, strict=True) if m]
             )
             sample.reward = await call_reward(self.plugins.reward, sample, text)
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError, StopsTheRun):
             raise  # an unreachable engine is the driver's business, not a failed sample
         except Exception as e:
             log.warning("sample %d/%d failed: %s: %s", sample.group_index, sample.index, type(e).__name__, e)

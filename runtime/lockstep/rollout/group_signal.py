@@ -3,8 +3,8 @@
 Why it exists: with group-normalised advantages (GRPO and relatives) a group whose samples all got
 the same reward has advantage 0 on every token: it costs a rollout and trains nothing. With an
 exact-match reward that is every all-wrong group early in a run and every all-correct group late in
-it, so the share of such groups says how much of a step's batch is signal (issue 18 measured it per
-seed). Dynamic sampling (DAPO) keeps generating groups until the step has enough groups with signal;
+it, so the share of such groups says how much of a step's batch is signal (it differs from one data
+seed to another: bench/seed_sweep.py reports it per seed). Dynamic sampling (DAPO) keeps generating groups until the step has enough groups with signal;
 the rule for what counts lives here, as pure functions, so the loop, the metrics and the tests agree.
 
 Who calls it: lockstep.driver.steps (dynamic sampling), lockstep.trainer.local (step metrics).

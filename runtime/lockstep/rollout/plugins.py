@@ -15,7 +15,8 @@ Contracts (all receive the Sample to fill; the Sample carries prompt_ids and met
 - RewardFn:   `def reward(sample: Sample, response: str) -> float` (or `async def`), where
   `response` is the decoded response text without special tokens. Default: the task's reward.
 
-Who calls it: lockstep.driver.components (load_plugins), lockstep.rollout.generate (runs them).
+Who calls it: lockstep.driver.rollout (load_plugins), lockstep.rollout.generate (runs them, and
+call_reward), lockstep.rollout.buffer (load_function for spec.agent.groupFilterFunction).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from lockstep.sandbox.base import SandboxProvider
     from lockstep.serving.client import GenerateBackend
     from lockstep.serving.payloads import SamplingParams
     from lockstep.types import Sample
@@ -64,6 +66,8 @@ class AgentContext(RolloutContext):
     """spec.agent.maxTurns."""
     timeout_s: float | None = None
     """spec.agent.timeoutSeconds."""
+    sandboxes: SandboxProvider | None = None
+    """The job's sandboxes (spec.agent.sandbox): one claimed per episode; None without a sandbox."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form settings for the agent. The driver sets "family" (spec.model.family), which the
     in-process session server of lockstep.rollout.session.local uses for the chat-template rules, and

@@ -6,7 +6,8 @@ through this package, so payload shapes live in one place and are pinned by cont
 Public API:
 - payloads: SamplingParams, GenerateRequest, GenerateReply, ... and ROUTES (endpoint -> method, path).
 - EngineClient (async; retries, then EngineUnreachable), GenerateResult, GenerateBackend (Protocol),
-  EngineError, NoReply (the connection broke after the request was sent).
+  EngineError, NoReply (the connection broke after the request was sent), ContextFull (the input fills
+  the engine's context: no room for a completion).
 - open_weight_update_group / WeightUpdateGroup: the group of /init_weights_update_group (both ends).
 - dumps_named_tensors / loads_named_tensors: the /update_weights_from_tensor format (restricted loader).
 
@@ -23,6 +24,7 @@ from lockstep.serving.client import (
     GenerateResult,
     result_from_reply,
 )
+from lockstep.serving.context_fit import ContextFull
 from lockstep.serving.http import NoReply
 from lockstep.serving.payloads import (
     ROUTES,
@@ -37,6 +39,7 @@ from lockstep.serving.weight_group import WeightUpdateGroup, open_weight_update_
 
 __all__ = [
     "ROUTES",
+    "ContextFull",
     "EngineClient",
     "EngineError",
     "EngineUnreachable",

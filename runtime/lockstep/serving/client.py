@@ -27,11 +27,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from lockstep.api.auth import API_KEY_ENV as API_KEY_ENV  # re-exported for the servers' CLIs
 from lockstep.api.auth import api_key_from_env as api_key_from_env
 from lockstep.api.auth import auth_headers
+from lockstep.serving.context_fit import fit_request
 from lockstep.serving.http import ConnectFailed, JsonHttp, NoReply, Reply
 from lockstep.serving.payloads import (
     ROUTES,
@@ -41,19 +42,27 @@ from lockstep.serving.payloads import (
     CheckWeightsRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     GenerateReply,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
+    LoadLoraAdapterRequest,
+    LoraUpdateReply,
     ModelInfoReply,
+    ModelListReply,
     PauseGenerationRequest,
     SamplingParams,
     SuccessReply,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightVersionSpan,
 )
+from lockstep.serving.scoring import ScoredRow, parse_scores, score_request
 
 _R = TypeVar("_R", bound=BaseModel)
 
@@ -134,6 +143,7 @@ class GenerateBackend(Protocol):
         logprob_start_len: int = -1,
         return_routed_experts: bool = False,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult: ...
 
 
@@ -228,6 +238,8 @@ class EngineClient:
         self.last_version: int | None = None
         """The latest weight version this client saw (replies, updates, model_info)."""
         self._http = JsonHttp(timeout_s=timeout_s, headers=auth_headers(api_key))
+        self._context: int | None = None
+        self._context_known = False
 
     @property
     def closed(self) -> bool:
@@ -310,26 +322,83 @@ class EngineClient:
         rid: str | None = None,
         routed_dp_rank: int | None = None,
         headers: Mapping[str, str] | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """Sample one continuation of `input_ids` (token in, token out).
 
         routed_dp_rank pins the request to one DP-attention rank; headers go with the request (e.g.
-        sgl-router's routing key).
+        sgl-router's routing key); lora_path names the loaded LoRA adapter to sample with.
+        max_new_tokens is lowered to what the engine's context leaves (lockstep.serving.context_fit);
+        raises ContextFull when the input alone fills it.
         """
+        # ask only for what fits: stock SGLang refuses a request beyond its context (400)
+        params = fit_request(input_ids, sampling_params or SamplingParams(), await self.context_length())
         req = GenerateRequest(
             input_ids=list(input_ids),
-            sampling_params=sampling_params or SamplingParams(),
+            sampling_params=params,
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             return_routed_experts=return_routed_experts,
             rid=rid or uuid.uuid4().hex,
             routed_dp_rank=routed_dp_rank,
+            lora_path=lora_path,
         )
         submit_version = self.last_version
         resp = await self._request("generate", req, headers=headers)
         reply = GenerateReply.model_validate(resp.json())
         self._saw_version(reply.meta_info.weight_version)
         return result_from_reply(reply, submit_version)
+
+    async def context_length(self) -> int | None:
+        """The engine's context length (GET /v1/models, `max_model_len` of the base's card), asked once;
+        None when the engine does not serve the route (then requests go out as they are)."""
+        if self._context_known:
+            return self._context
+        method, path = ROUTES["models"]
+        try:  # one attempt: an engine that is not up yet is named by the request that follows
+            resp = await self._http.request(method, self.base_url + path, None)
+        except (ConnectFailed, NoReply):
+            return None  # asked again next time
+        if resp.status_code >= 400 and resp.status_code not in (404, 405):
+            return None  # not serving yet (503) or refused: asked again next time
+        if resp.status_code < 400:
+            try:
+                cards = ModelListReply.model_validate(resp.json()).data
+            except (ValidationError, ValueError):  # not SGLang's model list: the context stays unknown
+                cards = []
+            base = [c for c in cards if c.parent is None]  # adapters' cards carry no context length
+            self._context = base[0].max_model_len if base else None
+        self._context_known = True
+        return self._context
+
+    async def score(
+        self,
+        ids: Sequence[int],
+        start: int,
+        *,
+        top_k: int = 0,
+        token_ids: Sequence[int] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> ScoredRow:
+        """Score the exact IDs `ids` from position `start` without sampling (lockstep.serving.scoring):
+        each token's logprob, and with top_k / token_ids the most likely tokens and the listed IDs'
+        logprobs at every position. Raises ValueError when the reply scores other IDs."""
+        req = score_request(ids, start, top_k=top_k, token_ids=token_ids)
+        resp = await self._request("generate", req, headers=headers)
+        reply = GenerateReply.model_validate(resp.json())
+        return parse_scores(
+            reply, ids, start, top_k=top_k, token_ids=bool(token_ids), reply_bytes=len(resp.body)
+        )
+
+    async def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
+        """Decode each ID list to one string with the server's tokenizer, special tokens included
+        (SGLang's /v1/detokenize)."""
+        body = DetokenizeRequest(tokens=[list(t) for t in token_lists], skip_special_tokens=False)
+        reply = await self._call("detokenize", body, DetokenizeReply)
+        texts = [reply.text] if isinstance(reply.text, str) else list(reply.text)
+        if len(texts) != len(token_lists):
+            raise ValueError(f"/v1/detokenize returned {len(texts)} texts for {len(token_lists)} ID lists")
+        return texts
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request by rid, or all requests when rid is None."""
@@ -459,6 +528,51 @@ class EngineClient:
         body = UpdateWeightVersionRequest(new_version=str(version), abort_all_requests=abort_all_requests)
         await self._request("update_weight_version", body)
         self._saw_version(str(version))
+
+    # -- LoRA adapters (SGLang's --enable-lora routes) ------------------------------------------
+
+    async def _lora(self, endpoint: str, body: BaseModel) -> LoraUpdateReply:
+        resp = await self._request(endpoint, body, ok=(400,))
+        reply = LoraUpdateReply.model_validate(resp.json())
+        if not reply.success:
+            raise EngineError(
+                self.base_url + ROUTES[endpoint][1], resp.status_code, reply.error_message or ""
+            )
+        return reply
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> LoraUpdateReply:
+        """Load the adapter directory `path` (peft layout, as the engine sees it) under `name`."""
+        body = LoadLoraAdapterRequest(lora_name=name, lora_path=path, pinned=pinned)
+        return await self._lora("load_lora_adapter", body)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        name: str,
+        config: Mapping[str, Any],
+        payload: str,
+        *,
+        expected_checksums: Mapping[str, str] | None = None,
+        pinned: bool = False,
+    ) -> LoraUpdateReply:
+        """Load an adapter sent in the request: `payload` is base64 of a pickled {name: tensor} dict
+        (lockstep.serving.tensor_codec), `config` its peft adapter_config; with expected_checksums the
+        engine checks every tensor's sha256 before it loads."""
+        body = LoadLoraAdapterFromTensorsRequest(
+            lora_name=name,
+            config_dict=dict(config),
+            serialized_named_tensors=[payload],
+            pinned=pinned,
+            expected_checksums=dict(expected_checksums) if expected_checksums is not None else None,
+        )
+        return await self._lora("load_lora_adapter_from_tensors", body)
+
+    async def unload_lora_adapter(self, name: str) -> LoraUpdateReply:
+        """Unload adapter `name` once the requests using it have finished."""
+        return await self._lora("unload_lora_adapter", UnloadLoraAdapterRequest(lora_name=name))
+
+    async def list_models(self) -> ModelListReply:
+        """GET /v1/models: the served base and every loaded LoRA adapter (`.adapters()`)."""
+        return await self._call("models", None, ModelListReply)
 
     async def model_info(self) -> ModelInfoReply:
         info = await self._call("model_info", None, ModelInfoReply)

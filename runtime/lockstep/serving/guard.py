@@ -5,7 +5,8 @@ job depends on (weights, versions, sessions, the optimizer). Each requires the j
 (`Authorization: Bearer <key>`, the key from Secret `<job>-api-key` as LOCKSTEP_API_KEY, SGLang's
 own --api-key convention) on every route except the read-only GETs it lists, compares it in
 constant time, and never logs it. Bodies are capped per server (aiohttp's client_max_size answers
-413), and JSON is parsed so that hostile nesting is a 400, not a 500.
+413), JSON is parsed so that hostile nesting is a 400, not a 500, and idle connections close after
+IDLE_TIMEOUT_S.
 
 Who calls it: lockstep.engine.server, lockstep.rollout.session.server, lockstep.trainer.server.
 """
@@ -24,6 +25,11 @@ from lockstep.serving.client import API_KEY_ENV
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 READ_METHODS = frozenset({"GET", "HEAD"})
+IDLE_TIMEOUT_S = 75.0
+"""Seconds an idle keep-alive connection stays open on every Lockstep server: aiohttp's run_app default,
+which the engine has; an AppRunner's own default is 3630 s, so the session and trainer servers kept idle
+connections (and their file descriptors) for an hour. Clients reuse idle connections for less
+(lockstep.serving.http.KEEPALIVE_S, httpx's 5 s)."""
 
 
 def bearer_middleware(api_key: str | None, *, open_reads: Collection[str]) -> Any:

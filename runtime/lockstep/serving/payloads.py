@@ -19,8 +19,13 @@ Routes (ROUTES below): POST /generate, POST /abort_request, GET /health, GET /he
 GET|POST /flush_cache, POST /pause_generation, POST /continue_generation,
 POST /update_weights_from_disk, POST /init_weights_update_group, POST /destroy_weights_update_group,
 POST /update_weights_from_distributed, POST /update_weights_from_tensor, POST /update_weight_version,
-POST /weights_checker (CheckWeightsReqInput: the pre-flight), GET /model_info (carries weight_version;
-the older GET /get_weight_version is gone from the pinned SGLang, so the client never calls it).
+POST /weights_checker (CheckWeightsReqInput: the pre-flight), GET /v1/models (the context length, as
+max_model_len), GET /model_info (carries weight_version;
+the older GET /get_weight_version is gone from the pinned SGLang, so the client never calls it),
+POST /load_lora_adapter, /load_lora_adapter_from_tensors and /unload_lora_adapter (LoRA adapters on the
+served base; docs/lora.md),
+POST /v1/detokenize (the teacher-student tokenizer check of on-policy distillation), GET /v1/models
+(the served base and, with --enable-lora, every loaded adapter: which adapter versions an engine holds).
 runtime/tests/sglang/ checks every route and body here against the pinned SGLang's own source.
 
 Who calls it: lockstep.serving.client (builds requests, parses replies) and lockstep.engine (parses
@@ -58,6 +63,11 @@ ROUTES: dict[str, tuple[str, str]] = {
     "update_weight_version": ("POST", "/update_weight_version"),
     "weights_checker": ("POST", "/weights_checker"),
     "model_info": ("GET", "/model_info"),
+    "models": ("GET", "/v1/models"),
+    "detokenize": ("POST", "/v1/detokenize"),
+    "load_lora_adapter": ("POST", "/load_lora_adapter"),
+    "load_lora_adapter_from_tensors": ("POST", "/load_lora_adapter_from_tensors"),
+    "unload_lora_adapter": ("POST", "/unload_lora_adapter"),
 }
 """Endpoint name -> (HTTP method, path), as served by SGLang's http_server.py."""
 
@@ -100,8 +110,12 @@ class GenerateRequest(_Request):
     """Return meta_info.output_token_logprobs."""
     logprob_start_len: int = -1
     """With return_logprob, also return input_token_logprobs from this prompt position; -1: none."""
-    top_logprobs_num: int = 0
-    """Top alternatives per position (SGLang field; our engine supports only 0)."""
+    top_logprobs_num: int = Field(default=0, ge=0)
+    """With return_logprob, the most likely tokens per position (meta_info.input_top_logprobs for prompt
+    positions from logprob_start_len; the reference engine serves them for scoring requests only)."""
+    token_ids_logprob: list[int] | None = None
+    """With return_logprob, the token IDs whose logprobs to return at every position
+    (meta_info.input_token_ids_logprobs for prompt positions; scoring requests only on our engine)."""
     return_text_in_logprobs: bool = False
     """Fill the third element of each logprob triple with the token text."""
     return_routed_experts: bool = False
@@ -111,7 +125,8 @@ class GenerateRequest(_Request):
     stream: bool = False
     """Streaming replies (the runtime never streams)."""
     lora_path: str | None = None
-    """LoRA adapter to sample with (SGLang field; our engine supports none)."""
+    """The name of the loaded LoRA adapter to sample with (SGLang resolves it by name; the engine must
+    run with --enable-lora); None samples the base model."""
     routed_dp_rank: int | None = Field(default=None, ge=0)
     """The data-parallel rank (DP attention worker) that must serve this request; None lets the
     engine's scheduler choose. Set by the TITO session server so every turn of a session reaches the
@@ -161,7 +176,14 @@ class MetaInfo(_Reply):
     output_token_logprobs: list[list[Any]] | None = None
     """Per output token [logprob, token_id, text-or-null]."""
     input_token_logprobs: list[list[Any]] | None = None
-    """Per prompt token from logprob_start_len [logprob-or-null, token_id, text-or-null]."""
+    """Per prompt token from logprob_start_len [logprob-or-null, token_id, text-or-null]; the first
+    entry's logprob is null whatever logprob_start_len is (nothing of the request predicts it)."""
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
+    """With top_logprobs_num: per prompt token from logprob_start_len, null or the most likely
+    [logprob, token_id, text-or-null] at the position that predicts it (first entry null)."""
+    input_token_ids_logprobs: list[list[list[Any]] | None] | None = None
+    """With token_ids_logprob: per prompt token from logprob_start_len, null or
+    [logprob, token_id, text-or-null] for each asked ID (first entry null)."""
     routed_experts: str | None = None
     """R3 data: base64 of int32 [tokens-1, layers, topk]."""
     weight_versions: list[WeightVersionSpan] | None = None
@@ -177,6 +199,22 @@ class GenerateReply(_Reply):
     """Output token IDs (the stop token included when one matched)."""
     meta_info: MetaInfo
     """Logprobs, counts, finish reason and versions."""
+
+
+class DetokenizeRequest(_Request):
+    """POST /v1/detokenize body (SGLang's OpenAI-protocol DetokenizeRequest)."""
+
+    tokens: list[int] | list[list[int]]
+    """One ID list (one text back) or several (one text per list)."""
+    skip_special_tokens: bool = True
+    """Drop special tokens from the text; the tokenizer check sends false, so every ID decodes."""
+
+
+class DetokenizeReply(_Reply):
+    """/v1/detokenize reply (DetokenizeResponse)."""
+
+    text: str | list[str]
+    """The decoded text, or one per ID list."""
 
 
 class AbortRequest(_Request):
@@ -362,3 +400,79 @@ class ModelInfoReply(_Reply):
     """HF model_type, e.g. "qwen3"."""
     architectures: list[str] | None = None
     """HF architectures, e.g. ["Qwen3ForCausalLM"]."""
+
+
+class ModelCardReply(_Reply):
+    """One card of GET /v1/models (SGLang's ModelCard): the base, or a loaded LoRA adapter."""
+
+    id: str
+    """The served model name, or the adapter's lora_name."""
+    root: str | None = None
+    """The model path, or the adapter's lora_path."""
+    parent: str | None = None
+    """None for the base; for an adapter, the base it is served on."""
+    max_model_len: int | None = None
+    """The base's context length (None on adapters)."""
+
+
+class ModelListReply(_Reply):
+    """GET /v1/models reply (SGLang's ModelList)."""
+
+    object: str = "list"
+    data: list[ModelCardReply] = Field(default_factory=list)
+
+    def adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters (the cards with a parent)."""
+        return [c.id for c in self.data if c.parent is not None]
+
+
+class LoadLoraAdapterRequest(_Request):
+    """POST /load_lora_adapter body (LoadLoRAAdapterReqInput): an adapter directory in peft's layout."""
+
+    lora_name: str
+    """The name requests will use (`lora_path` of /generate); refused if already loaded."""
+    lora_path: str
+    """Directory with adapter_config.json and adapter_model.safetensors, as the engine sees it."""
+    pinned: bool = False
+    """Keep it in GPU memory (SGLang's LRU never evicts it)."""
+
+
+class LoadLoraAdapterFromTensorsRequest(_Request):
+    """POST /load_lora_adapter_from_tensors body (LoadLoRAAdapterFromTensorsReqInput).
+
+    serialized_named_tensors holds, per TP rank, base64 of a pickled {peft name: tensor} dict (CPU
+    tensors by value cross hosts; CUDA tensors travel as IPC handles). expected_checksums: sha256 of
+    each tensor's bytes, checked by the engine before it loads (SGLang's adapter-sync check).
+    """
+
+    lora_name: str
+    """The name requests will use; refused if already loaded."""
+    config_dict: dict[str, Any]
+    """The adapter's peft adapter_config.json (r, lora_alpha, target_modules, ...)."""
+    serialized_named_tensors: list[str]
+    """Base64 payloads, one per TP rank."""
+    pinned: bool = False
+    """Keep it in GPU memory."""
+    load_format: str | None = None
+    """None (named tensors) or "flattened_bucket" (not sent by the runtime)."""
+    expected_checksums: dict[str, str] | None = None
+    """Tensor name -> sha256 hex of its bytes; a mismatch, missing or extra tensor fails the load."""
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """POST /unload_lora_adapter body (UnloadLoRAAdapterReqInput); SGLang waits for the requests that
+    use the adapter to finish, then frees it."""
+
+    lora_name: str
+    """The adapter to unload."""
+
+
+class LoraUpdateReply(_Reply):
+    """Reply of the three adapter routes (LoRAUpdateOutput; HTTP 200 on success, 400 on failure)."""
+
+    success: bool
+    """Whether the load or unload happened."""
+    error_message: str | None = None
+    """Why not."""
+    loaded_adapters: dict[str, Any] | None = None
+    """name -> path (or SGLang's LoRARef) of every adapter loaded afterwards."""

@@ -16,6 +16,7 @@ Who calls it: lockstep.weights (the colocated CUDA-IPC transport) serializes; lo
 from __future__ import annotations
 
 import base64
+import collections
 import io
 import mmap
 import os
@@ -88,9 +89,20 @@ def _rebuild_cuda(*args: Any) -> Any:
     return rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
 
 
+def _storage_from_bytes(data: bytes) -> Any:
+    """Stands in for torch.storage._load_from_bytes (a storage pickled by value: plain pickle of a CPU
+    tensor, which crosses hosts): torch.load restricted to tensors and plain data."""
+    import torch
+
+    if not isinstance(data, bytes):
+        raise UnsafePayload(f"a storage by value must be bytes, the payload has {type(data).__name__}")
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 _SAFE_REBUILDS: dict[tuple[str, str], Any] = {
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_shm,
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda,
+    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
 }
 """Rebuild functions replaced by checked versions of our own."""
 
@@ -123,6 +135,8 @@ class _TensorOnlyUnpickler(pickle.Unpickler):
                 return obj
         if module == "torch" and name == "Tensor":
             return torch.Tensor
+        if (module, name) == ("collections", "OrderedDict"):  # _rebuild_tensor_v2's empty hook dict
+            return collections.OrderedDict
         raise UnsafePayload(f"serialized_named_tensors references {module}.{name}, which is not allowed")
 
 
@@ -149,6 +163,15 @@ def dumps_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         finally:
             mp.set_sharing_strategy(before)  # type: ignore[no-untyped-call]
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def dumps_tensors_by_value(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """{name: tensor} -> base64 of a plain pickle whose CPU tensors carry their bytes (no shared memory),
+    so the payload crosses hosts: what SGLang's /load_lora_adapter_from_tensors accepts from a trainer
+    on another machine (its SafeUnpickler loads storages by value). Small tensors only (adapters):
+    the bytes travel base64 in the JSON body."""
+    data = {name: t.detach().to("cpu").contiguous() for name, t in named}
+    return base64.b64encode(pickle.dumps(data, protocol=4)).decode("ascii")
 
 
 def loads_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:

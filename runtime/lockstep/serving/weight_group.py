@@ -49,6 +49,19 @@ class WeightUpdateGroup:
     """The c10d backend object (ProcessGroupGloo or ProcessGroupNCCL)."""
     store: Any
     """The TCPStore, kept alive as long as the group."""
+    keys: Any = None
+    """The group's prefixed view of the store (where the size-preamble capability keys are)."""
+    _preamble: bool | None = None
+
+    def announces_sizes(self) -> bool:
+        """Whether every update on this group starts with the size preamble (`size_preamble`): true
+        when every rank advertised it at join (open_weight_update_group(announce_sizes=True)); a stock
+        SGLang engine or a sender that does not send it leaves it off for the whole group. Decided at
+        the first update, when every rank has joined, and the same on every rank."""
+        if self._preamble is None:
+            wanted = [f"{PREAMBLE_KEY}/{r}" for r in range(self.world_size)]
+            self._preamble = self.keys is not None and bool(self.keys.check(wanted))
+        return self._preamble
 
     def broadcast(self, tensor: Any, src: int = 0) -> None:
         """Broadcast `tensor` in place from rank `src` to every rank of the group; blocks until done."""
@@ -66,6 +79,41 @@ class WeightUpdateGroup:
             shutdown()
         self.pg = None
         self.store = None
+        self.keys = None
+
+
+PREAMBLE_KEY = "lockstep-size-preamble-v1"
+"""Store key (under the group's prefix, one per rank) by which a rank says it sends or checks the
+size preamble. Stock SGLang never sets it, so the preamble stays off in a group with a stock engine."""
+_PREAMBLE_MAGIC = 0x4C4B5354  # "LKST"
+
+
+def size_preamble(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[int]:
+    """The 4 int64 values a sender broadcasts before an update's data: a magic number, the tensor
+    count, the total bytes and a digest of every (name, dtype, shape), computed from what it sends.
+
+    Why: a receiver posts each collective with the size the HTTP request announced, and gloo aborts the
+    whole receiving process when more bytes arrive than it posted (and silently accepts fewer). The
+    preamble has a fixed size on both ends, so comparing it with the announcement catches a mismatch
+    before any data collective is posted."""
+    import hashlib
+
+    import torch
+
+    total, text = 0, []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dt = getattr(torch, dtype.removeprefix("torch."))
+        total += torch.Size(shape).numel() * dt.itemsize
+        text.append(f"{name}:{dtype.removeprefix('torch.')}:{list(shape)}")
+    digest = int.from_bytes(hashlib.blake2b("\n".join(text).encode(), digest_size=8).digest(), "big") >> 1
+    return [_PREAMBLE_MAGIC, len(names), total, digest]
+
+
+def describe_preamble(values: list[int]) -> str:
+    """A preamble in words, for errors."""
+    if values[0] != _PREAMBLE_MAGIC:
+        return f"no size preamble (first values {values[:3]})"
+    return f"{values[1]} tensors, {values[2]} bytes (digest {values[3]:x})"
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -120,10 +168,13 @@ def open_weight_update_group(
     group_name: str = "weight_update_group",
     timeout_s: float = 300.0,
     join_timeout_s: float | None = None,
+    announce_sizes: bool = False,
 ) -> WeightUpdateGroup:
     """Join (rank > 0) or host (rank 0) the weight-update group; blocks until all ranks joined.
 
     join_timeout_s bounds the rendezvous (default: timeout_s); timeout_s bounds each collective.
+    announce_sizes: this rank sends (rank 0) or checks (an engine) the size preamble of every update
+    (`size_preamble`); it is used when every rank of the group says so (WeightUpdateGroup.announces_sizes).
     Rank 0's listeners (the TCPStore, gloo's pairs) bind the local address that routes to
     master_address, never all interfaces; NCCL binds the address of its socket interface
     (NCCL_SOCKET_IFNAME; docs/security.md).
@@ -145,6 +196,8 @@ def open_weight_update_group(
     else:
         store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=join)  # type: ignore[attr-defined]
     prefixed = dist.PrefixStore(f"{group_name}/", store)  # type: ignore[attr-defined]
+    if announce_sizes:  # before the group forms, so every rank sees it once the group exists
+        prefixed.set(f"{PREAMBLE_KEY}/{rank}", "1")
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
@@ -158,5 +211,5 @@ def open_weight_update_group(
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_opts)
     store.set_timeout(timeout)
     return WeightUpdateGroup(
-        name=group_name, backend=backend, rank=rank, world_size=world_size, pg=pg, store=store
+        name=group_name, backend=backend, rank=rank, world_size=world_size, pg=pg, store=store, keys=prefixed
     )

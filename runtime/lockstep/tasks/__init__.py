@@ -13,7 +13,9 @@ User data is also accepted: a JSON-lines file or directory, or a local Hugging F
 and forms in lockstep.tasks.data). Its default reward is the math reward (lockstep.tasks.numeric) when
 every label is a number, else exact match after stripping whitespace.
 
-Who calls it: lockstep.driver (prompt source, eval set, default reward), lockstep.rollout.plugins.
+Who calls it: lockstep.driver.inputs (prompt source, eval set, default reward), lockstep.trainer.parts
+(the SFT warm start's answers), the in-process session server (lockstep.rollout.session.local),
+`lockstep trainer` and `lockstep precision-check`.
 """
 
 from lockstep.tasks.base import Task, TaskItem

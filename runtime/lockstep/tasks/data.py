@@ -10,6 +10,11 @@ Row schema (a JSON object per line, or a dataset's columns):
   `prompt` (GSM8K's column name);
 - the label the reward reads: `answer` (a string or a number); `label` is read as `answer`;
 - every other column goes to the item's metadata, for custom reward functions.
+An SFT job (spec.recipe sft) reads the same rows but needs no label: a row is `messages` with the
+assistant turns to learn, or a prompt with its `response` (a string; `answer` stands in for it when
+there is none, as the SFT warm start reads the reference answers).
+A row with `instruction` is a shell task instead (`instruction`, `test`, optional `setup` and
+`solution`; lockstep.tasks.shell.rows), run in a sandbox by the terminal agent.
 
 Sources (`data.prompts`, `data.evalPrompts`):
 - a JSON-lines file;
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.tasks.base import Row
+from lockstep.tasks.shell.rows import is_task_row, task_row
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _PROMPT_KEYS = ("messages", "prompt", "question")
@@ -40,13 +46,14 @@ _LABEL_KEYS = ("answer", "label")
 _FILE_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
 
 
-def read_rows(source: str) -> list[Row]:
-    """The validated rows of a prompt source (see the module doc); raises naming the file and fix."""
+def read_rows(source: str, *, sft: bool = False) -> list[Row]:
+    """The validated rows of a prompt source (see the module doc); raises naming the file and fix.
+    `sft`: rows of an SFT job (no label needed)."""
     path, config, split = _split(source)
     if path.is_file():
-        rows = list(_jsonl_rows(path))
+        rows = list(_jsonl_rows(path, sft))
     elif path.is_dir():
-        rows = list(_dir_rows(path, config, split))
+        rows = list(_dir_rows(path, config, split, sft))
     else:
         raise FileNotFoundError(
             f"prompt source {source!r} does not exist; give a JSON-lines file, a directory of them, a "
@@ -57,12 +64,17 @@ def read_rows(source: str) -> list[Row]:
     return rows
 
 
-def row_from(obj: Any, where: str) -> Row:
-    """One row object -> Row; ValueError names `where` (file:line or dataset[index]) and the field."""
+def row_from(obj: Any, where: str, sft: bool = False) -> Row:
+    """One row object -> Row; ValueError names `where` (file:line or dataset[index]) and the field.
+    `sft`: an SFT job's row, whose label is optional (its answer is then "")."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
+    if is_task_row(obj):
+        return task_row(obj, where)
     label_key = next((k for k in _LABEL_KEYS if obj.get(k) is not None), None)
     prompt_key = next((k for k in _PROMPT_KEYS if obj.get(k) is not None), None)
+    if sft and prompt_key is not None and label_key is None:
+        return _sft_row(obj, prompt_key, where)
     if label_key is None or prompt_key is None:
         raise ValueError(
             f'{where}: each row needs "messages" (chat messages) or "prompt" (a string), and "answer" '
@@ -79,6 +91,27 @@ def row_from(obj: Any, where: str) -> Row:
         raise ValueError(f'{where}: "{prompt_key}" must be a string; use "messages" for a chat')
     meta = {k: v for k, v in obj.items() if k not in (prompt_key, label_key)}
     return Row(messages, str(label), meta)
+
+
+def _sft_row(obj: Mapping[str, Any], prompt_key: str, where: str) -> Row:
+    """A row of an SFT job without a label: messages holding the assistant turns, or a prompt with
+    its `response`."""
+    if prompt_key == "messages":
+        messages = _messages(obj["messages"], where)
+        if not any(m["role"] == "assistant" for m in messages) and not isinstance(obj.get("response"), str):
+            raise ValueError(
+                f'{where}: an SFT row needs the assistant turns to learn: assistant messages in "messages", '
+                'or a "response" string'
+            )
+    elif isinstance(obj[prompt_key], str):
+        messages = ({"role": "user", "content": obj[prompt_key]},)
+        if not isinstance(obj.get("response"), str):
+            raise ValueError(
+                f'{where}: an SFT row with "{prompt_key}" needs "response" (a string): the reply to learn'
+            )
+    else:
+        raise ValueError(f'{where}: "{prompt_key}" must be a string; use "messages" for a chat')
+    return Row(messages, "", {k: v for k, v in obj.items() if k != prompt_key})
 
 
 def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
@@ -109,7 +142,7 @@ def _split(source: str) -> tuple[Path, str | None, str]:
     return path, None, "train"
 
 
-def _jsonl_rows(path: Path) -> Iterable[Row]:
+def _jsonl_rows(path: Path, sft: bool = False) -> Iterable[Row]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -117,19 +150,19 @@ def _jsonl_rows(path: Path) -> Iterable[Row]:
             obj = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
-        yield row_from(obj, f"{path}:{n}")
+        yield row_from(obj, f"{path}:{n}", sft)
 
 
-def _dir_rows(path: Path, config: str | None, split: str) -> Iterable[Row]:
+def _dir_rows(path: Path, config: str | None, split: str, sft: bool = False) -> Iterable[Row]:
     jsonl = sorted(path.glob("*.jsonl"))
     if jsonl and config is None:
         for f in jsonl:
-            yield from _jsonl_rows(f)
+            yield from _jsonl_rows(f, sft)
         return
     dataset = _load_dataset(path, config, split)
     where = f"{path}[{config}:{split}]" if config else f"{path}[{split}]"
     for i, obj in enumerate(dataset):
-        yield row_from(obj, f"{where}[{i}]")
+        yield row_from(obj, f"{where}[{i}]", sft)
 
 
 def _load_dataset(path: Path, config: str | None, split: str) -> Any:

@@ -57,7 +57,10 @@ class ReverseDigits:
         if index < 0:
             raise ValueError(f"item index must be >= 0, got {index}")
         s = self._digits(index, split)
-        return TaskItem(index, ({"role": "user", "content": f"rev {s}"},), s[::-1], {"digits": s})
+        # `label`: the task name, the route of on-policy distillation (spec.algorithm.opd.labelKey).
+        return TaskItem(
+            index, ({"role": "user", "content": f"rev {s}"},), s[::-1], {"digits": s, "label": "reverse"}
+        )
 
     def reward(self, response: str, item: TaskItem) -> float:
         return exact_match(response, item.answer)

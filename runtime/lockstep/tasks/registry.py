@@ -8,6 +8,9 @@ built-in task is one line here and never touches the loader.
   multi-turn TITO task (lockstep.tasks.toolcalc). Its own reward is exact match of the final text;
   run it with spec.agent.agentFunction `lockstep.rollout.session.local:toolcalc_agent` and
   rewardFunction `lockstep.tasks.toolcalc:reward` (examples/tiny-tools.yaml).
+- `builtin:shell`: one-command shell tasks (make a file, write a number, copy, move, ...) scored by
+  their test scripts in a sandbox; run it with spec.agent.sandbox (lockstep.tasks.shell,
+  examples/tiny-sandbox.yaml).
 
 Who calls it: lockstep.tasks.load_task's callers (the driver, the trainer).
 """
@@ -20,21 +23,29 @@ from typing import TYPE_CHECKING
 from lockstep.tasks.base import DataTask, Task
 from lockstep.tasks.data import read_rows
 from lockstep.tasks.digits import ReverseDigits
+from lockstep.tasks.shell.suite import ShellSuite
 from lockstep.tasks.toolcalc.env import ToolCalc
 
 if TYPE_CHECKING:
     from lockstep.api import DataSpec
 
-BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {"reverse": ReverseDigits, "toolcalc": ToolCalc}
+BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {
+    "reverse": ReverseDigits,
+    "toolcalc": ToolCalc,
+    "shell": ShellSuite,
+}
 """Built-in task names (used as `builtin:<name>`) and their constructors (taking the data seed)."""
 
 
-def data_task(data: DataSpec) -> Task:
-    """The Task of a job's spec.data: its prompts, eval prompts, seed and shuffle."""
-    return load_task(data.prompts, data.eval_prompts, data.seed, shuffle=data.shuffle)
+def data_task(data: DataSpec, *, sft: bool = False) -> Task:
+    """The Task of a job's spec.data: its prompts, eval prompts, seed and shuffle (`sft`: an SFT job's
+    rows, lockstep.tasks.data)."""
+    return load_task(data.prompts, data.eval_prompts, data.seed, shuffle=data.shuffle, sft=sft)
 
 
-def load_task(source: str, eval_source: str | None = None, seed: int = 0, *, shuffle: bool = False) -> Task:
+def load_task(
+    source: str, eval_source: str | None = None, seed: int = 0, *, shuffle: bool = False, sft: bool = False
+) -> Task:
     """A Task from a manifest's data.prompts (and data.evalPrompts) string.
 
     `seed` is spec.data.seed; `shuffle` (spec.data.shuffle) reorders user data every epoch under it
@@ -53,5 +64,5 @@ def load_task(source: str, eval_source: str | None = None, seed: int = 0, *, shu
                 f"data.evalPrompts: a built-in task evaluates on its own eval split; set it to {source!r}"
             )
         return BUILTIN_TASKS[name](seed)
-    eval_rows = read_rows(eval_source) if eval_source else None
-    return DataTask(source, read_rows(source), eval_rows, shuffle_seed=seed if shuffle else None)
+    eval_rows = read_rows(eval_source, sft=sft) if eval_source else None
+    return DataTask(source, read_rows(source, sft=sft), eval_rows, shuffle_seed=seed if shuffle else None)

@@ -1,6 +1,6 @@
-"""The TrainBackend protocol: what the driver asks of any trainer (FSDP2 now, Megatron-core next).
+"""The TrainBackend protocol: what the trainer asks of any backend (FSDP2 or Megatron-core, §8).
 
-Why it exists: the driver must not care how the policy is sharded. It asks the backend for logprobs
+Why it exists: the trainer must not care how the policy is sharded. It asks the backend for logprobs
 of exact token IDs, one optimizer step with a given loss, the gathered weights in HF names for the
 weight transports, checkpoints for resume, and to free device memory between phases. Everything a
 future capability needs enters through these calls' arguments, not new methods on the loop:
@@ -14,7 +14,9 @@ future capability needs enters through these calls' arguments, not new methods o
 - SFT / OPD / LoRA: the loss is a parameter (`LossFn`); LoRA changes what `export_weights` yields
   (merged weights or adapters) and what the optimizer holds, not the loop.
 
-Who calls it: lockstep.driver (loop, SFT warm start) and `lockstep trainer` ranks.
+Who calls it: lockstep.trainer.local (LocalTrainer: every step, the SFT warm start, weight updates),
+through lockstep.trainer.spmd on a trainer group's ranks; lockstep.trainer.state (checkpoints);
+`lockstep trainer` without --serve and `lockstep precision-check`. lockstep.train.factory builds one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,54 @@ if TYPE_CHECKING:
 
     from lockstep.train.common.batch import TrainBatch
     from lockstep.train.common.losses import LossFn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendConfig:
+    """What every backend is built with: the checkpoint, the optimizer and the batching. FSDPConfig and
+    MegatronConfig add their own fields; lockstep.config.trainer builds one from the manifest."""
+
+    model_path: Path | None = None
+    """HF checkpoint directory: config.json and, optionally, safetensors weights (absent = random init
+    from `seed`). None in a config built from the manifest, before the run's checkpoint is resolved:
+    lockstep.train.factory.build_backend(config, model_dir) sets it."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping; the norm is still reported)."""
+    micro_batch_size: int = 64
+    """Rows per forward/backward; gradients accumulate over micro-batches."""
+    seed: int = 0
+    """Seed of the random init and of the RNG state saved in checkpoints (rank is added)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16."""
+    with_ref: bool = False
+    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint
+    until `set_reference`."""
+    r3_replay: bool = True
+    """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
+    measures r3_routing_mismatch (what replay would fix)."""
+    offload: str = "none"
+    """Where `offload()` puts the state between steps (trainer.offload; each backend says what it takes)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32 or bfloat16")
+
+    def checkpoint(self) -> Path:
+        """model_path, which a backend needs; a config straight from the manifest has none yet."""
+        if self.model_path is None:
+            raise ValueError(
+                "the backend config has no model_path: build the backend with "
+                "lockstep.train.factory.build_backend(config, model_dir)"
+            )
+        return Path(self.model_path)
 
 
 @dataclass(slots=True)
@@ -87,6 +137,11 @@ class TrainBackend(Protocol):
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full gathered tensor) for every weight the engine loads, in HF layout."""
+        ...
+
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: (HF name, full tensor) of the frozen base the adapter trains on, what the engines must
+        serve under it (the adapter pre-flight hashes it). Raises ValueError without LoRA."""
         ...
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:

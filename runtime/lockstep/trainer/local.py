@@ -3,37 +3,28 @@
 Why it exists: `lockstep run` trains in the driver's process and rank 0 of a trainer group serves the
 same object to a remote driver (lockstep.trainer.server), so each step of the loop that touches the
 policy is written once, here: the SFT warm start, the first update (through the pre-flight when asked),
-an RL step on complete groups, an update, a checkpoint. `TrainerParts` is what those steps need (backend,
-transport, the task's text functions), built once per process by `build_trainer_parts`.
+an RL step on complete groups, an update, a checkpoint. `TrainerParts` (lockstep.trainer.parts) is what
+those steps need (backend, transport, the task's text functions), built once per process.
 
-Who calls it: lockstep.driver.components (a local run), lockstep.trainer.server (rank 0).
+Who calls it: lockstep.driver.policy (a local run), lockstep.trainer.server (rank 0).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.api import Engine, Offload, Precision
-from lockstep.models import load_tokenizer
-from lockstep.models.hub_data import resolve_data
-from lockstep.rollout.group_signal import group_signal_metrics
-from lockstep.serving.membership import EngineMembers, StaticMembers
-from lockstep.tasks import Task, data_task
 from lockstep.train.common.losses import policy_loss, sft_loss
 from lockstep.train.common.lr_schedule import learning_rate_at, sft_done
 from lockstep.train.common.mismatch import mismatch_weights
+from lockstep.train.common.opd import apply_opd
 from lockstep.train.common.packing import pack_groups, pack_sft, response_view
 from lockstep.train.common.r3 import collate_routed_experts
-from lockstep.train.factory import build_backend as make_backend
-from lockstep.trainer.protocol import PREFLIGHT_FILE, NonFiniteLoss, PreflightFailed
-from lockstep.trainer.settings import TrainerSettings
+from lockstep.trainer.metrics import batch_metrics, signal_metrics
+from lockstep.trainer.parts import SftRows, TrainerParts
+from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.state import (
     DriverState,
     checkpoints_dir,
@@ -42,53 +33,21 @@ from lockstep.trainer.state import (
     save_checkpoint,
     save_reference,
 )
-from lockstep.types import Group, SampleStatus
-from lockstep.weights.factory import build_transport
-from lockstep.weights.preflight import LogprobProbe, PreflightResult, check_weight_update_equal
-from lockstep.weights.transport import EngineSet, update_members
+from lockstep.types import Group
+from lockstep.weights.adapter import AdapterSync, check_adapter_update
+from lockstep.weights.fallback import Export
+from lockstep.weights.preflight import (
+    PREFLIGHT_FILE,
+    LogprobProbe,
+    PreflightResult,
+    check_weight_update_equal,
+)
+from lockstep.weights.transport import update_members
 
 if TYPE_CHECKING:
-    from lockstep.api import RLJob
-    from lockstep.train.backend import TrainBackend
-    from lockstep.train.common.batch import TrainBatch
-    from lockstep.weights.transport import WeightTransport
+    from lockstep.weights.transport import TransferReport
 
 log = logging.getLogger(__name__)
-
-SFT_ITEM_BASE = 10_000_000
-"""SFT warm-start items are drawn from this train-split offset, apart from the RL prompts."""
-
-
-@dataclass(slots=True)
-class TrainerParts:
-    """Everything the trainer-side steps need; built once per process."""
-
-    job: RLJob
-    """The validated manifest (spec.weightSync for the pre-flight)."""
-    settings: TrainerSettings
-    """Learning rates, SFT warm start, loss, seed."""
-    run_dir: Path
-    """Where checkpoints/ and preflight.json are written (the trainer's run dir)."""
-    backend: TrainBackend
-    """The sharded policy (on rank 0 of a group: lockstep.trainer.spmd.LeaderBackend)."""
-    transport: WeightTransport
-    """How versions reach the engines."""
-    engines: EngineSet
-    """The engines each update reaches (asked again before every update)."""
-    pad_id: int
-    """Padding token ID for packing."""
-    eos_id: int
-    """The token that ends an assistant turn (closes each SFT answer)."""
-    engine_urls: list[str]
-    """The engines known at start (each update and the pre-flight ask `engines` for those of the moment)."""
-    render: Callable[[Sequence[Mapping[str, Any]]], list[int]]
-    """Chat messages -> prompt token IDs (with the generation prompt), as the rollout renders them."""
-    encode: Callable[[str], list[int]]
-    """Text -> token IDs (SFT answers)."""
-    task: Task
-    """Prompts and reference answers (SFT warm start, pre-flight probe prompt)."""
-    clock: Callable[[], float] = time.monotonic
-    """Injected monotonic clock (step timings)."""
 
 
 class LocalTrainer:
@@ -110,12 +69,9 @@ class LocalTrainer:
         if s.sft_learning_rate is not None:
             c.backend.set_learning_rate(s.sft_learning_rate)
         losses: list[float] = []
+        rows = SftRows(c.task, c.render, c.encode, eos, c.reply_pair)
         for k in range(s.sft_steps):
-            pairs = []
-            for j in range(s.sft_rows):
-                item = c.task.item(SFT_ITEM_BASE + k * s.sft_rows + j, "train")
-                pairs.append((c.render(item.messages), c.encode(item.answer) + eos))
-            result = c.backend.train_step(pack_sft(pairs, c.pad_id), sft_loss)
+            result = c.backend.train_step(pack_sft(rows.step(k, s.sft_rows), c.pad_id), sft_loss)
             if result.skipped:
                 raise NonFiniteLoss(f"SFT warm start step {k}: non-finite loss {result.loss}")
             yield {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
@@ -133,13 +89,13 @@ class LocalTrainer:
 
     def first_update(self, version: int) -> dict[str, float]:
         """The update before step 1: through the pre-flight check when spec.weightSync.checkWeightUpdateEqual."""
-        if self.parts.job.spec.weight_sync.check_weight_update_equal:
+        if self.parts.settings.check_weight_update_equal:
             return self._preflight_update(version)
         (self.parts.run_dir / PREFLIGHT_FILE).unlink(missing_ok=True)  # an earlier start's result is not ours
         return self.update_weights(version)
 
     def _preflight_update(self, version: int) -> dict[str, float]:
-        """The first update through the pre-flight check (seed §7.2.5): SGLang's /weights_checker
+        """The first update through the pre-flight check (§7.2.5): SGLang's /weights_checker
         snapshot and reset_tensors on every engine, the update, then compare and checksum.
 
         Raises PreflightFailed naming the differing tensors (or the logprob probe gap) before any step.
@@ -155,37 +111,55 @@ class LocalTrainer:
         t0 = c.clock()
         urls = c.engines.targets(version)
         c.transport.follow(urls)
-        result = check_weight_update_equal(
-            urls,  # the engines of the moment (one replaced since the start has a new address)
-            c.transport,
-            c.backend.export_weights,
-            version=version,
-            probe=None
-            if served is not None  # the trainer's forward is not quantized: precision-check compares
-            else LogprobProbe(
-                probe_prompt,
-                trainer_logprobs,
-                tolerance=1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05,
-            ),
-            # The reference engine names tensors as HF does and hashes them on the CPU, as the trainer can;
-            # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
-            trainer_checksums=c.job.spec.rollout.engine is Engine.REFERENCE,
-            # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
-            compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
-            allow_quant_error=c.job.spec.rollout.precision is not Precision.BF16,
-            served=served,
-        )
+        tolerance = 1e-3 if getattr(c.backend, "device_type", "cpu") == "cpu" else 0.05
+        probe = LogprobProbe(probe_prompt, trainer_logprobs, tolerance=tolerance)
+        reports: list[TransferReport] = []
+        if isinstance(c.transport, AdapterSync):  # LoRA: the adapter is checked, the shared base never reset
+            result = check_adapter_update(
+                urls,
+                c.transport,
+                c.backend.export_weights,
+                version=version,
+                probe=probe,
+                # the trainer's frozen base against each engine's, where both name tensors as HF does
+                base=c.backend.export_base if c.settings.engine_checksums else None,
+                on_report=reports.append,
+            )
+        else:
+            result = self._check_full(urls, version, served, probe, reports)
         c.engines.reached = urls
         (c.run_dir / PREFLIGHT_FILE).write_text(result.model_dump_json(indent=2) + "\n")
         log.info("pre-flight %s: %s", "passed" if result.passed else "FAILED", result.message)
         if not result.passed:
             raise PreflightFailed(f"spec.weightSync.checkWeightUpdateEqual: {result.message}", result)
+        update = reports[0].metrics() if reports else {"weight_version": float(version)}
         return {
-            "weight_version": float(version),
-            "update_weights_s": c.clock() - t0,
+            **update,  # the update itself, phase by phase; preflight_s adds the checks around it
+            "preflight_s": c.clock() - t0,
             "preflight_tensors": float(result.checked_tensors),
             "preflight_logprob_max_abs_diff": result.logprob_max_abs_diff or 0.0,
         }
+
+    def _check_full(
+        self, urls: list[str], version: int, served: Any, probe: LogprobProbe, reports: list[TransferReport]
+    ) -> PreflightResult:
+        """The full-weight pre-flight (/weights_checker snapshot, reset, update, compare, checksum, probe)."""
+        c = self.parts
+        return check_weight_update_equal(
+            urls,  # the engines of the moment (one replaced since the start has a new address)
+            c.transport,
+            c.backend.export_weights,
+            version=version,
+            probe=None if served is not None else probe,  # the trainer's forward is not quantized
+            # The reference engine names tensors as HF does and hashes them on the CPU, as the trainer can;
+            # SGLang fuses and shards them, so there `compare` against the loaded checkpoint decides.
+            trainer_checksums=c.settings.engine_checksums,
+            # The engines loaded the base checkpoint; the trainer still holds it unless it resumed or warmed up.
+            compare_loaded=version == 0 and c.settings.sft_steps == 0 and served is None,
+            allow_quant_error=c.settings.allow_quant_error,
+            served=served,
+            on_report=reports.append,
+        )
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """One RL optimizer step on complete groups; returns the step's metrics.
@@ -206,6 +180,8 @@ class LocalTrainer:
         _, mismatch = mismatch_weights(
             batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, loss.mismatch
         )
+        # OPD (§8.1): A_t - beta * d_t after the estimator, d_t against the pre-update weights.
+        opd = apply_opd(batch, c.settings.opd_coef) if c.settings.opd_coef is not None else {}
         t1 = c.clock()
         # A partial of a module-level function (not a closure) so rank 0 can send it to the other ranks.
         result = c.backend.train_step(batch, partial(policy_loss, config=loss))
@@ -218,6 +194,7 @@ class LocalTrainer:
             **batch_metrics(groups),
             **signal_metrics(batch),
             **mismatch,
+            **opd,
             **result.metrics,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
@@ -230,10 +207,11 @@ class LocalTrainer:
     def update_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's current weights to every engine as `version`."""
         c = self.parts
-        report = update_members(c.transport, c.engines, c.backend.export_weights(), version)
-        if c.job.spec.trainer.offload is not Offload.NONE:
-            c.backend.offload()  # seed §7.1: wait for the next batch off the GPU; the next call brings it back
-        return {"weight_version": float(report.version), "update_weights_s": report.seconds, **report.extra}
+        # An Export: a transport that falls back re-exports the same version (lockstep.weights.fallback).
+        report = update_members(c.transport, c.engines, Export(c.backend.export_weights), version)
+        if c.settings.offload_between_steps:
+            c.backend.offload()  # §7.1: wait for the next batch off the GPU; the next call brings it back
+        return report.metrics()
 
     def save(self, state: DriverState) -> str:
         return str(save_checkpoint(self.parts.backend, self.parts.run_dir, state))
@@ -269,93 +247,3 @@ class LocalTrainer:
 
     def close(self) -> None:
         """Nothing of its own: the backend and transport are closed by whoever built them."""
-
-
-def batch_metrics(groups: list[Group]) -> dict[str, float]:
-    """Reward and length statistics of a batch (pure)."""
-    samples = [s for g in groups for s in g.samples]
-    rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
-    n = max(len(samples), 1)
-    mean = sum(rewards) / n
-    return {
-        "reward_mean": mean,
-        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
-        "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
-        "truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples) / n,
-        "failed_samples": float(
-            sum(s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) for s in samples)
-        ),
-        **group_signal_metrics([g.rewards for g in groups]),
-    }
-
-
-def signal_metrics(batch: TrainBatch) -> dict[str, float]:
-    """What the step could learn from: the mean |advantage| and the sampled tokens' entropy estimate.
-
-    The entropy estimate is the mean negative logprob (pre-update, at the rollout temperature) of the
-    trained tokens: an unbiased estimate of the policy's per-token entropy on its own samples.
-    """
-    mask = batch.loss_mask
-    n = max(float(mask.sum().item()), 1.0)
-    out = {"advantage_abs_mean": float((batch.advantages.abs() * mask).sum().item()) / n}
-    if batch.old_logprobs is not None:
-        out["entropy_estimate"] = float((-batch.old_logprobs * mask).sum().item()) / n
-    return out
-
-
-def build_backend(
-    job: RLJob, settings: TrainerSettings, model_dir: Path, *, embedded_engines: bool = False
-) -> TrainBackend:
-    """The backend spec.trainer.backend names (one rank here; torchrun env makes it one of many).
-    embedded_engines: the rollout engines are reference engines in this process (`lockstep run`
-    without engine URLs), whatever spec.rollout.engine says."""
-    return make_backend(
-        job,
-        model_dir,
-        lr=settings.learning_rate,
-        grad_clip=settings.grad_clip,
-        micro_batch_size=settings.micro_batch_size,
-        seed=settings.seed,
-        embedded_engines=embedded_engines,
-    )
-
-
-def build_trainer_parts(
-    job: RLJob,
-    settings: TrainerSettings,
-    run_dir: Path,
-    model_dir: Path,
-    backend: TrainBackend,
-    engine_urls: Sequence[str],
-    closers: list[Callable[[], None]],
-    master_address: str = "127.0.0.1",
-    members: EngineMembers | None = None,
-) -> TrainerParts:
-    """The trainer side of a run: the transport to the engines `engine_urls` (ready now), the task's
-    text functions.
-
-    `closers` receives the transport's close (the caller already owns the backend's);
-    `master_address` is where engines reach this process (broadcast's weight-update group);
-    `members` is where each update finds the engines of the moment (default: exactly `engine_urls`; a
-    trainer group in a cluster: the pool's headless Service, lockstep.serving.membership).
-    """
-    tokenizer = load_tokenizer(model_dir, job.spec.model.tokenizer, job.spec.model.chat_template)
-    task = data_task(resolve_data(job.spec.data))
-    device = str(getattr(backend, "device_type", "cpu"))
-    urls = sorted(u.rstrip("/") for u in engine_urls)
-    transport = build_transport(job, run_dir, model_dir, urls, device, master_address)
-    closers.append(transport.close)
-    return TrainerParts(
-        job=job,
-        settings=settings,
-        run_dir=Path(run_dir),
-        backend=backend,
-        transport=transport,
-        engines=EngineSet(members or StaticMembers(tuple(urls)), urls),
-        pad_id=tokenizer.pad_token_id,
-        eos_id=tokenizer.eos_token_id,
-        engine_urls=[u.rstrip("/") for u in engine_urls],
-        render=lambda msgs: tokenizer.render(msgs, add_generation_prompt=True),
-        encode=tokenizer.encode,
-        task=task,
-    )

@@ -20,9 +20,6 @@ if TYPE_CHECKING:
     from lockstep.types import Group
     from lockstep.weights.preflight import PreflightResult
 
-PREFLIGHT_FILE = "preflight.json"
-"""Where in the run dir the pre-flight's PreflightResult (pydantic JSON) is written, passed or not."""
-
 
 class NonFiniteLoss(RuntimeError):
     """The loss or gradient norm was NaN/inf; the step was not applied."""
@@ -38,7 +35,7 @@ class PreflightFailed(RuntimeError):
 
 
 class Trainer(Protocol):
-    """The policy, as the loop sees it. Every call is one step of the loop (seed §1)."""
+    """The policy, as the loop sees it. Every call is one step of the loop (§1)."""
 
     def warm_start(self) -> Iterator[dict[str, float]]:
         """Run the SFT warm start (spec.algorithm.sftWarmStart.steps steps); yield each step's metrics."""

@@ -1,11 +1,12 @@
-"""TrainerSettings: what the trainer side reads of the RLJob, built once (a pure function, golden-tested).
+"""The trainer side's configs: TrainerSettings (its knobs) and TrainerConfig (what builds a trainer process).
 
 Why it exists: the trainer runs in the driver's process (`lockstep run`) or on the ranks of a trainer
-group, and both build their knobs from the same manifest with `TrainerSettings.from_job`; the driver's
-RunSettings (lockstep.driver.settings) nests the same object instead of copying its fields. API enums
-stay enums (PolicyLossConfig takes them as they are).
+group, and both build it from the same typed config, made once from the manifest by
+lockstep.config.trainer (the one place that reads those manifest fields). Nothing here reads an RLJob.
+API enums stay enums (PolicyLossConfig takes them as they are).
 
-Who calls it: lockstep.driver.settings, lockstep.trainer.server, lockstep.cli.trainer.
+Who calls it: lockstep.config.trainer (builds them), lockstep.trainer.local and lockstep.trainer.server
+(run on them), lockstep.config.driver (RunSettings nests the same object), lockstep.cli.trainer.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lockstep.train.common.losses import PolicyLossConfig
-from lockstep.train.common.lr_schedule import LRSchedule
-from lockstep.train.common.mismatch import MismatchConfig
-
 if TYPE_CHECKING:
-    from lockstep.api import RLJob
+    from lockstep.api import DataSpec
+    from lockstep.models import ModelSource
+    from lockstep.train.backend import BackendConfig
+    from lockstep.train.common.losses import PolicyLossConfig
+    from lockstep.train.common.lr_schedule import LRSchedule
+    from lockstep.weights.factory import TransportConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,47 +50,36 @@ class TrainerSettings:
     lr_schedule: LRSchedule
     """The RL learning rate per step (spec.algorithm.lrSchedule over spec.schedule.steps; a --steps
     override stops the run early, it does not reshape the schedule)."""
-
-    @classmethod
-    def from_job(cls, job: RLJob) -> TrainerSettings:
-        """Read the trainer's knobs from `job` (the API keeps the sampling temperature above 0)."""
-        spec = job.spec
-        alg = spec.algorithm
-        return cls(
-            seed=spec.data.seed,
-            learning_rate=alg.learning_rate,
-            grad_clip=spec.trainer.grad_clip,
-            micro_batch_size=spec.trainer.micro_batch_size,
-            temperature=spec.rollout.sampling.temperature,
-            sft_steps=alg.sft_warm_start.steps,
-            sft_learning_rate=alg.sft_warm_start.learning_rate,
-            sft_rows=alg.batch_size * alg.samples_per_prompt,
-            sft_stop_at_loss=alg.sft_warm_start.stop_at_loss,
-            loss=loss_config(job),
-            lr_schedule=lr_schedule(job),
-        )
+    check_weight_update_equal: bool = False
+    """Run the first update through the pre-flight check (spec.weightSync.checkWeightUpdateEqual)."""
+    engine_checksums: bool = True
+    """The pre-flight compares checksums the trainer computes too: true against the reference engine
+    (HF names, hashed on the CPU), false against SGLang (fused, sharded; its own compare decides)."""
+    allow_quant_error: bool = False
+    """The pre-flight allows the shared quantizer's error (low-precision serving, spec.rollout.precision)."""
+    offload_between_steps: bool = False
+    """Move the trainer's state off the device after each update (spec.trainer.offload other than none)."""
+    sft_job: bool = False
+    """An SFT job (spec.recipe sft): no engines, no transport; the steps are lockstep.trainer.sft's."""
+    opd_coef: float | None = None
+    """OPD's beta (spec.algorithm.opd.coef): A_t - beta * d_t after the estimator; None without OPD."""
 
 
-def loss_config(job: RLJob) -> PolicyLossConfig:
-    """The RL loss settings of the manifest (spec.algorithm)."""
-    alg = job.spec.algorithm
-    return PolicyLossConfig(
-        estimator=alg.advantage_estimator,  # StrEnums: the loss compares them with its str names
-        eps_clip_low=alg.eps_clip,
-        eps_clip_high=alg.eps_clip_high if alg.eps_clip_high is not None else alg.eps_clip,
-        kl_coef=alg.kl.coef,
-        kl_estimator=alg.kl.estimator,
-        mismatch=MismatchConfig(alg.mismatch.correction, alg.mismatch.low, alg.mismatch.high),
-    )
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    """Everything a trainer process (the local trainer, or the ranks of a trainer group) is built from."""
 
-
-def lr_schedule(job: RLJob) -> LRSchedule:
-    """The RL learning-rate schedule of the manifest (spec.algorithm.lrSchedule)."""
-    alg, sched = job.spec.algorithm, job.spec.algorithm.lr_schedule
-    return LRSchedule(
-        learning_rate=alg.learning_rate,
-        total_steps=job.spec.schedule.steps,
-        warmup_steps=sched.warmup_steps,
-        decay=sched.decay.value,
-        min_learning_rate=sched.min_learning_rate,
-    )
+    job_name: str
+    """metadata.name: a trainer group answers only its own job's driver."""
+    model: ModelSource
+    """The checkpoint and tokenizer (spec.model)."""
+    data: DataSpec
+    """The prompts (spec.data): the SFT warm start's answers and the pre-flight probe."""
+    settings: TrainerSettings
+    """The trainer's knobs."""
+    backend: BackendConfig
+    """The sharded policy: an FSDPConfig or a MegatronConfig without its model_path yet."""
+    transport: TransportConfig
+    """How versions reach the engines."""
+    world_size: int = 1
+    """Ranks the manifest asks for (spec.trainer.nodes x gpusPerNode); a different torchrun world is logged."""

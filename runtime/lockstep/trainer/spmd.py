@@ -133,8 +133,9 @@ def _run(backend: TrainBackend, group: Any, call: tuple[Any, ...]) -> Any:
     raise ValueError(f"unknown mirrored call {name!r}")
 
 
-def follow(backend: TrainBackend, group: Any) -> None:
-    """Ranks > 0: run every call rank 0 announces, until it announces "exit"."""
+def follow(backend: TrainBackend, group: Any) -> str:
+    """Ranks > 0: run every call rank 0 announces, until it announces "exit"; returns why rank 0
+    ended the group (lockstep.trainer.server.Ending: `shutdown`, the driver's, when the job is done)."""
     import torch.distributed as dist
 
     while True:
@@ -142,9 +143,13 @@ def follow(backend: TrainBackend, group: Any) -> None:
         dist.broadcast_object_list(box, src=0, group=group)
         call = box[0]
         if call[0] == "exit":
-            return
+            return str(call[1]) if len(call) > 1 else "shutdown"
         if call[0] == "export":
             for _ in backend.export_weights():  # the gathers are collective; rank 0 updates the tensors
+                pass
+            continue
+        if call[0] == "export_base":
+            for _ in backend.export_base():
                 pass
             continue
         _run(backend, group, call)
@@ -206,6 +211,17 @@ class LeaderBackend:
             for _ in it:  # the followers gather every tensor; so must rank 0, or they would hang
                 pass
 
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the frozen base's full tensors (the pre-flight's base checksums); collective like
+        export_weights, so the followers' gathers complete even when the consumer stops early."""
+        self._announce("export_base")
+        it = self.inner.export_base()
+        try:
+            yield from it
+        finally:
+            for _ in it:
+                pass
+
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
         self._mirror("save", Path(directory), extra)
 
@@ -222,9 +238,9 @@ class LeaderBackend:
     def onload(self) -> None:
         self._mirror("onload")
 
-    def release_followers(self) -> None:
-        """Tell ranks > 0 to leave `follow()` (shutdown)."""
-        self._announce("exit")
+    def release_followers(self, why: str = "shutdown") -> None:
+        """Tell ranks > 0 to leave `follow()`, and why (lockstep.trainer.server.Ending)."""
+        self._announce("exit", why)
 
     def close(self) -> None:
         self.inner.close()

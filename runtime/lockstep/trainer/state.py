@@ -2,7 +2,8 @@
 
 Why it exists: a run stopped by Ctrl-C, a NaN or a crash must resume exactly: the trainer's weights,
 optimizer and RNG (the backend saves those), plus the loop's own position: step, the engines' weight version,
-how many prompts were drawn (the data position) and the next group index. A checkpoint directory is
+how many prompts were drawn (the data position), the next group index and, fully-async, the groups
+drawn but not yet trained and the buffer's counts of groups consumed and dropped. A checkpoint directory is
 written under a temp name, fsynced and renamed, then `checkpoints/latest` (a one-line file naming
 it) is replaced atomically and durably, so after a crash at any instant `latest` names a complete
 checkpoint (save_checkpoint says how, a re-save of the same step included).
@@ -19,11 +20,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lockstep.train.common.durable import atomic_write_text, fsync_dir, fsync_tree
+from lockstep.models.st_bytes import fsync_dir
+from lockstep.train.common.durable import atomic_write_text, fsync_tree
 
 if TYPE_CHECKING:
     from lockstep.train.backend import TrainBackend
@@ -43,18 +45,36 @@ class DriverState:
     """Index of the next group (unique within the run, across resumes)."""
     sft_done: bool = False
     """True once the SFT warm start ran (it never runs twice)."""
+    pending_groups: list[list[int]] = field(default_factory=list)
+    """Fully-async: [group index, data position] of every group drawn but not yet trained (buffered or
+    in flight) when this state was saved; a resumed run generates them again first, so no prompt is
+    skipped or trained twice (lockstep.driver.fully_async)."""
+    group_counts: dict[str, int] = field(default_factory=dict)
+    """Fully-async: the buffer's counts of groups consumed and dropped so far (consumed_groups,
+    stale_groups_filtered, ...; lockstep.rollout.buffer.RUN_COUNTERS) when this state was saved; a
+    resumed run's buffer counts on from them, so they never go backwards across a resume."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for key in ("pending_groups", "group_counts"):
+            if not out[key]:
+                del out[key]  # a sync run's state reads as it always did
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DriverState:
         known = {
             k: data[k]
-            for k in ("step", "version", "prompts_consumed", "next_group_index", "sft_done")
+            for k in (
+                "step", "version", "prompts_consumed", "next_group_index", "sft_done", "pending_groups",
+                "group_counts",
+            )
             if k in data
-        }
-        return cls(**known)
+        }  # fmt: skip
+        state = cls(**known)
+        state.pending_groups = [[int(g), int(p)] for g, p in state.pending_groups]
+        state.group_counts = {str(k): int(n) for k, n in state.group_counts.items()}
+        return state
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -15,9 +15,10 @@ Who calls it: lockstep.driver.remote (client), lockstep.trainer.server (server),
 from __future__ import annotations
 
 import base64
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 
 from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample, SampleStatus
@@ -27,8 +28,10 @@ API_PREFIX = "/v2"
 """Every command path starts with this (v2: the weight-update commands were renamed; a later
 incompatible wire gets /v3)."""
 
-COMMANDS = ("warm_start", "first_update", "train", "update_weights", "save", "load_latest", "shutdown")
-"""The command names (POST /v1/<name>)."""
+COMMANDS = (
+    "warm_start", "first_update", "train", "update_weights", "save", "load_latest", "shutdown", "sft_train",
+)  # fmt: skip
+"""The command names (POST /v2/<name>)."""
 
 
 class _Strict(BaseModel):
@@ -66,14 +69,32 @@ class SampleWire(_Strict):
     """R3 routing replay data (base64 of Sample.routed_experts), None for dense models."""
     label: str | None = None
     """Free label of the sample (e.g. the OPD route)."""
+    teacher: str | None = None
+    """OPD: the teacher that scored the sample."""
+    teacher_logprobs: list[float] | None = None
+    """OPD, length R: the teacher's logprob of each token (detached input of the advantage)."""
+    opd_logratio: list[float] | None = None
+    """OPD with a candidate set, length R: d_t per token, computed by the driver."""
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> SampleWire:
         r = len(self.response_ids)
-        for name in ("loss_mask", "rollout_logprobs", "token_versions"):
+        for name in ("loss_mask", "rollout_logprobs", "token_versions", "teacher_logprobs", "opd_logratio"):
+            if getattr(self, name) is None:
+                continue
             n = len(getattr(self, name))
             if n != r:
                 raise ValueError(f"{name} has {n} entries but response_ids has {r}; they must be equal")
+        return self
+
+    @model_validator(mode="after")
+    def _values_train(self) -> SampleWire:
+        """Every value the loss reads is one it can use: refused here, before any state changes (a
+        reward of 1e308 used to overflow the advantages after the step was applied, a loss_mask of -1
+        trained the token, a NaN logprob poisoned the importance ratio)."""
+        problem = sample_values_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @classmethod
@@ -91,6 +112,9 @@ class SampleWire(_Strict):
             status=s.status,
             routed_experts_b64=experts,
             label=s.label,
+            teacher=s.teacher,
+            teacher_logprobs=s.teacher_logprobs,
+            opd_logratio=s.opd_logratio,
         )
 
     def sample(self) -> Sample:
@@ -107,7 +131,48 @@ class SampleWire(_Strict):
             status=self.status,
             routed_experts=experts,
             label=self.label,
+            teacher=self.teacher,
+            teacher_logprobs=list(self.teacher_logprobs) if self.teacher_logprobs is not None else None,
+            opd_logratio=list(self.opd_logratio) if self.opd_logratio is not None else None,
         )
+
+
+REWARD_LIMIT = 1e9
+"""Largest reward magnitude accepted: advantages are computed in float64 but the loss sums them over
+up to millions of tokens in float32, where 1e9 x 1e6 stays finite; no reward function needs more."""
+
+
+def sample_values_problem(s: SampleWire) -> str | None:
+    """Why `s` cannot train (naming the field and the fix), or None. Token IDs are checked against
+    the vocabulary by the server, which knows it (`ids_problem`)."""
+    if s.reward is not None and not (math.isfinite(s.reward) and abs(s.reward) <= REWARD_LIMIT):
+        return (
+            f"reward {s.reward!r}: must be a finite number within +-{REWARD_LIMIT:g}; fix the reward function"
+        )
+    bad_mask = next((m for m in s.loss_mask if m not in (0, 1)), None)
+    if bad_mask is not None:
+        return f"loss_mask holds {bad_mask}: only 0 (not trained) and 1 (trained) are meaningful"
+    for name in ("rollout_logprobs", "teacher_logprobs", "opd_logratio"):
+        values = getattr(s, name) or []
+        bad_lp = next((x for x in values if not math.isfinite(x)), None)
+        if bad_lp is not None:
+            return f"{name} holds {bad_lp!r}: it must be finite (the loss uses it as it is)"
+    bad_v = next((v for v in s.token_versions if v is not None and not 0 <= v < 2**63), None)
+    if bad_v is not None:
+        return f"token_versions holds {bad_v}: weight versions are integers in [0, 2**63)"
+    return None
+
+
+def ids_problem(groups: list[GroupWire], vocab_size: int) -> tuple[str, str] | None:
+    """(field path, message) of the first token ID outside [0, vocab_size), or None."""
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g.samples):
+            for name in ("prompt_ids", "response_ids"):
+                bad = next((t for t in getattr(s, name) if not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    path = f"groups.{gi}.samples.{si}.{name}"
+                    return path, f"{path}: token ID {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
 
 
 class GroupWire(_Strict):
@@ -126,11 +191,28 @@ class GroupWire(_Strict):
         return Group(self.index, [s.sample() for s in self.samples])
 
 
-class TrainRequest(_Strict):
-    """train: one RL optimizer step."""
+class SFTRowWire(_Strict):
+    """One SFT training row: a whole conversation's token IDs and its loss mask (assistant tokens)."""
 
-    groups: list[GroupWire] = Field(min_length=1)
-    """Complete groups (the batch)."""
+    input_ids: list[int] = Field(min_length=2)
+    """The conversation rendered by the checkpoint's chat template."""
+    loss_mask: list[int]
+    """One entry per token: 1 on the assistant tokens that train, 0 elsewhere (the first token 0)."""
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> SFTRowWire:
+        if len(self.loss_mask) != len(self.input_ids):
+            raise ValueError(
+                f"loss_mask has {len(self.loss_mask)} entries but input_ids has {len(self.input_ids)}"
+            )
+        return self
+
+
+class SFTTrainRequest(_Strict):
+    """sft_train: one optimizer step of an SFT job on these rows."""
+
+    rows: list[SFTRowWire] = Field(min_length=1)
+    """The step's rows."""
 
 
 class VersionRequest(_Strict):
@@ -153,6 +235,10 @@ class DriverStateWire(_Strict):
     """Index of the next group."""
     sft_done: bool
     """True once the SFT warm start ran."""
+    pending_groups: list[list[int]] = Field(default_factory=list, max_length=1 << 20)
+    """[group index, data position] of the groups drawn but not trained (fully-async)."""
+    group_counts: dict[str, NonNegativeInt] = Field(default_factory=dict, max_length=64)
+    """The buffer's counts of groups consumed and dropped so far (fully-async)."""
 
     @classmethod
     def of(cls, state: DriverState) -> DriverStateWire:
@@ -160,6 +246,16 @@ class DriverStateWire(_Strict):
 
     def state(self) -> DriverState:
         return DriverState.from_dict(self.model_dump())
+
+
+class TrainRequest(_Strict):
+    """train: one RL optimizer step."""
+
+    groups: list[GroupWire] = Field(min_length=1)
+    """Complete groups (the batch)."""
+    state: DriverStateWire | None = None
+    """The driver's state once this step is done (its weight update included): what rank 0
+    checkpoints with when SIGTERM comes before the driver's next save (preemption; None: not sent)."""
 
 
 class SaveRequest(_Strict):
@@ -216,7 +312,7 @@ class OkReply(_Strict):
 
 
 class HealthReply(_Strict):
-    """GET /v1/health: whether rank 0 accepts commands."""
+    """GET /v2/health: whether rank 0 accepts commands."""
 
     ready: bool
     """All ranks have loaded the policy."""

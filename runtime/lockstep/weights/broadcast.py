@@ -1,4 +1,4 @@
-"""Broadcast weight transport: one source rank broadcasts every bucket to every engine rank (seed §7.2.2).
+"""Broadcast weight transport: one source rank broadcasts every bucket to every engine rank (§7.2.2).
 
 Why it exists: it is the default when trainer and engines are on different GPUs and share a NCCL (or,
 on CPU, gloo) network, and it needs no target-side resharding. The engines join one weight-update
@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
-from lockstep.serving.weight_group import WeightUpdateGroup, on_the_wire, open_weight_update_group
+from lockstep.serving.weight_group import (
+    WeightUpdateGroup,
+    on_the_wire,
+    open_weight_update_group,
+    size_preamble,
+)
+from lockstep.weights import phases
 from lockstep.weights.pipeline import Bucket, PipelineConfig, send_buckets
 from lockstep.weights.transport import TransferReport
 
@@ -123,6 +129,7 @@ class BroadcastTransport:
             world_size=self.world_size,
             group_name=self.group_name,
             timeout_s=self.timeout_s,
+            announce_sizes=True,
         )
         for j in joins:
             j.result(self.timeout_s)
@@ -134,6 +141,7 @@ class BroadcastTransport:
 
     def send_bucket(self, bucket: Bucket) -> None:
         """Control message to every engine, then the data as collectives (async, waited together)."""
+        import torch
         import torch.distributed as dist
 
         assert self.group is not None
@@ -142,48 +150,57 @@ class BroadcastTransport:
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
         shapes = [list(t.shape) for _, t in named]
         with self.lock:
-            replies = [
-                self._io.submit(
-                    c.update_weights_from_distributed(
-                        names, dtypes, shapes, group_name=self.group_name, flush_cache=False
+            with phases.phase("transfer"):
+                replies = [
+                    self._io.submit(
+                        c.update_weights_from_distributed(
+                            names, dtypes, shapes, group_name=self.group_name, flush_cache=False
+                        )
                     )
-                )
-                for c in self._clients
-            ]
-            opts = dist.BroadcastOptions()
-            opts.rootRank, opts.rootTensor = 0, 0
-            works = [self.group.pg.broadcast([on_the_wire(t)], opts) for _, t in named]
-            for w in works:
-                w.wait()
-            for r in replies:
-                r.result(self.timeout_s)
+                    for c in self._clients
+                ]
+                if self.group.announces_sizes():  # every engine checks it before posting the data
+                    preamble = torch.tensor(size_preamble(names, dtypes, shapes), dtype=torch.int64)
+                    self.group.broadcast(preamble.to(self.device), src=0)
+                opts = dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = 0, 0
+                works = [self.group.pg.broadcast([on_the_wire(t)], opts) for _, t in named]
+                for w in works:
+                    w.wait()
+            with phases.phase("engine_load"):  # the engines stage and swap what they received
+                for r in replies:
+                    r.result(self.timeout_s)
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> TransferReport:
-        self.connect()
-        t0 = self.clock()
-        if self.pause_mode is not None:
-            mode = self.pause_mode
-            self._all(lambda c: c.pause_generation(mode))
-        try:
-            tensors, payload = send_buckets(named_tensors, self.config, self.send_bucket)
-            self._all(lambda c: c.flush_cache())
-            # Only now, with every tensor loaded on every engine, does the version change.
-            self._all(lambda c: c.update_weight_version(version))
-        finally:
+        with phases.measure(self.clock) as timer:
+            with phases.phase("membership"):
+                self.connect()
             if self.pause_mode is not None:
-                self._all(lambda c: c.continue_generation())
+                mode = self.pause_mode
+                with phases.phase("pause"):
+                    self._all(lambda c: c.pause_generation(mode))
+            try:
+                tensors, payload = send_buckets(named_tensors, self.config, self.send_bucket)
+                with phases.phase("commit"):
+                    self._all(lambda c: c.flush_cache())
+                    # Only now, with every tensor loaded on every engine, does the version change.
+                    self._all(lambda c: c.update_weight_version(version))
+            finally:
+                if self.pause_mode is not None:
+                    with phases.phase("resume"):
+                        self._all(lambda c: c.continue_generation())
         wire = payload * sum(e.ranks for e in self.engines)
-        return TransferReport(
+        report = TransferReport(
             version=version,
             transport=self.name,
             tensors=tensors,
             payload_bytes=payload,
             wire_bytes=wire,
-            seconds=self.clock() - t0,
             extra={"update_weights_wire_bytes": float(wire)},
         )
+        return timer.stamp(report)
 
     def follow(self, urls: list[str]) -> None:
         """Broadcast to exactly these engines from the next update on: a new group when they changed."""

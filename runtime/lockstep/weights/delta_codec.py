@@ -1,4 +1,4 @@
-"""Byte-level delta encodings of the disk-delta transport: xor and overwrite, then zstd (seed §7.2.4).
+"""Byte-level delta encodings of the disk-delta transport: xor and overwrite, then zstd (§7.2.4).
 
 Why it exists: the disk-delta transport publishes only the bytes that changed between two versions of
 the canonical checkpoint. The diff is over bytes, not tensor values (so it is dtype-agnostic and exact):
@@ -23,7 +23,7 @@ import zstandard
 Encoding = Literal["xor", "overwrite"]
 ENCODINGS: tuple[Encoding, ...] = ("xor", "overwrite")
 DEFAULT_ZSTD_LEVEL = 1
-"""zstd level of the spec (seed §7.2.4 / Miles): fast enough to keep up with the trainer."""
+"""zstd level of the spec (§7.2.4 / Miles): fast enough to keep up with the trainer."""
 
 _OVERWRITE_HEADER = struct.Struct("<QB")  # number of changed bytes, width in bytes of each position delta
 _WIDTHS = ((1, np.uint8), (2, np.uint16), (4, np.uint32), (8, np.uint64))
@@ -55,16 +55,17 @@ def encode(base: np.ndarray, new: np.ndarray, encoding: Encoding) -> bytes:
         xor: bytes = np.bitwise_xor(base, new).tobytes()
         return xor
     if encoding == "overwrite":
-        positions = np.flatnonzero(base != new)  # [K] int64, ascending
-        deltas = np.diff(positions, prepend=0)  # small gaps compress far better than absolute offsets
-        top = int(deltas.max()) if deltas.size else 0
-        width, dt = next((w, d) for w, d in _WIDTHS if top < (1 << (8 * w)))
-        return (
-            _OVERWRITE_HEADER.pack(positions.size, width)
-            + deltas.astype(dt).tobytes()
-            + new[positions].tobytes()
-        )
+        return encode_positions(np.flatnonzero(base != new), new)
     raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+
+
+def encode_positions(positions: np.ndarray, new: np.ndarray) -> bytes:
+    """The overwrite delta of the changed byte `positions` ([K] ascending) holding `new`'s values."""
+    deltas = np.diff(positions, prepend=0)  # small gaps compress far better than absolute offsets
+    top = int(deltas.max()) if deltas.size else 0
+    width, dt = next((w, d) for w, d in _WIDTHS if top < (1 << (8 * w)))
+    body: bytes = deltas.astype(dt).tobytes() + new[positions].tobytes()
+    return _OVERWRITE_HEADER.pack(positions.size, width) + body
 
 
 def decode_into(out: np.ndarray, payload: bytes, encoding: Encoding) -> None:

@@ -1,4 +1,4 @@
-"""Disk-delta weight transport: publish a version as changed bytes, patch local checkpoints (seed §7.2.4).
+"""Disk-delta weight transport: publish a version as changed bytes, patch local checkpoints (§7.2.4).
 
 Why it exists: when trainer and engines share no NCCL or RDMA network but do share storage and keep a
 full checkpoint on local disk, the trainer publishes only the bytes that changed since the previous
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockstep.models import st_bytes as sb
 from lockstep.serving import EngineClient, EngineError
 from lockstep.serving.loop import LoopThread
 from lockstep.weights import delta_codec as codec
-from lockstep.weights import st_bytes as sb
+from lockstep.weights import phases
+from lockstep.weights.delta_encoder import encode_all
 from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
@@ -200,6 +202,7 @@ class DeltaPublisher:
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         base_version: int = 0,
         checksum: sb.ChecksumAlgorithm = sb.CHECKSUM_FORMAT,
+        workers: int | None = None,
     ) -> None:
         if encoding not in codec.ENCODINGS:
             raise ValueError(f"encoding must be one of {codec.ENCODINGS}, got {encoding!r}")
@@ -212,10 +215,17 @@ class DeltaPublisher:
         self.shard_bytes = shard_bytes
         self.version = base_version
         # The byte baseline comes from the canonical checkpoint on disk, not the trainer's tensors, so
-        # that trainer and engines start from the same bytes (seed §7.2.4 step 1). [nbytes] uint8 each.
+        # that trainer and engines start from the same bytes (§7.2.4 step 1). [nbytes] uint8 each.
         self._snapshot: dict[str, tuple[str, tuple[int, ...], np.ndarray]] = {
             e.name: (e.dtype, e.shape, np.array(data)) for e, data in sb.iter_checkpoint_bytes(Path(baseline))
         }
+        self._spare: dict[str, np.ndarray] = {}
+        """Per tensor, the buffer the next version's bytes are copied into (swapped with the base at
+        each publish): two copies of the model live on the trainer host, allocated once."""
+        self._sums: dict[str, str] = {}
+        """Checksums (`checksum`) of the snapshot's tensors, where known: the base of the next delta."""
+        self.workers = workers
+        """Encoder threads of a publish (None: every core this process may use)."""
 
     def layout(self) -> dict[str, tuple[str, list[int], int]]:
         return {n: (d, list(s), int(b.size)) for n, (d, s, b) in self._snapshot.items()}
@@ -223,7 +233,7 @@ class DeltaPublisher:
     def check_export(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fail before training unless the export matches the checkpoint in name, dtype, shape, bytes."""
         got = {}
-        for name, t in named_tensors:
+        for name, t in phases.timed(named_tensors, "gather"):
             got[name] = (sb.st_dtype(t), list(t.shape), t.numel() * t.element_size())
         diffs = _layout_diffs(self.layout(), got)
         if diffs:
@@ -261,6 +271,7 @@ class DeltaPublisher:
         """The first update: publish nothing, record the baseline's checksums for the engines to verify."""
         self.root.mkdir(parents=True, exist_ok=True)
         state = {n: _state_of(d, s, b, self.checksum) for n, (d, s, b) in self._snapshot.items()}
+        self._sums = {n: st.checksum for n, st in state.items()}
         marker = LocalState(version=self.version, state=state, checksum_format=self.checksum)
         sb.write_durable(self.root / BASELINE_NAME, marker.model_dump_json().encode())
         total = sum(int(b.size) for _, _, b in self._snapshot.values())
@@ -276,7 +287,8 @@ class DeltaPublisher:
         shutil.rmtree(out, ignore_errors=True)  # a torn earlier attempt (no index): start over
         out.mkdir(parents=True)
         try:
-            index, new_bytes, result = self._write_shards(named_tensors, version, out)
+            with phases.phase("encode"):
+                index, new_bytes, result = self._write_shards(named_tensors, version, out)
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
@@ -284,16 +296,22 @@ class DeltaPublisher:
         result.wire_bytes += len(raw)
         index.metrics["update_weights_wire_bytes"] = float(result.wire_bytes)
         index.metrics["update_weights_density"] = result.density
-        sb.write_durable(out / INDEX_NAME, index.model_dump_json().encode())
-        for name, data in new_bytes.items():
-            d, s, _ = self._snapshot[name]
+        with phases.phase("transfer"):
+            sb.write_durable(out / INDEX_NAME, index.model_dump_json().encode())
+        for name, (data, digest) in new_bytes.items():  # the spare becomes the base and vice versa
+            d, s, old = self._snapshot[name]
             self._snapshot[name] = (d, s, data)
+            self._spare[name] = old
+            self._sums[name] = digest
         self.version = version
         return result
 
     def _write_shards(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, out: Path
-    ) -> tuple[DeltaIndex, dict[str, np.ndarray], PublishResult]:
+    ) -> tuple[DeltaIndex, dict[str, tuple[np.ndarray, str]], PublishResult]:
+        """Encode every tensor against the snapshot (delta_encoder, on `workers` threads) and write the
+        changed ones into shards; returns the index (without metrics), the new bytes and checksums of
+        the changed tensors (the next snapshot) and the counts."""
         index = DeltaIndex(
             version=version,
             base_version=self.version,
@@ -302,7 +320,8 @@ class DeltaPublisher:
             checksum_format=self.checksum,
         )
         result = PublishResult(version=version)
-        new_bytes: dict[str, np.ndarray] = {}
+        new_bytes: dict[str, tuple[np.ndarray, str]] = {}
+        replicas: list[tuple[str, np.ndarray]] = []
         shard: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
         shard_size = 0
 
@@ -311,49 +330,60 @@ class DeltaPublisher:
             if not shard:
                 return
             path = out / f"delta-{len(set(index.weight_map.values())):05d}.safetensors"
-            sb.write_safetensors_bytes(path, shard)
+            with phases.phase("transfer"):
+                sb.write_safetensors_bytes(path, shard)
             for name in shard:
                 index.weight_map[name] = path.name
             result.wire_bytes += path.stat().st_size
             shard, shard_size = {}, 0
 
-        for name, tensor in named_tensors:
-            data = sb.tensor_bytes(tensor)
-            st = _state_of(sb.st_dtype(tensor), tensor.shape, data, self.checksum)
-            if name in index.state:  # a replicated tensor (e.g. tied embeddings from two stages)
-                if index.state[name].checksum != st.checksum:
-                    raise ReplicaMismatchError(
-                        f"tensor {name!r} was published twice with different checksums "
-                        f"({index.state[name].checksum} vs {st.checksum}); replicas diverged, nothing was published"
-                    )
-                continue
-            base = self._snapshot.get(name)
-            if base is None or (base[0], list(base[1]), int(base[2].size)) != (st.dtype, st.shape, st.nbytes):
-                want = None if base is None else (base[0], list(base[1]), int(base[2].size))
-                raise SnapshotMismatchError(
-                    f"tensor {name!r}: base has {want}, export has {(st.dtype, st.shape, st.nbytes)}"
-                )
+        layouts: dict[str, TensorState] = {}
+
+        def jobs() -> Iterator[tuple[str, np.ndarray, str | Callable[[], str], np.ndarray, np.ndarray]]:
+            for name, tensor in phases.timed(named_tensors, "gather"):
+                data = sb.tensor_bytes(tensor)
+                layout = (sb.st_dtype(tensor), list(tensor.shape), int(data.size))
+                if name in layouts:  # a replicated tensor (e.g. tied embeddings from two stages)
+                    replicas.append((name, np.array(data)))
+                    continue
+                base = self._snapshot.get(name)
+                if base is None or (base[0], list(base[1]), int(base[2].size)) != layout:
+                    want = None if base is None else (base[0], list(base[1]), int(base[2].size))
+                    raise SnapshotMismatchError(f"tensor {name!r}: base has {want}, export has {layout}")
+                layouts[name] = TensorState(dtype=layout[0], shape=layout[1], nbytes=layout[2], checksum="")
+                spare = self._spare.get(name)
+                if spare is None:  # allocated once, then reused version after version (no page faults)
+                    spare = self._spare[name] = np.empty_like(base[2])
+                yield name, base[2], self._base_checksum(name), data, spare
+
+        for name, enc in encode_all(
+            jobs(), encoding=self.encoding, level=self.level, checksum=self.checksum, workers=self.workers
+        ):
+            st = layouts[name]
+            st.checksum = enc.checksum
             index.state[name] = st
             result.total_bytes += st.nbytes
-            changed = codec.changed_bytes(base[2], data)
-            if changed == 0:
+            if enc.frame is None or enc.new is None:
                 continue
-            raw = codec.encode(base[2], data, self.encoding)
-            frame = codec.compress(raw, self.level)
-            shard[name] = ("U8", (len(frame),), frame)
-            shard_size += len(frame)
+            shard[name] = ("U8", (len(enc.frame),), enc.frame)
+            shard_size += len(enc.frame)
             index.tensors[name] = DeltaTensor(
-                shard="",
-                base_checksum=sb.checksum(base[2], self.checksum),
-                raw_bytes=len(raw),
-                changed_bytes=changed,
-            )
-            new_bytes[name] = np.array(data)  # own copy: the trainer will update its tensor in place
+                shard="", base_checksum=self._base_checksum(name)(), raw_bytes=enc.raw_bytes,
+                changed_bytes=enc.changed,
+            )  # fmt: skip
+            new_bytes[name] = (enc.new, enc.checksum)
             result.changed_tensors += 1
-            result.changed_bytes += changed
+            result.changed_bytes += enc.changed
             if shard_size >= self.shard_bytes:
                 flush()
         flush()
+        for name, data in replicas:
+            got = sb.checksum(data, self.checksum)
+            if index.state[name].checksum != got:
+                raise ReplicaMismatchError(
+                    f"tensor {name!r} was published twice with different checksums "
+                    f"({index.state[name].checksum} vs {got}); replicas diverged, nothing was published"
+                )
         missing = sorted(self._snapshot.keys() - index.state.keys())
         if missing:
             raise SnapshotMismatchError(
@@ -363,6 +393,18 @@ class DeltaPublisher:
             entry.shard = index.weight_map[name]
         result.tensors = len(index.state)
         return index, new_bytes, result
+
+    def _base_checksum(self, name: str) -> Callable[[], str]:
+        """The snapshot's checksum of `name`: recorded by start() or the last publish, else computed
+        (once, by whoever asks first: an encoder thread)."""
+
+        def get() -> str:
+            known = self._sums.get(name)
+            if known is None:
+                known = self._sums[name] = sb.checksum(self._snapshot[name][2], self.checksum)
+            return known
+
+        return get
 
 
 # ----------------------------------------------------------------------------------- subscriber side
@@ -612,22 +654,25 @@ Reload = Callable[[Path, int], None]
 def http_reload(engine_url: str, *, pause_mode: str = "retract", timeout_s: float = 600.0) -> Reload:
     """A Reload for an engine over HTTP: pause, /update_weights_from_disk at the version, continue.
 
-    This is the only step of the disk-delta path that pauses generation (seed §7.2.4 step 5). It goes
+    This is the only step of the disk-delta path that pauses generation (§7.2.4 step 5). It goes
     through lockstep.serving.EngineClient like every other transport; an engine error is a DeltaError.
     """
 
-    async def install(local: Path, version: int) -> None:
+    async def install(local: Path, version: int, timer: phases.PhaseTimer | None) -> None:
         async with EngineClient(engine_url, timeout_s=timeout_s, retries=1) as client:
-            await client.pause_generation(pause_mode)
+            with phases.charged(timer, "pause"):
+                await client.pause_generation(pause_mode)
             try:
-                await client.update_weights_from_disk(str(local), weight_version=version)
+                with phases.charged(timer, "engine_load"):
+                    await client.update_weights_from_disk(str(local), weight_version=version)
             finally:
-                await client.continue_generation()
+                with phases.charged(timer, "resume"):
+                    await client.continue_generation()
 
     def reload(local: Path, version: int) -> None:
         io = LoopThread("disk-delta-reload")  # an update is synchronous; the client is async
         try:
-            io.run(install(local, version))
+            io.run(install(local, version, phases.current()))
         except EngineError as e:
             raise DeltaError(f"engine reload of {local} at version {version} failed: {e}") from e
         finally:
@@ -657,35 +702,38 @@ class DiskDeltaTransport:
 
     def first_update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferReport:
         """Version 0: publish nothing, verify trainer export and every host's copy against the baseline."""
-        t0 = self.clock()
-        self.publisher.check_export(named_tensors)
-        result = self.publisher.start()
-        for local, _ in self.subscribers:
-            init_local(local, self.publisher.root, result.version)
-        return TransferReport(version=result.version, transport=self.name, seconds=self.clock() - t0)
+        with phases.measure(self.clock) as timer:
+            self.publisher.check_export(named_tensors)
+            with phases.phase("encode"):
+                result = self.publisher.start()
+            with phases.phase("patch"):
+                for local, _ in self.subscribers:
+                    init_local(local, self.publisher.root, result.version)
+        return timer.stamp(TransferReport(version=result.version, transport=self.name))
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> TransferReport:
-        t0 = self.clock()
-        result = self.publisher.publish(named_tensors, version)
-        # Patch every host before any reload: a damaged delta fails here with no engine touched.
-        for local, _ in self.subscribers:
-            apply_delta(self.publisher.root, local, version)
-        for local, reload in self.subscribers:
-            reload(local, version)
-        return TransferReport(
+        with phases.measure(self.clock) as timer:
+            result = self.publisher.publish(named_tensors, version)
+            # Patch every host before any reload: a damaged delta fails here with no engine touched.
+            with phases.phase("patch"):
+                for local, _ in self.subscribers:
+                    apply_delta(self.publisher.root, local, version)
+            for local, reload in self.subscribers:
+                reload(local, version)
+        report = TransferReport(
             version=version,
             transport=self.name,
             tensors=result.tensors,
             payload_bytes=result.total_bytes,
             wire_bytes=result.wire_bytes,
-            seconds=self.clock() - t0,
             extra={
                 "update_weights_density": result.density,
                 "update_weights_wire_bytes": float(result.wire_bytes),
             },
         )
+        return timer.stamp(report)
 
     def close(self) -> None:
         return None

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lockstep.weights import phases
 from lockstep.weights.disk_delta import (
     DeltaPublisher,
     DiskDeltaTransport,
@@ -29,7 +30,7 @@ from lockstep.weights.from_disk import MODEL_FILES, FromDiskTransport
 if TYPE_CHECKING:
     import torch
 
-    from lockstep.weights.st_bytes import ChecksumAlgorithm
+    from lockstep.models.st_bytes import ChecksumAlgorithm
     from lockstep.weights.transport import TransferReport
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,9 @@ class LocalDiskDelta:
     ) -> TransferReport:
         if self.inner is not None:
             return self.inner.update_weights(named_tensors, version)
-        return self._first_update(list(named_tensors), version)
+        with phases.measure() as timer:
+            report = self._first_update(list(phases.timed(named_tensors, "gather")), version)
+        return timer.stamp(report)
 
     def _first_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         root, base, copies = (
@@ -126,7 +129,8 @@ class LocalDiskDelta:
         subscribers = []
         for url in self.urls:
             local = self.copy_of(url)
-            shutil.copytree(baseline, local)
+            with phases.phase("patch"):
+                shutil.copytree(baseline, local)
             subscribers.append((local, http_reload(url, pause_mode=self.pause_mode)))
         encoding: Any = self.encoding  # one of the codec's encodings (the API enum)
         publisher = DeltaPublisher(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from lockstep.models.tokenizer import TOKENIZER_FILES
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
+from lockstep.weights import phases
 from lockstep.weights.transport import TransferReport
 
 if TYPE_CHECKING:
@@ -111,12 +112,18 @@ class FromDiskTransport:
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        with phases.phase("bucket"):
+            tensors = {
+                name: t.detach().to("cpu").contiguous() for name, t in phases.timed(named_tensors, "gather")
+            }
         if not tensors:
             raise ValueError(f"version {version}: no tensors to write; the trainer exported nothing")
-        save_file(
-            tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "weight_version": str(version)}
-        )
+        with phases.phase("transfer"):
+            save_file(
+                tensors,
+                str(tmp / "model.safetensors"),
+                metadata={"format": "pt", "weight_version": str(version)},
+            )
         if self.config_dir is not None:
             for name in self.extra_files:
                 src = Path(self.config_dir) / name
@@ -132,19 +139,20 @@ class FromDiskTransport:
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> TransferReport:
-        t0 = self.clock()
-        path, count, payload = self.write(named_tensors, version)
-        for reload in self.reloads:
-            reload(str(path), version)
-        self._prune(version)
-        return TransferReport(
+        with phases.measure(self.clock) as timer:
+            path, count, payload = self.write(named_tensors, version)
+            with phases.phase("engine_load"):  # each engine pauses, reads the files and swaps itself
+                for reload in self.reloads:
+                    reload(str(path), version)
+            self._prune(version)
+        report = TransferReport(
             version=version,
             transport=self.name,
             tensors=count,
             payload_bytes=payload,
             wire_bytes=payload * max(len(self.reloads), 1),
-            seconds=self.clock() - t0,
         )
+        return timer.stamp(report)
 
     def _prune(self, newest: int) -> None:
         for old in sorted(self.root.glob("weight_v*")):

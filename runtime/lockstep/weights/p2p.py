@@ -1,4 +1,4 @@
-"""P2P weight transport through Mooncake's TransferEngine: each source writes only what a target needs (seed §7.2.3).
+"""P2P weight transport through Mooncake's TransferEngine: each source writes only what a target needs (§7.2.3).
 
 Why it exists: broadcast sends every byte from one rank per stage to every engine GPU. P2P lets many
 trainer ranks write, by RDMA (TCP on CPU machines, same API), straight into each engine's registered
@@ -6,8 +6,9 @@ memory, and each target receives only its own shards: a pure transfer plan (`pla
 targets' buffer layout (`P2PTargetInfo`, served by lockstep.engine.ext_weights), resharding into the
 target's TP layout (`shard_for_target`) and one reusable staging buffer per sender whose two halves
 overlap packing with the wire. A failed write raises `P2PWriteError`, never only logged; each target
-commits (checksums with verify=True) and only then advances its version. The receive buffers are
-bound at start, so `follow` refuses a changed engine set. docs/weights.md has the details.
+commits (checksums with verify=True) and only then advances its version. When the engines change,
+`follow` fetches a joining engine's receive buffer and plans the transfers again; after a failed
+update every target's info is fetched again. docs/weights.md has the details.
 
 Who calls it: the trainer (as a WeightTransport), lockstep.engine.ext_weights (P2PReceiver), tests and
 bench/weights_p2p.py.
@@ -15,10 +16,10 @@ bench/weights_p2p.py.
 
 from __future__ import annotations
 
-import re
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,18 +28,20 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from lockstep.api.auth import auth_headers
-from lockstep.weights import st_bytes as sb
+from lockstep.models import st_bytes as sb
+from lockstep.weights import phases, reshard
 from lockstep.weights.pipeline import PipelineConfig, prepare_buckets
 from lockstep.weights.transport import TransferReport, refuse_change
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 """Size of the one registered staging buffer of a sender."""
 
-_COLUMN_RE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
-_ROW_RE = re.compile(r"(o_proj|down_proj)\.weight$")
+shard_dim = reshard.shard_dim
 
 
 P2P_INFO_ROUTE = "/p2p_receiver_info"
@@ -66,36 +69,24 @@ def plan_transfers(sources: int, targets: int) -> list[list[int]]:
     return plan
 
 
-def shard_dim(name: str) -> int | None:
-    """The TP split dimension of a tensor in SGLang's layout: 0 column-parallel, 1 row-parallel, None replicated."""
-    if _COLUMN_RE.search(name):
-        return 0
-    if _ROW_RE.search(name):
-        return 1
-    return None
+def target_shape(name: str, shape: Iterable[int], tp_size: int, *, head_dim: int | None = None) -> list[int]:
+    """Local shape of a tensor on one TP rank in SGLang's layout (lockstep.weights.reshard)."""
+    return reshard.local_shape(name, shape, tp_size, head_dim=head_dim)
 
 
-def target_shape(name: str, shape: Iterable[int], tp_size: int) -> list[int]:
-    """Local shape of a tensor on one TP rank; raises when the split is uneven."""
-    out = list(shape)
-    dim = shard_dim(name)
-    if tp_size == 1 or dim is None or dim >= len(out):
-        return out
-    if out[dim] % tp_size:
-        raise ValueError(
-            f"{name}: dim {dim} of size {out[dim]} does not split over tp_size={tp_size}; pick a TP size that divides it"
-        )
-    out[dim] //= tp_size
-    return out
+def shard_for_target(
+    name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, local: Sequence[int] | None = None
+) -> torch.Tensor:
+    """The part of a full HF tensor that TP rank `tp_rank` of `tp_size` holds (contiguous), cut to the
+    target slot's shape `local` when given (lockstep.weights.reshard)."""
+    return reshard.shard(name, tensor, tp_rank, tp_size, local)
 
 
-def shard_for_target(name: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The slice of a full HF tensor that TP rank `tp_rank` of `tp_size` holds (contiguous)."""
-    dim = shard_dim(name)
-    if tp_size == 1 or dim is None or dim >= tensor.dim():
-        return tensor.contiguous()
-    target_shape(name, tensor.shape, tp_size)  # validates divisibility
-    return tensor.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+def group_of(info: P2PTargetInfo, name: str) -> tuple[int, int]:
+    """(rank, size) of the group `name` is split over on a target: MoE TP for routed experts, else TP."""
+    if reshard.is_routed_expert(name) and info.moe_tp_size is not None:
+        return info.moe_tp_rank or 0, info.moe_tp_size
+    return info.tp_rank, info.tp_size
 
 
 class Slot(BaseModel):
@@ -127,7 +118,11 @@ class P2PTargetInfo(BaseModel):
     tp_size: int
     """The target's TP size."""
     slots: dict[str, Slot]
-    """Every tensor the target expects, by HF name."""
+    """Every tensor the target expects, by HF name (with expert parallel: only its own experts)."""
+    moe_tp_rank: int | None = None
+    """The target's rank in the MoE TP group routed experts are split over (tp / ep ranks); unset: tp_rank."""
+    moe_tp_size: int | None = None
+    """The MoE TP group's size; unset: tp_size (no expert parallel)."""
 
 
 class P2PCommitRequest(BaseModel):
@@ -286,7 +281,8 @@ class _Pipe:
     def _wait(self, h: int) -> None:
         fut, self.pending[h] = self.pending[h], None
         if fut is not None:
-            fut.result()
+            with phases.phase("transfer"):  # the packing that overlapped this write is charged to bucket
+                fut.result()
 
     def add(self, session: str, data: torch.Tensor, remote: int, name: str) -> None:
         """Queue `data` ([n] uint8) for `remote` on `session`, copying it into staging chunk by chunk."""
@@ -335,6 +331,20 @@ class _Pipe:
             raise errors[0]
 
 
+def _cut(info: P2PTargetInfo, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The parts of a bucket's tensors one target holds, in its slots' shapes. A routed expert the
+    target has no slot for lives on another expert-parallel rank; any other missing name is a layout
+    mismatch (`_send` names it)."""
+    out = []
+    for name, t in named:
+        slot = info.slots.get(name)
+        if slot is None and reshard.is_routed_expert(name):
+            continue
+        rank, size = group_of(info, name)
+        out.append((name, shard_for_target(name, t, rank, size, slot.shape if slot is not None else None)))
+    return out
+
+
 class P2PTransport:
     """WeightTransport: this source writes its planned targets' shards, then the targets commit."""
 
@@ -352,14 +362,26 @@ class P2PTransport:
         protocol: str = "tcp",
         verify: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        target_factory: Callable[[str], P2PTarget] | None = None,
     ) -> None:
         self.verify = verify
         """Send xxh3-128 checksums with the commit so each target checks every tensor before loading.
         Off by default: it costs two extra passes over the bytes (0.46 vs 1.01 of the raw rate on TCP
         loopback, bench/results/weights_p2p_*); failed writes raise either way, every expected tensor
         must have been written before any commit, and the pre-flight check covers silent misses."""
-        self.all_targets = targets
-        self.targets = [targets[i] for i in plan_transfers(num_sources, len(targets))[source_rank]]
+        self.source_rank, self.num_sources = source_rank, num_sources
+        self.target_factory = target_factory
+        """URL -> P2PTarget of an engine (its receive buffer and layout): how a joining engine is reached."""
+        self.all_targets: list[P2PTarget] = []
+        self.targets: list[P2PTarget] = []
+        self.replans = 0
+        """How many times the engine set changed and the transfer plan was made again."""
+        self.last_replan_s = 0.0
+        """Seconds the last re-plan took (the new engines' receive-buffer info included)."""
+        self.stale = False
+        """Set after a failed update: every target's info is fetched again before the next one (a
+        restarted engine keeps its address but registers a new receive buffer)."""
+        self._plan(targets)
         self.config = config or PipelineConfig()
         self.clock = clock
         self.engine = new_transfer_engine(hostname, protocol)
@@ -372,13 +394,7 @@ class P2PTransport:
     ) -> Iterator[list[list[tuple[str, torch.Tensor]]]]:
         """Per bucket, per target: the resharded tensors (runs while the previous bucket's last write flies)."""
         for bucket in prepare_buckets(named, self.config):
-            yield [
-                [
-                    (n, shard_for_target(n, t, tg.info.tp_rank, tg.info.tp_size))
-                    for n, t in bucket.named_tensors
-                ]
-                for tg in self.targets
-            ]
+            yield [_cut(tg.info, bucket.named_tensors) for tg in self.targets]
 
     def _send(self, pipe: _Pipe, target: P2PTarget, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Pack one target's tensors of a bucket into staging; full halves are written in the background."""
@@ -399,32 +415,62 @@ class P2PTransport:
             pipe.add(info.session_id, data, info.buffer_ptr + slot.offset, name)
         pipe.flush()  # the next target's bytes go to the other half while this write flies
 
+    def _plan(self, targets: list[P2PTarget]) -> None:
+        """Make `targets` (sorted by URL) the engine set and this source's share of it the plan."""
+        self.all_targets = targets
+        self.targets = [targets[i] for i in plan_transfers(self.num_sources, len(targets))[self.source_rank]]
+
     def follow(self, urls: list[str]) -> None:
-        """The targets' receive buffers are bound at start: a changed engine set is refused, naming the fix."""
-        fix = "restart the trainer group (it binds the engines' receive buffers at start) or use broadcast"
-        refuse_change(self.name, [t.url for t in self.all_targets], urls, fix)
+        """Reach exactly these engines from the next update on: a joining engine's receive buffer and
+        layout are fetched and the transfer plan is made again (every source computes the same plan
+        from the same sorted URLs); an engine that left is dropped. Without a target factory (targets
+        given by hand) a changed set is refused, naming the fix."""
+        known = {t.url: t for t in self.all_targets}
+        if sorted(urls) == sorted(known) and not self.stale:
+            return
+        if self.target_factory is None:
+            fix = "give the transport a target_factory (http_target) to follow the engines, or use broadcast"
+            refuse_change(self.name, list(known), urls, fix)
+            return
+        t0 = self.clock()
+        refresh = self.stale
+        targets = [known[u] if u in known and not refresh else self.target_factory(u) for u in sorted(urls)]
+        joined, left = sorted(set(urls) - set(known)), sorted(set(known) - set(urls))
+        self._plan(targets)
+        self.stale = False
+        self.replans += 1
+        self.last_replan_s = self.clock() - t0
+        log.info("p2p: re-planned for %d engines in %.3f s (joined %s, left %s%s)", len(targets),
+                 self.last_replan_s, joined or "-", left or "-", "; target info refreshed" if refresh else "")  # fmt: skip
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> TransferReport:
-        with self._lock:
-            return self._push(named_tensors, version)
+        with self._lock, phases.measure(self.clock) as timer:
+            try:
+                report = self._push(named_tensors, version)
+            except BaseException:
+                self.stale = True  # fetch every engine's receive buffer again before the next update
+                raise
+        report.extra["update_weights_p2p_replans"] = float(self.replans)
+        return timer.stamp(report)
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
-        t0 = self.clock()
         checksums: list[dict[str, str]] = [{} for _ in self.targets]
         names: list[list[str]] = [[] for _ in self.targets]
         payload = 0
         pipe = _Pipe(self.staging, self._pool)
         try:
-            for per_target in self._prepared(named_tensors):  # the next bucket is prepared while writes fly
+            # The next bucket is prepared while writes fly.
+            for per_target in phases.timed(self._prepared(named_tensors), "bucket"):
                 for i, (target, tensors) in enumerate(zip(self.targets, per_target, strict=True)):
-                    self._send(pipe, target, tensors)
-                    for name, t in tensors:  # overlaps the write just submitted
-                        names[i].append(name)
-                        if self.verify:
-                            checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
-                        payload += t.numel() * t.element_size()
+                    with phases.phase("bucket"):
+                        self._send(pipe, target, tensors)
+                        for name, t in tensors:  # overlaps the write just submitted
+                            names[i].append(name)
+                            if self.verify:
+                                checksums[i][name] = sb.checksum(sb.tensor_bytes(t))
+                            payload += t.numel() * t.element_size()
         finally:
             pipe.drain()  # never leave a write reading staging; re-raises the first failed write
         for target, written, sums in zip(self.targets, names, checksums, strict=True):
@@ -433,14 +479,14 @@ class P2PTransport:
                 raise P2PWriteError(
                     f"the update lacks {len(missing)} tensors {target.info.session_id} expects: {missing[:5]}"
                 )
-            target.commit(P2PCommitRequest(version=version, names=written, checksums=sums))
+            with phases.phase("engine_load"):  # the target checks, copies into its weights, sets the version
+                target.commit(P2PCommitRequest(version=version, names=written, checksums=sums))
         return TransferReport(
             version=version,
             transport=self.name,
             tensors=sum(map(len, names)),
             payload_bytes=payload,
             wire_bytes=payload,
-            seconds=self.clock() - t0,
             extra={"update_weights_wire_bytes": float(payload)},
         )
 

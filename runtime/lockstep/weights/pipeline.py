@@ -1,4 +1,4 @@
-"""The shared preparation pipeline of every weight transport: gather, convert, bucket (seed §7.2.1).
+"""The shared preparation pipeline of every weight transport: gather, convert, bucket (§7.2.1).
 
 Why it exists: a weight update has two jobs, preparing serving-ready tensors from the trainer's sharded
 layout and moving them. Preparing is the same for broadcast, CUDA IPC, disk-delta and P2P, so it is
@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lockstep.weights import phases
+
 if TYPE_CHECKING:
     import torch
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-"""Nominal bucket size (seed §7.2.1: 512 MiB)."""
+"""Nominal bucket size (§7.2.1: 512 MiB)."""
 
 NamedTensor = tuple[str, "torch.Tensor"]
 Converter = Callable[[str, "torch.Tensor"], list[NamedTensor]]
@@ -194,11 +196,16 @@ def prepare_buckets(
     experts: list[NamedTensor] = []
 
     def dense() -> Iterator[NamedTensor]:
-        for name, shard in named_tensors:
+        for name, shard in phases.timed(named_tensors, "gather"):  # the trainer's export gathers
             if is_expert(name):
-                experts.extend(convert(name, shard))  # gathered per bucket below, not per tensor
+                with phases.phase("convert"):
+                    experts.extend(convert(name, shard))  # gathered per bucket below, not per tensor
                 continue
-            yield from convert(name, gather(name, shard))
+            with phases.phase("gather"):
+                full = gather(name, shard)
+            with phases.phase("convert"):
+                converted = convert(name, full)
+            yield from converted
 
     index = 0
     for chunk in bucket_units(atomic_units(dense(), cfg.group_key), cfg.bucket_bytes):
@@ -206,7 +213,8 @@ def prepare_buckets(
         index += 1
     pre_gather_limit = max(1, cfg.bucket_bytes // cfg.expert_parallel)
     for chunk in bucket_units(atomic_units(experts, cfg.group_key), pre_gather_limit):
-        full = expert_gather(chunk) if expert_gather is not None else chunk
+        with phases.phase("gather"):
+            full = expert_gather(chunk) if expert_gather is not None else chunk
         yield Bucket(index=index, named_tensors=full, expert=True)
         index += 1
 
@@ -219,7 +227,7 @@ def send_buckets(
     The loop every bucket-at-a-time transport runs (broadcast, CUDA IPC) between pause and version bump.
     """
     tensors = payload = 0
-    for bucket in prepare_buckets(named_tensors, config):
+    for bucket in phases.timed(prepare_buckets(named_tensors, config), "bucket"):
         send(bucket)
         tensors += len(bucket.named_tensors)
         payload += bucket.nbytes

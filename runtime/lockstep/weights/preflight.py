@@ -1,4 +1,4 @@
-"""Pre-flight `check-weight-update-equal`: prove the engines hold exactly the trainer's weights (seed §7.2.5).
+"""Pre-flight `check-weight-update-equal`: prove the engines hold exactly the trainer's weights (§7.2.5).
 
 Why it exists: a transport that silently drops a tensor trains against the wrong policy. The check runs
 on SGLang's own POST /weights_checker (CheckWeightsReqInput), as Miles' --check-weight-update-equal
@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from lockstep.api.common import Condition, ConditionStatus
+from lockstep.models import st_bytes as sb
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import CheckAction, CheckWeightsReply, SamplingParams
-from lockstep.weights import st_bytes as sb
-from lockstep.weights.transport import WeightTransport
+from lockstep.weights.fallback import Export
+from lockstep.weights.transport import TransferReport, WeightTransport
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +61,10 @@ class TensorMismatch(BaseModel):
     `replica`: its hash differs from the first engine's."""
     detail: str = ""
     """Trainer vs engine values."""
+
+
+PREFLIGHT_FILE = "preflight.json"
+"""Where in the run dir the pre-flight's PreflightResult (pydantic JSON) is written, passed or not."""
 
 
 class PreflightResult(BaseModel):
@@ -114,6 +120,8 @@ class LogprobProbe:
     """Greedy tokens to generate and compare."""
     tolerance: float = 0.05
     """Largest accepted |engine - trainer| logprob difference (bf16 kernels differ a little)."""
+    lora_path: str | None = None
+    """The LoRA adapter the engine samples the probe with (a LoRA job's pre-flight); None: the base."""
 
 
 def compare(
@@ -151,9 +159,63 @@ def rank_checksums(reply: CheckWeightsReply) -> dict[str, str]:
     return out
 
 
+def replica_mismatches(sums: dict[str, dict[str, str]]) -> list[TensorMismatch]:
+    """Tensors whose checksum on an engine differs from the first engine's (engine url -> name -> checksum)."""
+    first_url, first = next(iter(sums.items()))
+    return [m for url, got in list(sums.items())[1:] for m in compare(url, first, got, against=first_url)]
+
+
+def probe_engines(
+    io: LoopThread, clients: Sequence[EngineClient], probe: LogprobProbe | None
+) -> float | None:
+    """The largest |engine - trainer| logprob of the probe over the engines; None without a probe."""
+    return None if probe is None else max(io.run(_probe(c, probe)) for c in clients)
+
+
+def probe_ok(worst: float | None, probe: LogprobProbe | None) -> bool:
+    """Whether the probe ran within its tolerance (true when no probe ran)."""
+    return worst is None or probe is None or worst <= probe.tolerance
+
+
+def checked_result(
+    *,
+    engines: int,
+    checked: int,
+    mismatches: list[TensorMismatch],
+    worst: float | None,
+    probe: LogprobProbe | None,
+    message: str,
+) -> PreflightResult:
+    """The result of a pre-flight that ran: passed when no tensor differs and the probe is within bounds."""
+    return PreflightResult(
+        passed=not mismatches and probe_ok(worst, probe),
+        engines=engines,
+        checked_tensors=checked,
+        mismatches=mismatches,
+        logprob_max_abs_diff=worst,
+        logprob_tolerance=None if probe is None else probe.tolerance,
+        message=message,
+    )
+
+
+@contextmanager
+def engine_clients(
+    engine_urls: Sequence[str], thread: str
+) -> Iterator[tuple[LoopThread, list[EngineClient]]]:
+    """A loop thread named `thread` and a client per engine, closed on exit."""
+    io = LoopThread(thread)
+    clients = [EngineClient(u) for u in engine_urls]
+    try:
+        yield io, clients
+    finally:
+        for c in clients:
+            io.run(c.aclose())
+        io.close()
+
+
 async def _probe(client: EngineClient, probe: LogprobProbe) -> float:
     params = SamplingParams(max_new_tokens=probe.max_new_tokens, temperature=0.0)
-    result = await client.generate(probe.prompt_ids, params)
+    result = await client.generate(probe.prompt_ids, params, lora_path=probe.lora_path)
     tokens, engine_lp = list(result.output_ids), list(result.output_logprobs)
     trainer_lp = probe.trainer_logprobs(list(probe.prompt_ids), tokens)
     if len(trainer_lp) != len(engine_lp):
@@ -165,9 +227,14 @@ class PreflightError(RuntimeError):
     """An engine could not run a /weights_checker action; the message names the engine and the action."""
 
 
-def _run(
-    io: LoopThread, client: EngineClient, action: CheckAction, skip: Sequence[str] | None, quant: bool = False
+def run_check(
+    io: LoopThread,
+    client: EngineClient,
+    action: CheckAction,
+    skip: Sequence[str] | None = None,
+    quant: bool = False,
 ) -> CheckWeightsReply:
+    """One /weights_checker action on one engine; a failed action other than `compare` raises PreflightError."""
     reply = io.run(client.check_weights(action, skip_tensor_list=skip, allow_quant_error=quant))
     if not reply.success and action != "compare":
         raise PreflightError(f"{client.base_url}/weights_checker action {action!r} failed: {reply.message}")
@@ -186,6 +253,7 @@ def check_weight_update_equal(
     allow_quant_error: bool = False,
     skip_tensor_list: Sequence[str] | None = None,
     served: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    on_report: Callable[[TransferReport], None] | None = None,
 ) -> PreflightResult:
     """Snapshot and reset every engine, run the first update through `transport`, compare, probe.
 
@@ -197,63 +265,54 @@ def check_weight_update_equal(
     weights (FP8, MXFP8, NVFP4) may differ from the snapshot within one quantization step. An engine that
     cannot run an action fails the result. `served` maps the export to what the engines must hold when a
     stage dequantizes (low-precision serving: allow the quantization error, but only the shared
-    quantizer's own, bit for bit).
+    quantizer's own, bit for bit). `on_report` receives the update's TransferReport (its phases).
     """
-    io = LoopThread("preflight-io")
-    clients = [EngineClient(u) for u in engine_urls]
-    try:
+    with engine_clients(engine_urls, "preflight-io") as (io, clients):
         try:
             for c in clients:
                 if compare_loaded:
-                    _run(io, c, "snapshot", skip_tensor_list)
-                _run(io, c, "reset_tensors", skip_tensor_list)
-            transport.update_weights(named_tensors(), version)
+                    run_check(io, c, "snapshot", skip_tensor_list)
+                run_check(io, c, "reset_tensors", skip_tensor_list)
+            report = transport.update_weights(Export(named_tensors), version)  # re-exported on a fallback
+            if on_report is not None:
+                on_report(report)
             mismatches: list[TensorMismatch] = []
             for c in clients if compare_loaded else ():
-                reply = _run(io, c, "compare", skip_tensor_list, allow_quant_error)
+                reply = run_check(io, c, "compare", skip_tensor_list, allow_quant_error)
                 if not reply.success:
                     mismatches += compare_failures(c.base_url, reply.message) or [
                         TensorMismatch(
                             engine=c.base_url, name="(unnamed)", reason="differs", detail=reply.message[:500]
                         )
                     ]
-            sums = {c.base_url: rank_checksums(_run(io, c, "checksum", skip_tensor_list)) for c in clients}
+            sums = {
+                c.base_url: rank_checksums(run_check(io, c, "checksum", skip_tensor_list)) for c in clients
+            }
         except PreflightError as e:
             return PreflightResult(passed=False, engines=len(clients), checked_tensors=0, message=str(e))
-        first_url, first = next(iter(sums.items()))
-        for url, got in list(sums.items())[1:]:
-            mismatches += compare(url, first, got, against=first_url)
-        checked = len(first)
+        mismatches += replica_mismatches(sums)
+        checked = len(next(iter(sums.values())))
         if trainer_checksums:
             expected = {n: tensor_hash(t) for n, t in (served or iter)(named_tensors())}
             checked = len(expected)
             for url, got in sums.items():
                 mismatches += compare(url, expected, got)
-        worst = None
-        if probe is not None and not mismatches:
-            worst = max(io.run(_probe(c, probe)) for c in clients)
-        probe_ok = worst is None or worst <= (probe.tolerance if probe else 0.0)
-        passed = not mismatches and probe_ok
+        worst = probe_engines(io, clients, probe) if not mismatches else None
         if mismatches:
             names = sorted({m.name for m in mismatches})
             message = f"{len(names)} tensors differ after the first update: " + ", ".join(names[:20])
-        elif not probe_ok:
+        elif not probe_ok(worst, probe):
             assert probe is not None
             message = f"checksums match but the logprob probe differs by {worst:.4f} > {probe.tolerance} (a post-load step skipped?)"
         else:
             message = f"{checked} tensors equal on {len(clients)} engines" + (
                 "" if worst is None else f"; logprob probe max diff {worst:.2e}"
             )
-        return PreflightResult(
-            passed=passed,
+        return checked_result(
             engines=len(clients),
-            checked_tensors=checked,
+            checked=checked,
             mismatches=mismatches,
-            logprob_max_abs_diff=worst,
-            logprob_tolerance=None if probe is None else probe.tolerance,
+            worst=worst,
+            probe=probe,
             message=message,
         )
-    finally:
-        for c in clients:
-            io.run(c.aclose())
-        io.close()

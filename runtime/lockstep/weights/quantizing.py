@@ -1,6 +1,6 @@
 """QuantizingTransport: every weight push leaves the trainer quantized by the shared quantizer.
 
-Why it exists: BF16 training with low-precision serving (seed §6, the GLM-5.2 recipe) needs the
+Why it exists: BF16 training with low-precision serving (§6, the GLM-5.2 recipe) needs the
 online export (stage 3) to quantize exactly as the serving checkpoint was converted (stage 1), with
 the same BF16 exceptions. Wrapping the transport keeps every transport unaware of formats: the inner
 transport moves the (name, tensor) pairs of SGLang's checkpoint layout (`weight` in FP8/FP4 plus its
@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from lockstep.numerics.recipe import Recipe
+from lockstep.weights import phases
+from lockstep.weights.fallback import Export
 from lockstep.weights.transport import TransferReport, WeightTransport
 
 if TYPE_CHECKING:
@@ -37,11 +39,20 @@ class QuantizingTransport:
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> TransferReport:
-        counted = _Counter(named_tensors, self.recipe)
-        report = self.inner.update_weights(self.recipe.export(counted), version)
+        counters: list[_Counter] = []
+
+        def quantized() -> Iterator[tuple[str, torch.Tensor]]:
+            counters.append(_Counter(phases.timed(named_tensors, "gather"), self.recipe))
+            return phases.timed(self.recipe.export(counters[-1]), "quantize")
+
+        # An export the inner transport may send again (a fallback) stays one: each pass quantizes anew.
+        named = Export(quantized) if isinstance(named_tensors, Export) else quantized()
+        with phases.measure() as timer:
+            report = self.inner.update_weights(named, version)
+        counted = counters[-1]
         report.extra["update_weights_quantized_tensors"] = float(counted.quantized)
         report.extra["update_weights_bf16_exceptions"] = float(counted.exceptions)
-        return report
+        return timer.stamp(report)
 
     def served(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """What the engines hold after an update of `named_tensors` (for the pre-flight's checksums)."""

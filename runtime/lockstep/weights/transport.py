@@ -1,7 +1,7 @@
 """The WeightTransport protocol and the engine set a weight update reaches.
 
 Why it exists: the trainer must not care whether weights travel by broadcast, CUDA IPC, a disk delta
-or P2P writes (seed §7.2); it hands over HF-named tensors and a version and gets a report it can log.
+or P2P writes (§7.2); it hands over HF-named tensors and a version and gets a report it can log.
 A pool's engines change while a job runs (a replaced pod, a scale-up) and a new engine starts from the
 base checkpoint, so before every update `update_members` asks the membership for the engines of the
 moment and the transport follows them itself (`follow`): each transport module says what a change
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from lockstep.serving.membership import EngineMembers, probe_health
+from lockstep.weights import phases
+from lockstep.weights.phases import metric_name
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +45,17 @@ class TransferReport:
     """Wall time of the update, pause to continue."""
     extra: dict[str, float] = field(default_factory=dict)
     """Transport-specific metrics (e.g. update_weights_density for disk-delta)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the update (lockstep.weights.phases.PHASES); they sum to `seconds`."""
+
+    def metrics(self) -> dict[str, float]:
+        """The step metrics of this update: version, seconds, `extra` and one per phase."""
+        return {
+            "weight_version": float(self.version),
+            "update_weights_s": self.seconds,
+            **self.extra,
+            **{metric_name(p): s for p, s in self.phases.items()},
+        }
 
 
 class WeightTransport(Protocol):
@@ -132,9 +145,12 @@ def update_members(
     An engine that left is dropped; one that was reached before and no longer answers fails the
     update, named in the error. The report's `update_weights_engines` counts the engines reached.
     """
-    urls = engines.targets(version)
-    transport.follow(urls)
-    report = transport.update_weights(named_tensors, version)
+    with phases.measure() as timer:
+        with phases.phase("membership"):
+            urls = engines.targets(version)
+            transport.follow(urls)
+        report = transport.update_weights(named_tensors, version)  # each transport times its gather
+    timer.stamp(report)
     engines.reached = urls
     report.extra["update_weights_engines"] = float(len(urls))
     # Every step updates: the engine list is logged at debug (membership changes are logged above).

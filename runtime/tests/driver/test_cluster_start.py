@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lockstep.driver.components import _wait_for_engines
-from lockstep.driver.engines import EngineServer, start_reference_engine
+from lockstep.driver.engines import EngineServer, start_reference_engine, wait_for_engines
 from lockstep.serving.client import EngineClient, EngineUnreachable
 from lockstep.serving.loop import LoopThread
 
@@ -39,14 +38,14 @@ def test_a_cluster_driver_starts_on_a_serving_engine_of_the_service(
     engine: EngineServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = int(engine.url.rsplit(":", 1)[1])
-    monkeypatch.setattr("lockstep.driver.components.ENGINE_PORT", port)
+    monkeypatch.setattr("lockstep.driver.engines.ENGINE_PORT", port)
     monkeypatch.setenv("LOCKSTEP_ENGINES_SERVICE", "localhost")
     runner = LoopThread()
     router = EngineClient(f"http://127.0.0.1:{_free_port()}", retries=1)  # no Ready engine behind it
     try:
-        _wait_for_engines(runner, [router], 30, cluster=True)  # returns: the engine serves
+        wait_for_engines(runner, [router], 30, cluster=True)  # returns: the engine serves
         with pytest.raises(EngineUnreachable):  # outside a cluster the router itself must answer
-            _wait_for_engines(runner, [router], 1, cluster=False)
+            wait_for_engines(runner, [router], 1, cluster=False)
     finally:
         runner.run(router.aclose())
         runner.close()

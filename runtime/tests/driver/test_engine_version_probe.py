@@ -20,8 +20,9 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+import torch
 from lockstep.api.progress import PROGRESS_KEY, ProgressReport
-from lockstep.driver.report import ConfigMapReporter, EngineVersionProbe, reporter_from_env
+from lockstep.progress import ConfigMapReporter, EngineVersionProbe, reporter_from_env
 
 
 def _free_port() -> int:
@@ -34,7 +35,9 @@ def _free_port() -> int:
 class Engines:
     """Reference engines served on (host, port) pairs by one private event loop thread."""
 
-    def __init__(self, model_dir: Path, hosts: list[str], port: int) -> None:
+    def __init__(
+        self, model_dir: Path, hosts: list[str], port: int, max_lora_rank: int | None = None
+    ) -> None:
         from aiohttp import web
         from lockstep.engine import ReferenceEngine, create_app
 
@@ -43,7 +46,10 @@ class Engines:
         self.thread.start()
         self.runners: list[Any] = []
         for host in hosts:
-            runner = web.AppRunner(create_app(ReferenceEngine.load(model_dir, device="cpu")))
+            engine = ReferenceEngine.load(model_dir, device="cpu")
+            if max_lora_rank is not None:
+                engine.enable_lora(max_rank=max_lora_rank)
+            runner = web.AppRunner(create_app(engine))
 
             async def start(r: Any = runner, h: str = host) -> None:
                 await r.setup()
@@ -142,3 +148,43 @@ def test_reporter_from_env_probes_the_engines_service(tmp_path: Path) -> None:
         {k: v for k, v in env.items() if k != "LOCKSTEP_ENGINES_SERVICE"}, sa_dir=tmp_path
     )
     assert isinstance(without, ConfigMapReporter) and without.probe is None
+
+
+def test_a_lora_jobs_probe_reports_the_adapter_version_each_engine_holds(tmp_path: Path) -> None:
+    """A LoRA job's engines: 127.0.0.1 holds the job's versions 4 and 5 (and another job's 9),
+    127.0.0.2 joined since and holds only the other job's: left out, the operator gates it."""
+    from lockstep.models.adapter_dir import save_adapter
+    from lockstep.models.tiny import materialize_builtin
+    from lockstep.serving.lora import adapter_config
+
+    model_dir = materialize_builtin("tiny", tmp_path / "tiny")
+    port = _free_port()
+    served = Engines(model_dir, ["127.0.0.1", "127.0.0.2"], port, max_lora_rank=4)
+    try:
+        a = "base_model.model.model.layers.0.self_attn.q_proj"
+        tensors = {f"{a}.lora_A.weight": torch.zeros(4, 64), f"{a}.lora_B.weight": torch.zeros(64, 4)}
+        config = adapter_config({n: t.shape for n, t in tensors.items()}, alpha=8)
+        save_adapter(tmp_path / "ad", tensors, config)
+        for host, names in (("127.0.0.1", ["job-v4", "job-v5", "other-v9"]), ("127.0.0.2", ["other-v9"])):
+            for name in names:
+                r = httpx.post(
+                    f"http://{host}:{port}/load_lora_adapter",
+                    json={"lora_name": name, "lora_path": str(tmp_path / "ad")},
+                    timeout=30,
+                )
+                assert r.status_code == 200, r.text
+        hosts = lambda host, p: ["127.0.0.1", "127.0.0.2"]  # noqa: E731
+        assert EngineVersionProbe("svc", port, resolve=hosts, adapter="job").versions() == {
+            f"127.0.0.1:{port}": 5
+        }
+        assert EngineVersionProbe("svc", port, resolve=hosts, adapter="other").versions() == {
+            f"127.0.0.1:{port}": 9,
+            f"127.0.0.2:{port}": 9,
+        }
+        # without the adapter: the engines' base weight_version, which adapters never move
+        assert EngineVersionProbe("svc", port, resolve=hosts).versions() == {
+            f"127.0.0.1:{port}": 0,
+            f"127.0.0.2:{port}": 0,
+        }
+    finally:
+        served.close()

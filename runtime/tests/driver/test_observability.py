@@ -76,3 +76,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_step_timestamp_shared_registries_and_the_port_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each train step stamps `lockstep_last_step_timestamp_seconds` (the no-step alert's series); a
+    shared registry (the in-process session server's) is served at the same endpoint; a bad
+    $LOCKSTEP_METRICS_PORT names the variable."""
+    from lockstep.observability.metrics import metrics_port_from_env, share_registry
+    from prometheus_client import CollectorRegistry, Counter
+
+    shared = CollectorRegistry()
+    Counter("tito_test_shared", "a shared series", registry=shared).inc(3)
+    share_registry(shared)
+    sink = MetricsSink(tmp_path / "m.jsonl", prometheus_port=_free_port())
+    try:
+        sink.log("eval", 1, {"reward_mean": 0.5})
+        assert (
+            "lockstep_last_step_timestamp_seconds"
+            not in httpx.get(f"http://127.0.0.1:{sink.port}/metrics").text
+        )
+        sink.log("train", 1, {"reward_mean": 0.5})
+        text = httpx.get(f"http://127.0.0.1:{sink.port}/metrics").text
+    finally:
+        sink.close()
+    stamp = next(ln for ln in text.splitlines() if ln.startswith("lockstep_last_step_timestamp_seconds "))
+    assert float(stamp.split()[1]) > 1.7e9
+    assert "tito_test_shared_total 3.0" in text
+    monkeypatch.setenv("LOCKSTEP_METRICS_PORT", "nine")
+    with pytest.raises(ValueError, match="LOCKSTEP_METRICS_PORT='nine'"):
+        metrics_port_from_env()
+    monkeypatch.setenv("LOCKSTEP_METRICS_PORT", "9400")
+    assert metrics_port_from_env() == 9400

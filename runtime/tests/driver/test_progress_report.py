@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 from lockstep.api.progress import PROGRESS_KEY, ProgressReport
-from lockstep.driver.report import ConfigMapReporter, NullReporter, ProgressTracker, reporter_from_env
+from lockstep.progress import ConfigMapReporter, NullReporter, ProgressTracker, reporter_from_env
 from lockstep.weights.preflight import PreflightResult, TensorMismatch
 
 STEP_METRICS = {
@@ -62,6 +62,28 @@ def test_document_of_init_and_steps_golden() -> None:
     }
     assert t.finished().done is True
     assert t.failed("x" * 5000).error == "x" * 4096
+
+
+def test_update_phases_reach_the_document() -> None:
+    t = ProgressTracker()
+    metrics = {**STEP_METRICS, "update_weights_transfer_s": 0.2, "update_weights_pause_s": 0.05}
+    doc = t.after_step(1, metrics)
+    wire = doc.model_dump(by_alias=True, exclude_none=True)
+    assert wire["lastUpdatePhases"] == {"transfer": 0.2, "pause": 0.05}
+    assert t.after_step(2, {"reward_mean": 0.1}).last_update_phases == {"transfer": 0.2, "pause": 0.05}
+
+
+def test_a_fallback_is_named_until_the_chosen_transport_delivers_again() -> None:
+    t = ProgressTracker()
+    fell = {**STEP_METRICS, "update_weights_fallback": 1.0, "update_weights_fallback_broadcast": 1.0}
+    doc = t.after_step(1, fell)
+    assert doc.last_update_fallback == "broadcast" and doc.update_fallbacks == 1
+    wire = doc.model_dump(by_alias=True, exclude_none=True)
+    assert wire["lastUpdateFallback"] == "broadcast" and wire["updateFallbacks"] == 1
+    assert t.after_step(2, fell).update_fallbacks == 2
+    back = t.after_step(3, {**STEP_METRICS, "update_weights_fallback": 0.0})
+    assert back.last_update_fallback is None and back.update_fallbacks == 2  # the count stays
+    assert t.after_step(4, {"reward_mean": 0.1}).last_update_fallback is None  # no update: unchanged
 
 
 def test_sync_step_without_queue_leaves_queue_fields_unset() -> None:
@@ -218,13 +240,13 @@ def test_real_sync_loop_reports_init_each_step_and_done(tmp_path: Path) -> None:
     """The tiny job's real loop (engine on 127.0.0.1, FSDP2 trainer) with the pre-flight check on."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
 
     reporter = _ListReporter()
     state = run(
         load_manifest(_tiny_job(tmp_path, weightSync={"checkWeightUpdateEqual": True})),
         tmp_path / "run",
-        steps=2,
-        cache_dir=tmp_path / "cache",
+        RunOptions(steps=2, cache_dir=tmp_path / "cache"),
         reporter=reporter,
     )
     assert state.step == 2
@@ -241,12 +263,18 @@ def test_real_fully_async_loop_reports_queue_staleness_and_wire_bytes(tmp_path: 
     """The fully-async loop over disk-delta: queue and staleness from the buffer, bytes from the push."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
 
     fixture = Path(__file__).parents[1] / "rollout" / "fixtures" / "tiny-async.yaml"
     text = fixture.read_text().replace("    evalInterval: 2\n", "")
     text = text.replace("transport: auto", "transport: disk-delta\n    checkWeightUpdateEqual: true")
     reporter = _ListReporter()
-    run(load_manifest(text), tmp_path / "run", steps=2, cache_dir=tmp_path / "cache", reporter=reporter)
+    run(
+        load_manifest(text),
+        tmp_path / "run",
+        RunOptions(steps=2, cache_dir=tmp_path / "cache"),
+        reporter=reporter,
+    )
     assert [d.step for d in reporter.docs] == [0, 1, 2, 2]
     init, _, second, last = reporter.docs
     assert init.preflight == "passed" and init.queue_size is None
@@ -260,6 +288,7 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
     """A NaN loss (a restart cannot fix it) ends the channel with `error`, not `done`."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
     from lockstep.trainer.protocol import NonFiniteLoss
 
     (tmp_path / "progress_nan_reward.py").write_text("def nan(sample, response):\n    return float('nan')\n")
@@ -267,7 +296,7 @@ def test_fatal_error_is_reported_as_the_jobs_error(tmp_path: Path, monkeypatch: 
     job = load_manifest(_tiny_job(tmp_path, agent={"rewardFunction": "progress_nan_reward:nan"}))
     reporter = _ListReporter()
     with pytest.raises(NonFiniteLoss):
-        run(job, tmp_path / "run", steps=2, cache_dir=tmp_path / "cache", reporter=reporter)
+        run(job, tmp_path / "run", RunOptions(steps=2, cache_dir=tmp_path / "cache"), reporter=reporter)
     assert [d.step for d in reporter.docs] == [0, 0]
     assert reporter.docs[-1].error is not None and reporter.docs[-1].error.startswith("NonFiniteLoss: ")
     assert not reporter.docs[-1].done
@@ -284,12 +313,13 @@ def test_a_driver_that_cannot_start_reports_why_once(
     """A bad checkpoint stops the driver before any step: one document, error and DriverStartFailed."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
-    from lockstep.driver.report import START_FAILURES
+    from lockstep.driver.settings import RunOptions
+    from lockstep.progress import START_FAILURES
 
     job = load_manifest(_tiny_job(tmp_path, model={"checkpoint": checkpoint}))
     reporter = _ListReporter()
     with pytest.raises(START_FAILURES) as raised:
-        run(job, tmp_path / "run", steps=1, cache_dir=tmp_path / "cache", reporter=reporter)
+        run(job, tmp_path / "run", RunOptions(steps=1, cache_dir=tmp_path / "cache"), reporter=reporter)
     [doc] = reporter.docs
     assert doc.reason == "DriverStartFailed" and doc.step is None and not doc.done
     assert doc.error == f"driver could not start: {type(raised.value).__name__}: {raised.value}"
@@ -302,6 +332,7 @@ def test_an_unreachable_engine_is_not_a_start_failure(tmp_path: Path) -> None:
     """The engine may come back: the pod restarts and tries again, the job does not fail."""
     from lockstep.api import load_manifest
     from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
     from lockstep.serving.client import EngineUnreachable
 
     job = load_manifest(_tiny_job(tmp_path))
@@ -310,18 +341,20 @@ def test_an_unreachable_engine_is_not_a_start_failure(tmp_path: Path) -> None:
         run(
             job,
             tmp_path / "run",
-            steps=1,
-            cache_dir=tmp_path / "cache",
+            RunOptions(
+                steps=1,
+                cache_dir=tmp_path / "cache",
+                engine_urls=("http://127.0.0.1:9",),
+                engine_timeout_s=0.5,
+            ),
             reporter=reporter,
-            engine_urls=("http://127.0.0.1:9",),
-            engine_ready_timeout_s=0.5,
         )
     assert reporter.docs == []
 
 
 def test_start_failure_document_and_rank_key(api: tuple[str, type[_Recorder]], tmp_path: Path) -> None:
     from lockstep.api.progress import rank_key
-    from lockstep.driver.report import start_failure
+    from lockstep.progress import start_failure
 
     doc = start_failure(FileNotFoundError("x" * 5000), "trainer rank 2")
     assert doc.reason == "TrainerStartFailed" and doc.error is not None and len(doc.error) == 4096
@@ -365,3 +398,40 @@ def test_a_trainer_rank_that_cannot_start_exits_2_naming_the_checkpoint(
     argv = ["trainer", "--config", str(job), "--serve", "--out", str(tmp_path / "out")]
     assert main([*argv, "--engine-url", "http://127.0.0.1:9"]) == 2
     assert "/nonexistent/ckpt" in capsys.readouterr().err
+
+
+def test_sandbox_aborts_add_up_across_steps() -> None:
+    """Each step reports how many samples its sandboxes aborted; the document (and so the RLJob's
+    status.sandboxAborts) carries the sum since the driver started."""
+    t = ProgressTracker()
+    assert t.after_step(1, {"reward_mean": 0.5}).sandbox_aborts is None  # a job without sandboxes
+    assert t.after_step(2, {"reward_mean": 0.5, "sandbox_aborted_samples": 2.0}).sandbox_aborts == 2
+    assert t.after_step(3, {"reward_mean": 0.5, "sandbox_aborted_samples": 0.0}).sandbox_aborts == 2
+    doc = t.after_step(4, {"reward_mean": 0.5, "sandbox_aborted_samples": 1.0})
+    assert json.loads(doc.model_dump_json(by_alias=True))["sandboxAborts"] == 3
+
+
+def test_a_lora_jobs_loop_gives_the_reporter_it_was_handed_the_adapter_probe(tmp_path: Path) -> None:
+    """In a driver pod the loop builds the ConfigMapReporter and hands it to the components: its
+    engine probe must read the job's adapter versions (an engine's weight_version is its base's, 0,
+    which gated every engine of a shared pool out of the router on the real node)."""
+    from lockstep.api import load_manifest
+    from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
+    from lockstep.progress import EngineVersionProbe
+
+    class _Probed(_ListReporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.probe = EngineVersionProbe("engines", resolve=lambda host, port: [])
+
+    reporter = _Probed()
+    job = _tiny_job(tmp_path, model={"lora": {"rank": 4, "alpha": 8}})
+    state = run(
+        load_manifest(job),
+        tmp_path / "run",
+        RunOptions(steps=1, cache_dir=tmp_path / "cache"),
+        reporter=reporter,
+    )
+    assert state.step == 1
+    assert reporter.probe.adapter == "tiny-fast"

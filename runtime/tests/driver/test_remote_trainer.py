@@ -188,7 +188,7 @@ def test_trainer_group_takes_the_rl_steps_and_a_restarted_driver_resumes(
         assert _trainer_state(out)["extra"] == state["extra"]
         assert group.drive() == 0  # a restarted driver resumes from the trainer's checkpoint, to the end
         assert group.trainers.stop() == 0  # the job is done: the driver's shutdown ended both ranks
-    rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
+    rows = [r for r in read_jsonl(tmp_path / "driver" / "metrics.jsonl") if r["kind"] != "data"]
     kinds = ["sft", "sft", "update_weights", "train", "update_weights", "update_weights", "train", "train"]
     assert [r["kind"] for r in rows] == kinds  # the NaN run published, then stopped in its step
     assert rows[5]["weight_version"] == 1  # the resumed version went out again, no second warm start
@@ -297,8 +297,10 @@ def test_a_trainer_group_serves_fp8_engines_over_broadcast(tmp_path: Path, cache
     result = json.loads((tmp_path / "driver" / "preflight.json").read_text())
     assert result["passed"] and result["checked_tensors"] > 0, result
     rows = read_jsonl(tmp_path / "driver" / "metrics.jsonl")
-    pushes = [r for r in rows if "update_weights_quantized_tensors" in r]  # the push after each step
-    assert len(pushes) == 3 and all(r["update_weights_quantized_tensors"] > 0 for r in pushes), rows
+    # the first update (through the pre-flight) and the push after each step, every one quantized
+    pushes = [r for r in rows if "update_weights_quantized_tensors" in r]
+    assert [r["kind"] for r in pushes] == ["update_weights", "train", "train", "train"], rows
+    assert all(r["update_weights_quantized_tensors"] > 0 for r in pushes), rows
     assert all(r["update_weights_bf16_exceptions"] == 1.0 for r in pushes)
     train = [r for r in rows if r["kind"] == "train"]
     # FP8 serving, BF16 training: a small measured gap, not the BF16 run's noise
@@ -322,3 +324,77 @@ def test_a_trainer_gone_at_the_shutdown_after_the_last_step_is_no_failure(
     finally:
         trainer.close()
     assert "the trainer was gone before its shutdown" in caplog.text
+
+
+def _rank_pid(torchrun: int, rank: int) -> int:
+    """The pid of worker `rank` among the torchrun agent's children (by its RANK environment)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == torchrun and f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_to_a_rank_mid_run_checkpoints_and_a_new_group_loses_no_step(
+    tmp_path: Path, cache: Path, engine: str, rank: int
+) -> None:
+    """Preemption of one trainer rank (a deleted rank pod, a drained node): rank 0 on its own SIGTERM, or
+    told by rank 1 through the group's store, finishes the running command and checkpoints the steps the
+    driver trained since its last save (no save interval here: without it every step would be lost), then
+    the group exits; the driver sees the group gone (exit 3). A new group (the gang restart) and driver
+    resume from that checkpoint: the job ends with every step trained once and every prompt drawn once."""
+    import signal as signals
+
+    # Steps enough that the job is still running when rank 0 sees a follower's notice (it polls the
+    # store every 0.5 s; CI once trained all of 6 fast steps first, and the driver ended done)
+    steps = 30
+    job = _edited(tmp_path, "job.yaml", {"spec.schedule.steps": steps, "spec.schedule.saveInterval": None})
+    with Group(engine, tmp_path, cache, "trainer-1", job) as group:
+        group.trainers.wait_ready()
+        with (tmp_path / "driver.log").open(
+            "w"
+        ) as out:  # the driver as a process: it installs signal handlers
+            driver = subprocess.Popen(
+                [sys.executable, "-m", "lockstep", *group.args, "--config", str(job)],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        metrics = tmp_path / "driver" / "metrics.jsonl"
+        deadline = time.monotonic() + 900  # a hang guard, not a timing assertion
+        while len(read_jsonl(metrics, "train", raw=True)) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "driver.log"
+            ).read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(_rank_pid(group.trainers.proc.pid, rank), signals.SIGTERM)
+        # The signalled rank exits 0, the other one STOPPED_EARLY_EXIT (the job is not done: its pod
+        # must not end Succeeded), so torchrun's group fails (1) and the operator restarts the gang.
+        assert group.trainers.proc.wait(300) == 1, group.trainers.log.read_text()[-3000:]
+        assert f"rank {1 - rank}: the trainer group stopped before the driver's shutdown" in (
+            group.trainers.log.read_text()
+        )
+        code = driver.wait(300)
+    assert code == 3, (tmp_path / "driver.log").read_text()[-3000:]  # the trainer group left: resumable
+    trained = max(r["step"] for r in read_jsonl(metrics, "train"))
+    state = _trainer_state(tmp_path / "trainer")
+    # every step the group trained is in the checkpoint (without it: none, there is no save interval)
+    assert state["extra"]["step"] == trained >= 2, (state["extra"], trained)  # type: ignore[index]
+    assert "SIGTERM: checkpointed step" in group.trainers.log.read_text()
+    with Group(engine, tmp_path, cache, "trainer-2", job) as group:
+        assert group.drive() == 0
+        assert group.trainers.stop() == 0
+    data = read_jsonl(metrics, "data")
+    assert [r["step"] for r in data] == list(range(1, steps + 1))
+    per_step = len(data[0]["positions"])
+    assert [p for r in data for p in r["positions"]] == list(
+        range(steps * per_step)
+    )  # each prompt once, in order

@@ -1,4 +1,4 @@
-"""`lockstep run` end to end on the tiny model: real engine on 127.0.0.1, FSDP2 trainer, from-disk weights.
+"""`lockstep run` end to end on the tiny model: real engine on 127.0.0.1, FSDP2 trainer, in-process weights.
 
 Covers the loop (initial push, steps, save, publish), resume (step, version, data position), Ctrl-C
 (a real SIGINT: the step finishes and a resumable checkpoint is left), a NaN loss (stops, last good
@@ -58,23 +58,31 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
     args = ["run", str(FIXTURE), "--run-dir", str(run_dir), "--cache-dir", str(cache)]
     assert main([*args, "--steps", "3"]) == 0
     assert "done: step 3, reward " in capsys.readouterr().out
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] != "data"]
     kinds = [r["kind"] for r in rows]
     assert kinds == ["sft", "sft", "update_weights", "train", "train", "train"]
+    data = read_jsonl(run_dir / "metrics.jsonl", "data")  # the data positions each step trained on
+    assert [r["positions"] for r in data] == [[0, 1], [2, 3], [4, 5]]
     publish = rows[2]
     assert publish["weight_version"] == 0  # the trainer's weights reached the engine before step 1
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["weight_version"] for r in train] == [1, 2, 3]
     for r in train:
-        # The engine scores with exactly the trainer's weights (reloaded from disk each step): same logprobs.
+        # The engine scores with exactly the trainer's weights (handed over in memory each step): same logprobs.
         assert r["train_rollout_logprob_abs_diff"] < 1e-3, r
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["mismatch_tokens"] > 0
+        # `auto` with the embedded engine is the in-process handoff: nothing on the wire or the disk,
+        # the time in the engine's load, every phase summing to the update's seconds
+        assert r["update_weights_wire_bytes"] == 0 and r["update_weights_engine_load_s"] > 0
+        phases = sum(
+            v
+            for k, v in r.items()
+            if k.startswith("update_weights_") and k.endswith("_s") and k != "update_weights_s"
+        )
+        assert abs(phases - r["update_weights_s"]) < 1e-6
     assert (run_dir / "metrics.png").stat().st_size > 0
-    assert sorted(p.name for p in (run_dir / "weights").glob("weight_v*")) == [
-        "weight_v000002",
-        "weight_v000003",
-    ]
+    assert not (run_dir / "weights").exists()  # no full checkpoint per version (from-disk's weights/)
     state = _state(run_dir)
     assert state["step"] == 2 + 3  # optimizer steps: the SFT warm start's two, then three RL steps
     assert state["extra"] == {
@@ -86,7 +94,7 @@ def test_run_then_resume(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixt
     }
 
     assert main([*args, "--steps", "4", "--resume"]) == 0
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] != "data"]
     assert [r["kind"] for r in rows[6:]] == ["update_weights", "train"]  # no second SFT warm start
     assert rows[6]["weight_version"] == 3 and rows[7]["step"] == 4 and rows[7]["weight_version"] == 4
     assert _state(run_dir)["extra"] == {
@@ -224,10 +232,10 @@ def test_manifest_errors_name_the_field(tmp_path: Path, capsys: pytest.CaptureFi
 def test_unsupported_settings_are_refused_before_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}})
+    bad = _manifest(tmp_path, {"spec.model.lora": {"rank": 4}, "spec.trainer.backend": "megatron"})
     assert main(["run", str(bad), "--run-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "spec.model.lora: " in err and "LoRA is not built yet" in err and "remove model.lora" in err
+    assert "spec.trainer.backend: " in err and "fsdp backend only" in err and "remove model.lora" in err
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])

@@ -393,7 +393,7 @@ async def test_a_full_queue_answers_503_with_retry_after(tiny_dir: Path) -> None
     async for s in _serve(tiny_dir, engine_kw={"max_queued_requests": 2}):
         await s.engine.pause("in_place")  # nothing runs: requests stay queued
         queued = [asyncio.create_task(_generate(s)) for _ in range(2)]
-        while len(s.engine._by_rid) < 2:
+        while s.engine.queued < 2:
             await asyncio.sleep(0.001)
         full = await _generate(s)
         assert full.status_code == 503 and full.headers["Retry-After"] == "1", full.text

@@ -96,7 +96,7 @@ async def test_routed_experts_over_http_equal_an_hf_forward(
     for res in [*group, again]:
         tokens = prompt + res.output_ids
         assert res.routed_experts is not None
-        assert len(res.routed_experts) == (len(tokens) - 1) * LAYERS * TOP_K * 4  # seed §4.1 cost formula
+        assert len(res.routed_experts) == (len(tokens) - 1) * LAYERS * TOP_K * 4  # §4.1 cost formula
         got = decode_routed_experts(res.routed_experts, len(tokens), LAYERS, TOP_K, num_experts=EXPERTS)
         assert got.shape == (len(tokens) - 1, LAYERS, TOP_K)
         want = _hf_topk(moe_dir, tokens)[:-1]  # the last token was sampled, never run: no row

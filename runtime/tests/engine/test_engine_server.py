@@ -496,3 +496,39 @@ async def test_distributed_update_unknown_load_format_is_refused(served: Served,
     async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
         reply = (await http.post("/update_weights_from_distributed", json=body)).json()
     assert reply["success"] is False and "load_format 'npz' is not supported" in reply["message"]
+
+
+async def test_engine_stats_count_turns_per_session_key(served: Served) -> None:
+    """Each /generate carrying the session server's X-SMG-Routing-Key counts one turn of that session
+    (what e2e/test_realpods_affinity.py reads from the engine pods); requests without it count none."""
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0)
+    for key in ("s1", "s2", "s1", None):
+        await served.client.generate(_prompt("a"), sp, headers={"X-SMG-Routing-Key": key} if key else None)
+    async with httpx.AsyncClient(timeout=60) as http:
+        stats = (await http.get(served.url + "/engine_stats")).json()
+    assert stats["session_turns"] == {"s1": 2, "s2": 1} and stats["requests"] == 4
+
+
+def test_session_turns_keep_the_most_recent_keys() -> None:
+    from lockstep.engine.requests import SESSION_KEYS_KEPT, EngineStats
+
+    stats = EngineStats()
+    for i in range(SESSION_KEYS_KEPT + 1):
+        stats.count_turn(f"s{i}")
+    stats.count_turn("s1")  # a turn refreshes its key: the oldest other one goes next
+    stats.count_turn("new")
+    assert len(stats.session_turns) == SESSION_KEYS_KEPT
+    assert "s0" not in stats.session_turns and "s2" not in stats.session_turns
+    assert stats.session_turns["s1"] == 2 and stats.session_turns["new"] == 1
+
+
+def test_a_session_key_over_the_cap_is_not_counted() -> None:
+    from lockstep.engine.requests import SESSION_KEY_MAX_CHARS, EngineStats
+
+    stats = EngineStats()
+    stats.count_turn("k" * SESSION_KEY_MAX_CHARS)
+    stats.count_turn("k" * (SESSION_KEY_MAX_CHARS + 1))  # a client's 8 KB header would be kept 4096 times
+    assert (
+        list(stats.session_turns.values()) == [1]
+        and len(next(iter(stats.session_turns))) == SESSION_KEY_MAX_CHARS
+    )

@@ -1,4 +1,4 @@
-"""Append-only chat-template tests and merge goldens for every registered family (CPU, seed §3).
+"""Append-only chat-template tests and merge goldens for every registered family (CPU, §3).
 
 A family is TITO-safe when (1) rendering a longer history only appends after a shorter history's
 tokens, and (2) the row the model actually samples, joined by the family's merge with the tokens of

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from sglang_install import sglang_package_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -37,12 +38,12 @@ def root() -> Path:
     env = os.environ.get("LOCKSTEP_SGLANG_SOURCE")
     if env:
         return Path(env)
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
+    installed = sglang_package_dir()
+    if installed is None:
         pytest.skip(
             "no SGLang source: install the pinned sglang (scripts/setup.sh) or set LOCKSTEP_SGLANG_SOURCE"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return installed
 
 
 def _probes() -> dict[str, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""`lockstep convert-model`: the engine pods' conversion step (seed §6 stage 1) on real HF-layout checkpoints.
+"""`lockstep convert-model`: the engine pods' conversion step (§6 stage 1) on real HF-layout checkpoints.
 
 The fixtures are sharded safetensors with an index (Qwen3, Qwen3-MoE, GLM-5 at tiny sizes); the
 converted checkpoint keeps the shards and the index, declares SGLang's `quantization_config`, and the

@@ -1,4 +1,4 @@
-"""Expert weights quantized per expert at all four stages (seed §6), on builtin:tiny-moe and an HF Qwen3-MoE.
+"""Expert weights quantized per expert at all four stages (§6), on builtin:tiny-moe and an HF Qwen3-MoE.
 
 The two layouts meet here: the trainer and the reference engine hold one fused 3-D tensor per MoE
 layer and projection (transformers >= 5), SGLang and HF checkpoints one 2-D weight per expert. Real

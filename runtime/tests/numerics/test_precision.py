@@ -1,4 +1,4 @@
-"""The low-precision contract (seed §6) on builtin:tiny: four stages, one quantizer, one exception list.
+"""The low-precision contract (§6) on builtin:tiny: four stages, one quantizer, one exception list.
 
 Real components: the checkpoint conversion writes real safetensors, the reference engine loads them,
 the FSDP2 trainer builds its forward, `lockstep run` pushes every update through the

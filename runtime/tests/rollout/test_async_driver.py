@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from lockstep.api import load_manifest
 from lockstep.api.manifest import ManifestError
-from lockstep.cli.run import RunOptions, execute
+from lockstep.cli.run import execute
 from lockstep.driver import run
-from lockstep.driver.settings import Resume
+from lockstep.driver.settings import Resume, RunOptions
 from lockstep.observability.metrics import read_jsonl
 from lockstep.trainer.state import DriverState, latest_checkpoint
 
@@ -60,7 +60,7 @@ def test_fully_async_run_and_resume(
     assert (tmp_path / "metrics.png").is_file()
 
     no_eval = load_manifest(FIXTURE.read_text().replace("    evalInterval: 2\n", ""))  # keeps the test short
-    resumed = run(no_eval, tmp_path, steps=3, resume=Resume.REQUIRED, cache_dir=cache_dir)
+    resumed = run(no_eval, tmp_path, RunOptions(steps=3, resume=Resume.REQUIRED, cache_dir=cache_dir))
     assert (resumed.step, resumed.version) == (3, 3)
     assert resumed.next_group_index > state.next_group_index
     assert resumed.prompts_consumed > state.prompts_consumed
@@ -80,7 +80,7 @@ def test_fully_async_with_disk_delta_and_preflight(tmp_path: Path, cache_dir: Pa
 
     text = FIXTURE.read_text().replace("    evalInterval: 2\n", "")
     text = text.replace("transport: auto", "transport: disk-delta\n    checkWeightUpdateEqual: true")
-    final = run(load_manifest(text), tmp_path, steps=2, cache_dir=cache_dir)
+    final = run(load_manifest(text), tmp_path, RunOptions(steps=2, cache_dir=cache_dir))
     assert (final.step, final.version) == (2, 2)
     assert PreflightResult.model_validate_json((tmp_path / "preflight.json").read_text()).passed
     train = read_jsonl(tmp_path / "metrics.jsonl", "train")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from lockstep.api import load_manifest
-from lockstep.cli.run import RunOptions, execute
+from lockstep.cli.run import execute
+from lockstep.driver.settings import RunOptions
 from lockstep.types import Sample
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-async.yaml"

@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lockstep.api import RLJob
+from lockstep.config.driver import Schedule
 from lockstep.driver.fully_async import (
     AsyncLoop,
     AsyncSettings,
 )
-from lockstep.driver.settings import Schedule
 from lockstep.driver.steps import EvalOutcome
 from lockstep.rollout.async_worker import Prompt
+from lockstep.rollout.buffer import GroupFilter
 from lockstep.trainer.state import DriverState
 from lockstep.types import Group, Sample
 
@@ -149,6 +151,47 @@ async def test_staleness_bound_drops_groups() -> None:
     assert dropped > 0
 
 
+async def test_the_state_announced_to_a_trainer_group_leaves_out_dropped_groups() -> None:
+    """Before each train the loop announces the state after that step (a trainer group checkpoints it
+    on SIGTERM). It must equal what the loop itself saves after that step: a group dropped as stale at
+    the step's get is decided (counted, not pending), else a resume would generate it again."""
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    announced: list[DriverState] = []
+    prompts = (Prompt([1, 40 if i % 5 == 0 else 4], position=i) for i in itertools.count())
+    loop = AsyncLoop(
+        settings(max_staleness=0, max_in_flight=12, save_interval=1), hooks, engine, prompts,
+        announce=announced.append,
+    )  # fmt: skip
+    await loop.run()
+    assert [a.step for a in announced] == [s.step for s in hooks.saved] == [1, 2, 3, 4, 5, 6]
+    assert hooks.saved[-1].group_counts["stale_groups_filtered"] > 0  # the bound dropped groups
+    for a, saved in zip(announced, hooks.saved, strict=True):
+        # no get (so no stale drop) between the announcement and the save; groups submitted meanwhile
+        # are pending in the save only
+        assert {gi for gi, _ in a.pending_groups} <= {gi for gi, _ in saved.pending_groups}, (a, saved)
+        assert a.group_counts == saved.group_counts and a.version == saved.version, (a, saved)
+        assert a.group_counts["consumed_groups"] == 2 * a.step
+
+
+async def test_a_saved_or_announced_state_never_hands_out_a_pending_groups_index_again() -> None:
+    """A resume draws new groups from next_group_index on while it regenerates the pending ones under
+    their own indices: an index of both would overwrite a pending group's position, and its prompt would
+    be drawn but never trained (found on the real node: a SIGTERM checkpoint of the announced state)."""
+    engine = ToyEngine()
+    hooks = Hooks(engine)
+    announced: list[DriverState] = []
+    prompts = (Prompt([1, 4], position=i) for i in itertools.count())
+    loop = AsyncLoop(
+        settings(max_in_flight=12, save_interval=1), hooks, engine, prompts, announce=announced.append
+    )
+    await loop.run()
+    states = [*announced, *hooks.saved]
+    assert states and any(s.pending_groups for s in states)
+    for st in states:
+        assert all(gi < st.next_group_index for gi, _ in st.pending_groups), st
+
+
 async def test_eval_attributed_to_its_step_with_latency() -> None:
     engine = ToyEngine()
     hooks = Hooks(engine)
@@ -186,13 +229,21 @@ async def test_resume_continues_from_state() -> None:
     engine = ToyEngine()
     engine.version = 3
     hooks = Hooks(engine)
-    state = DriverState(step=3, version=3, next_group_index=40, prompts_consumed=40)
+    counts = {"consumed_groups": 6, "stale_groups_filtered": 5}
+    state = DriverState(step=3, version=3, next_group_index=40, prompts_consumed=40, group_counts=counts)
     loop = AsyncLoop(settings(), hooks, engine, long_tail_prompts(40), state=state)
     end = await loop.run()
     assert end.step == 6 and end.version == 6
     assert min(i for b in hooks.trained for i in b) >= 40
     assert [s for s, _ in hooks.logged] == [4, 5, 6]
     assert [s.step for s in hooks.saved] == [6]  # always saved at the end
+    # staleness is measured against the resumed version: the first step's groups are fresh
+    assert hooks.logged[0][1]["staleness_s_old_max"] == 0.0
+    # the buffer's run counters count on from the checkpoint's, and the next checkpoint carries them
+    assert [m["consumed_groups"] for _, m in hooks.logged] == [8, 10, 12]
+    assert [m["stale_groups_filtered"] for _, m in hooks.logged] == [5, 5, 5]
+    assert hooks.saved[-1].group_counts == {**counts, "consumed_groups": 12, "aborted_groups_filtered": 0,
+                                            "filtered_groups": 0}  # fmt: skip
 
 
 def test_settings_checked() -> None:
@@ -227,14 +278,13 @@ async def test_unreachable_engine_fails_the_run_without_saving() -> None:
     assert hooks.saved == []
 
 
-def test_settings_for_job_golden() -> None:
+def test_async_settings_golden() -> None:
     from lockstep.api import ManifestError, load_manifest
-    from lockstep.driver.fully_async import settings_for_job
-    from lockstep.driver.settings import settings_from_job
+    from lockstep.config.driver import async_settings, run_settings
 
     text = (Path(__file__).parent / "fixtures" / "tiny-async.yaml").read_text()
     job = load_manifest(text)
-    got = settings_for_job(job, settings_from_job(job, steps=5).schedule)
+    got = async_settings(job, run_settings(job, steps=5).schedule)
     assert got == AsyncSettings(
         schedule=Schedule(
             steps=5,
@@ -252,7 +302,7 @@ def test_settings_for_job_golden() -> None:
     assert got.capacity == 8
     sized = text.replace("  schedule:\n", "  schedule:\n    bufferGroups: 3\n")
     job = load_manifest(sized)
-    assert settings_for_job(job, settings_from_job(job).schedule).capacity == 3
+    assert async_settings(job, run_settings(job).schedule).capacity == 3
     with pytest.raises(ManifestError, match="bufferGroups"):
         load_manifest(sized.replace("bufferGroups: 3", "bufferGroups: 0"))
 
@@ -279,7 +329,11 @@ def test_staleness_metrics_flatten_histograms() -> None:
 
 def test_group_filter_from_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lockstep.api import load_manifest
-    from lockstep.driver.fully_async import filters_for_job
+    from lockstep.config.driver import run_config
+    from lockstep.driver.fully_async import group_filters
+
+    def filters_for_job(job: RLJob) -> tuple[GroupFilter, ...]:
+        return group_filters(run_config(job).agent.group_filter_function)
 
     (tmp_path / "my_async_filters.py").write_text("def keep_all(group):\n    return True\n")
     monkeypatch.syspath_prepend(str(tmp_path))

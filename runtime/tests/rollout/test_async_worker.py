@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -121,6 +122,35 @@ async def test_backpressure_when_buffer_full() -> None:
     await settle()
     assert w.counters.submitted_groups > submitted  # room again: refill resumed
     await w.stop()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_groups_drawn_but_not_trained_stay_within_capacity_and_the_in_flight_budget(seed: int) -> None:
+    """Generation far faster than training, trajectories of varied length: the queue stays full and
+    complete groups wait at put. A complete group that had freed its last credit and was not counted
+    against the buffer let the refill draw more whenever a get made room for an instant, so groups
+    piled up behind the buffer, ageing (staleness). Drawn but not trained: at most the capacity plus
+    what the in-flight budget can hold (each group in flight holds >= 1 credit, and a new one needs n)."""
+    rng = random.Random(seed)
+
+    async def varied(sample: Sample) -> Sample:
+        for _ in range(rng.randint(1, 6)):  # event-loop turns: deterministic for a seed
+            await asyncio.sleep(0)
+        sample.response_ids, sample.loss_mask, sample.rollout_logprobs = [5], [1], [-0.1]
+        sample.token_versions, sample.reward = [0], 1.0
+        return sample
+
+    capacity, n, max_in_flight = 4, 2, 8
+    buf = GroupBuffer(capacity=capacity)
+    w = AsyncRolloutWorker(varied, prompts(), buf, samples_per_prompt=n, max_in_flight=max_in_flight)
+    w.start()
+    drawn_not_trained = []
+    for _ in range(20):
+        await settle()
+        drawn_not_trained.append(w.counters.submitted_groups - buf.counters.consumed_groups)
+        await buf.get_batch(2)
+    await w.stop()
+    assert max(drawn_not_trained) <= capacity + max_in_flight - n, drawn_not_trained
 
 
 async def test_in_flight_budget_must_hold_a_group() -> None:

@@ -39,7 +39,7 @@ async def test_fifo_order_and_staleness_at_get() -> None:
 
 
 async def test_seed_example_bound_at_get() -> None:
-    # Seed §5: a group of v12/v13 tokens consumed at 14 is rejected under bound 1, accepted under 2.
+    # §5: a group of v12/v13 tokens consumed at 14 is rejected under bound 1, accepted under 2.
     versions: list[int | None] = [*([12] * 300), *([13] * 100)]
     strict = GroupBuffer(capacity=2, max_staleness=1, version=12)
     loose = GroupBuffer(capacity=2, max_staleness=2, version=12)

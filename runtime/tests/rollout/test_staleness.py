@@ -1,4 +1,4 @@
-"""Golden tests of the staleness measures of seed §5, including every worked example of the seed."""
+"""Golden tests of the staleness measures of §5, including every worked example there."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from lockstep.types import Group, Sample
 
 
 def seed_example() -> list[int | None]:
-    """The seed's trajectory: first half decoded at version 12, second half at 13 (300 + 100 tokens)."""
+    """The trajectory of §5's example: first half decoded at version 12, second half at 13 (300 + 100 tokens)."""
     return [*([12] * 300), *([13] * 100)]
 
 
 def test_seed_example_three_measures() -> None:
-    # Seed §5: versions 12 and 13 consumed at 14 -> S_old=2, S_post=1, delta_gen=1.
+    # §5: versions 12 and 13 consumed at 14 -> S_old=2, S_post=1, delta_gen=1.
     r = measure_staleness(seed_example(), current_version=14)
     assert (r.s_old, r.s_post, r.delta_gen) == (2, 1, 1)
     assert (r.oldest_version, r.newest_version) == (12, 13)
@@ -21,7 +21,7 @@ def test_seed_example_three_measures() -> None:
 
 
 def test_seed_example_token_weighted() -> None:
-    # Seed §5: 300 tokens of v12 + 100 of v13 -> mean 12.25, token-weighted staleness 1.75.
+    # §5: 300 tokens of v12 + 100 of v13 -> mean 12.25, token-weighted staleness 1.75.
     r = measure_staleness(seed_example(), current_version=14)
     assert r.mean_version == pytest.approx(12.25)
     assert r.token_weighted == pytest.approx(1.75)
@@ -29,7 +29,7 @@ def test_seed_example_token_weighted() -> None:
 
 @pytest.mark.parametrize(("bound", "rejected"), [(1, True), (2, False), (None, False), (0, True), (3, False)])
 def test_seed_example_bound(bound: int | None, rejected: bool) -> None:
-    # Seed §5: --max-weight-staleness 1 rejects the example group, 2 accepts it (strictly greater).
+    # §5: --max-weight-staleness 1 rejects the example group, 2 accepts it (strictly greater).
     r = measure_staleness(seed_example(), current_version=14)
     assert is_too_stale(r, bound) is rejected
 

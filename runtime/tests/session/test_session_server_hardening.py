@@ -85,6 +85,10 @@ def _rows(sid: str) -> list[tuple[str, str, str, Any, dict[str, str] | None, int
             None,
             400,
         ),
+        # float32 underflow: the engine's sampling step used to throw, and the turn came back as
+        # `stop` with 0 tokens (the engine's other requests of that step aborted)
+        ("temperature 1e-40", "POST", chat, {"messages": [USER], "temperature": 1e-40}, None, 400),
+        ("top_p 1e-300", "POST", chat, {"messages": [USER], "top_p": 1e-300}, None, 400),
         ("max_tokens 2**40", "POST", chat, {"messages": [USER], "max_tokens": 2**40}, None, 400),
         ("n=2", "POST", chat, {"messages": [USER], "n": 2}, None, 400),
         ("bad role", "POST", chat, {"messages": [{"role": "root", "content": "x"}]}, None, 400),

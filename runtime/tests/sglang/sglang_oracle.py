@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from lockstep_operator.resources.sglang import SGLANG_VERSION
+from sglang_install import sglang_package_dir
 
 # Installed with the pinned sglang by scripts/setup.sh; without it (an operator-only install) skip.
 msgspec = pytest.importorskip("msgspec", reason="installed with the pinned sglang by scripts/setup.sh")
@@ -31,20 +32,20 @@ msgspec = pytest.importorskip("msgspec", reason="installed with the pinned sglan
 
 def require_pinned_sglang() -> None:
     """Skip when SGLang is not installed (an operator-only install); fail on another version than the pin."""
-    if importlib.util.find_spec("sglang") is None:
+    if sglang_package_dir() is None:
         pytest.skip("sglang is not installed: run scripts/setup.sh (it installs the pinned wheel for tests)")
     installed = importlib.metadata.version("sglang")
     assert installed == SGLANG_VERSION, (
         f"sglang {installed} is installed but the contract is pinned to {SGLANG_VERSION}: "
-        "run scripts/setup.sh, or move the pin (lockstep/api/profiles.py, scripts/setup.sh) and re-check"
+        "run scripts/setup.sh, or move the pin (SGLANG_VERSION in lockstep/api/profiles.py, which scripts/setup.sh reads) and re-check"
     )
 
 
 def source(relative: str) -> Path:
     """A file of the installed sglang package, e.g. `srt/entrypoints/http_server.py`."""
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    return Path(next(iter(spec.submodule_search_locations))) / relative
+    installed = sglang_package_dir()
+    assert installed is not None, "sglang is not installed: call require_pinned_sglang() first"
+    return installed / relative
 
 
 class FlagError(AssertionError):
@@ -101,6 +102,14 @@ def served_routes() -> dict[str, tuple[set[str], ast.AsyncFunctionDef | ast.Func
                     path, methods = found
                     out.setdefault(path, (set(), node))[0].update(methods)
     return out
+
+
+def mounted_routes() -> set[tuple[str, str]]:
+    """(method, path) SGLang serves outside its route decorators: GET /metrics, which
+    add_prometheus_middleware mounts (utils/common.py) when the HTTP server calls it (--enable-metrics)."""
+    calls = "add_prometheus_middleware(app)" in source("srt/entrypoints/http_server.py").read_text()
+    mounts = 'Mount("/metrics"' in source("srt/utils/common.py").read_text()
+    return {("GET", "/metrics")} if calls and mounts else set()
 
 
 def _annotation_names(node: ast.expr | None) -> list[str]:

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from lockstep.api import load_manifest
 from lockstep.api.profiles import profile_for
-from lockstep.api.rljob import EngineSpec, KVCacheDtype, ModelSpec, Precision
+from lockstep.api.rljob import EngineSpec, KVCacheDtype, LoraSpec, ModelSpec, Precision
 from lockstep.api.rolloutpool import RolloutPoolSpec
 from lockstep_operator.resources.children import child_manifests
 from lockstep_operator.resources.common import API_KEY_ENV, ENGINE_PORT, Owner
 from lockstep_operator.resources.engines import engine_manifest
 from lockstep_operator.resources.model import local_model, serving_dir
-from lockstep_operator.resources.sglang import Disaggregation, sglang_command
+from lockstep_operator.resources.sglang import SGLANG_START, Disaggregation, sglang_command
 from sglang_oracle import FlagError, checkpoint_quant_method, parse_server_args, require_pinned_sglang
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
@@ -62,7 +62,16 @@ def expected(
         "disaggregation_mode": pd or "null",
         "speculative_algorithm": "EAGLE" if engine.multi_token_prediction else None,
         "weight_version": "0",
-        "api_key": f"$({API_KEY_ENV})",
+        "api_key": None,  # never a flag: the start step passes it in SGLang's --config (test_engine_key.py)
+        "enable_lora": True if model.lora else None,
+        "max_lora_rank": model.lora.rank if model.lora else None,
+        "lora_target_modules": (
+            None
+            if model.lora is None
+            else ["all"]
+            if "all-linear" in model.lora.target_modules
+            else list(model.lora.target_modules)
+        ),
     }
 
 
@@ -75,6 +84,8 @@ def assert_parses_as_asked(
     top: bool = False,
     pd: Disaggregation | None = None,
 ) -> None:
+    if cmd[: len(SGLANG_START)] == list(SGLANG_START):  # the pod's command: the start step, then SGLang
+        cmd = cmd[len(SGLANG_START) :]
     assert cmd[:3] == LAUNCH, cmd
     parsed = parse_server_args(cmd[3:])
     want = expected(engine, model, r3=r3, top=top, pd=pd)
@@ -165,6 +176,14 @@ def test_every_combination_the_api_offers_parses(case: dict[str, Any]) -> None:
     )
     cmd = sglang_command(engine, MODEL, r3=case["r3"], true_on_policy=case["top"], disaggregation=case["pd"])
     assert_parses_as_asked(cmd, engine, MODEL, r3=case["r3"], top=case["top"], pd=case["pd"])
+
+
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj", "lm_head"]])
+def test_a_lora_model_renders_sglangs_lora_serving_flags(targets: list[str]) -> None:
+    """spec.model.lora -> --enable-lora --max-lora-rank R --lora-target-modules (all for all-linear)."""
+    model = MODEL.model_copy(update={"lora": LoraSpec(rank=32, target_modules=targets)})
+    engine = EngineSpec(engine="sglang")
+    assert_parses_as_asked(sglang_command(engine, model), engine, model)
 
 
 def test_extra_args_reach_sglang_verbatim() -> None:

@@ -31,11 +31,22 @@ from sglang_oracle import (
     check_body,
     generate_contract_error,
     handler_struct,
+    mounted_routes,
     msgspec,
     require_pinned_sglang,
     served_routes,
     source,
 )
+
+
+def _detokenize_request() -> Any:
+    from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest
+
+    return DetokenizeRequest
+
+
+OPENAI_BODIES = {"/v1/detokenize": _detokenize_request}
+"""Routes whose SGLang handler takes an OpenAI-protocol pydantic model, not an io_struct `obj`."""
 
 EXTENSIONS = {("GET", "/engine_stats"), ("GET", P2P_INFO_ROUTE), ("POST", P2P_COMMIT_ROUTE)}
 """What the reference engine serves beyond SGLang (docs/sglang.md); none of it in stock mode."""
@@ -65,10 +76,23 @@ class Recorder:
         raw = await request.read()
         self.seen.append((request.method, request.path, json.loads(raw) if raw else None))
         if request.path == "/generate":
+            body = json.loads(raw)
             meta = {"id": "r", "finish_reason": {"type": "length", "length": 1}, "weight_version": "0"}
+            start = body.get("logprob_start_len", -1)
+            if start >= 0:  # a scoring request: echo the scored IDs as SGLang does
+                scored = body["input_ids"][start:]
+                meta["input_token_logprobs"] = [
+                    [None if i == 0 else -1.0, t, None] for i, t in enumerate(scored)
+                ]
+                cands = [None] + [[[-1.0, 1, None]]] * (len(scored) - 1)
+                meta["input_top_logprobs"] = meta["input_token_ids_logprobs"] = cands
             return web.json_response({"text": "", "output_ids": [1], "meta_info": meta})
+        if request.path == "/v1/detokenize":
+            return web.json_response({"text": ["x"] * len(json.loads(raw)["tokens"])})
         if request.path == "/model_info":
             return web.json_response({"model_path": "/m", "weight_version": "0"})
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "/m", "object": "model"}]})
         return web.json_response({"success": True, "message": "ok"})
 
 
@@ -80,6 +104,9 @@ async def every_call(c: EngineClient) -> None:
     await c.generate([5, 6, 7], sp, rid="r1", return_routed_experts=True)
     await c.generate([5, 6, 7], SamplingParams(max_new_tokens=0), logprob_start_len=0, rid="r2")
     await c.generate([5, 6, 7], SamplingParams(max_new_tokens=1, stop="x"), rid="r3", routed_dp_rank=1)
+    await c.generate([5, 6, 7], SamplingParams(max_new_tokens=1), rid="r4", lora_path="job-v3")
+    await c.score([5, 6, 7, 8], 2, top_k=4, token_ids=[3, 9])  # a teacher scoring a row (no sampling)
+    await c.detokenize([[5], [6]])  # the teacher-student tokenizer check
     await c.abort("r1")
     await c.abort()
     await c.health_generate()
@@ -98,6 +125,11 @@ async def every_call(c: EngineClient) -> None:
     for action in ("snapshot", "reset_tensors", "compare", "checksum"):
         await c.check_weights(action, skip_tensor_list=["rotary"], allow_quant_error=True)  # type: ignore[arg-type]
     await c.model_info()
+    await c.load_lora_adapter("job-v3", "/run/adapters/v3", pinned=False)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    await c.load_lora_adapter_from_tensors("job-v4", config, "AAAA", expected_checksums={"a": "00"})
+    await c.unload_lora_adapter("job-v3")
+    await c.list_models()
 
 
 @pytest.fixture
@@ -132,6 +164,12 @@ async def test_every_body_the_client_sends_builds_sglangs_request_struct(
 ) -> None:
     assert {path for _, path, _ in recorded} == {path for _, path in ROUTES.values()} - {"/health"}
     for method, path, body in recorded:
+        if path in OPENAI_BODIES:  # an OpenAI-protocol route: its handler takes `request: X` (pydantic)
+            model = OPENAI_BODIES[path]()
+            unknown = set(body) - set(model.model_fields)
+            assert not unknown, f"{method} {path}: SGLang's {model.__name__} has no field {unknown}"
+            model.model_validate(body)
+            continue
         struct = handler_struct(path)
         if struct is None:
             assert body is None, f"{method} {path}: SGLang's handler reads no body, the client sent {body}"
@@ -178,7 +216,10 @@ def test_the_reference_engine_serves_sglang_routes_and_declares_its_extensions(t
     engine = ReferenceEngine.load(tiny_dir)
     sglang = served_routes()
     stock = _routes(create_app(engine, stock=True))
-    drift = sorted((m, p) for m, p in stock if p not in sglang or m not in sglang[p][0])
+    mounted = mounted_routes()
+    drift = sorted(
+        (m, p) for m, p in stock if (m, p) not in mounted and (p not in sglang or m not in sglang[p][0])
+    )
     assert not drift, f"the stock reference engine serves routes SGLang does not: {drift}"
     assert {(m, p) for m, p in ROUTES.values()} <= stock, (
         "the client calls a route the reference engine lacks"
@@ -239,6 +280,20 @@ async def test_the_reference_engines_replies_use_sglangs_shapes(stock_engine: st
         sglang_keys = set(GenerateMetaInfo.__struct_fields__) | _meta_info_keys()
         assert set(reply["meta_info"]) <= sglang_keys, set(reply["meta_info"]) - sglang_keys
         GetModelInfoResponse.from_json_value((await http.get("/model_info")).json())
+        from sglang.srt.entrypoints.openai.protocol import ModelList
+
+        models = ModelList.model_validate((await http.get("/v1/models")).json())
+        assert [c.parent for c in models.data] == [None]  # the base only: LoRA is not enabled
+        from sglang.srt.entrypoints.openai.protocol import DetokenizeResponse
+
+        texts = await http.post("/v1/detokenize", json={"tokens": [[5], [6]], "skip_special_tokens": False})
+        assert len(DetokenizeResponse.model_validate(texts.json()).text) == 2
+        scoring = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                   "logprob_start_len": 1, "top_logprobs_num": 2, "token_ids_logprob": [3]}  # fmt: skip
+        scored = (await http.post("/generate", json=scoring)).json()
+        GenerateResponse.from_json_value(scored)
+        assert set(scored["meta_info"]) <= sglang_keys, set(scored["meta_info"]) - sglang_keys
+        assert {"input_top_logprobs", "input_token_ids_logprobs"} <= set(scored["meta_info"])
         sums = (await http.post("/weights_checker", json={"action": "checksum"})).json()
     assert set(sums) == {"success", "message", "ranks", "per_engine_checksum"}
     tree = ast.parse(source("srt/utils/weight_checker.py").read_text())

@@ -80,5 +80,5 @@ def test_toolcalc_is_a_builtin_task() -> None:
     assert message["content"] == f"calc {item.metadata['expression']}"
     assert item.answer == calc({"expression": item.metadata["expression"]})
     assert task.reward(f" {item.answer}\n", item) == 1.0 and task.reward("no", item) == 0.0
-    with pytest.raises(ValueError, match="builtin:reverse, builtin:toolcalc"):
+    with pytest.raises(ValueError, match="builtin:reverse, builtin:shell, builtin:toolcalc"):
         load_task("builtin:nope")

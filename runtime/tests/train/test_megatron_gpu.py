@@ -90,7 +90,8 @@ def _batch(
 
 
 def _megatron(path: Path, **kw: Any) -> Any:
-    from lockstep.train.megatron import MegatronBackend, MegatronConfig
+    from lockstep.train.megatron import MegatronConfig
+    from lockstep.train.megatron.backend import MegatronBackend
 
     return MegatronBackend(MegatronConfig(model_path=path, micro_batch_size=4, lr=1e-2, **kw))
 

@@ -1,4 +1,4 @@
-"""Mismatch correction (seed §4.2): TIS and clip-or-pop weights and the mismatch metrics."""
+"""Mismatch correction (§4.2): TIS and clip-or-pop weights and the mismatch metrics."""
 
 from __future__ import annotations
 

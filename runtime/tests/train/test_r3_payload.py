@@ -38,7 +38,7 @@ def test_golden_decode() -> None:
     assert got.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     assert encode_routed_experts(got) == base64.b64decode(GOLDEN_B64)
     assert payload_nbytes(3, 2, 2) == 32
-    # Seed §4.1's example: 32K tokens, 60 layers, top-8 -> ~60 MiB per trajectory.
+    # §4.1's example: 32K tokens, 60 layers, top-8 -> ~60 MiB per trajectory.
     assert round(payload_nbytes(32 * 1024, 60, 8) / 2**20) == 60
 
 

@@ -1,4 +1,5 @@
-"""lockstep.train.factory: the manifest's trainer.backend picks the backend; what cannot run says why."""
+"""lockstep.train.factory: the manifest's trainer.backend picks the backend (through
+lockstep.config.trainer); what cannot run says why."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lockstep.api import load_manifest
+from lockstep.api import RLJob, load_manifest
+from lockstep.config.trainer import backend_config
 from lockstep.models.tiny import materialize_builtin
 from lockstep.train.factory import build_backend
 
 EXAMPLES = Path(__file__).parents[3] / "examples"
 
 
-def _job(name: str, rollout: dict[str, object] | None = None, **trainer: object) -> object:
+def _job(name: str, rollout: dict[str, object] | None = None, **trainer: object) -> RLJob:
     doc = yaml.safe_load((EXAMPLES / name).read_text())
     doc["spec"]["trainer"].update(trainer)
     doc["spec"]["rollout"].update(rollout or {})
@@ -26,7 +28,8 @@ def test_fsdp_is_built_from_the_manifest(tmp_path: Path) -> None:
     from lockstep.train.fsdp import FSDPBackend
 
     path = materialize_builtin("builtin:tiny", tmp_path, seed=0)
-    backend = build_backend(_job("tiny-local.yaml"), path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
+    config = backend_config(_job("tiny-local.yaml", microBatchSize=4))
+    backend = build_backend(config, path)
     try:
         assert isinstance(backend, FSDPBackend)
         assert backend.config.offload == "none" and backend.config.micro_batch_size == 4
@@ -43,7 +46,7 @@ def test_megatron_without_cuda_is_refused_naming_the_fields(tmp_path: Path) -> N
         RuntimeError,
         match=r"needs CUDA .*set trainer\.device to cuda on a GPU node, or trainer\.backend to fsdp",
     ):
-        build_backend(job, path, lr=1e-3, grad_clip=1.0, micro_batch_size=4, seed=0)  # type: ignore[arg-type]
+        build_backend(backend_config(job), path)
 
 
 def test_megatron_trains_bf16_only_refused_at_apply() -> None:

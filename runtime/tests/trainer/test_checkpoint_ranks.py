@@ -125,7 +125,14 @@ def test_two_ranks_save_one_complete_checkpoint(model_dir: Path, tmp_path: Path)
     found = latest_checkpoint(run_dir)
     assert found is not None and found.name == "step_000001"
     files = sorted(p.name for p in found.iterdir())
-    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", "rng_rank0.pt", "rng_rank1.pt"):
+    for name in (
+        "model.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "trainer_state.json",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ):
         assert name in files, files
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000001"]
     assert (box / "touched1.json").read_text() == "[]"  # rank 1 removed and renamed nothing

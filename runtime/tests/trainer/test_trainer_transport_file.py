@@ -22,13 +22,13 @@ import httpx
 import pytest
 import yaml
 from lockstep.api import RLJob, TransportChoice, TransportFileError, load_manifest, load_transport_choice
+from lockstep.config.trainer import transport_config, with_transport
 from lockstep.weights.factory import (
     LOCAL_RULE,
     TransportNotChosen,
     TransportResolution,
     resolve_transport,
     wait_for_transport,
-    with_transport,
 )
 
 FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
@@ -80,7 +80,9 @@ class FakeClock:
 def test_in_a_pod_it_waits_for_the_file(tmp_path: Path) -> None:
     path = tmp_path / "transport.json"
     fake = FakeClock(at=5.0, action=lambda: path.write_text(CHOICE.to_json()))
-    found = wait_for_transport(_job(), path, in_pod=True, timeout_s=60, clock=fake.clock, sleep=fake.sleep)
+    found = wait_for_transport(
+        transport_config(_job()), path, in_pod=True, timeout_s=60, clock=fake.clock, sleep=fake.sleep
+    )
     assert found == TransportResolution("broadcast", "operator", "one network without RDMA")
     assert fake.now == 5.0  # it waited for the operator, no longer
 
@@ -89,7 +91,9 @@ def test_in_a_pod_no_file_is_a_clear_error_after_the_bound(tmp_path: Path) -> No
     path = tmp_path / "transport.json"
     fake = FakeClock()
     with pytest.raises(TransportNotChosen) as err:
-        wait_for_transport(_job(), path, in_pod=True, timeout_s=30, clock=fake.clock, sleep=fake.sleep)
+        wait_for_transport(
+            transport_config(_job()), path, in_pod=True, timeout_s=30, clock=fake.clock, sleep=fake.sleep
+        )
     assert str(path) in str(err.value) and "tiny-fast-weights" in str(err.value) and "30 s" in str(err.value)
     assert fake.now == 30.0
 
@@ -98,12 +102,12 @@ def test_outside_a_pod_and_explicit_never_wait(tmp_path: Path) -> None:
     fake = FakeClock()
     missing = tmp_path / "transport.json"
     local = wait_for_transport(
-        _job(), missing, in_pod=False, timeout_s=60, clock=fake.clock, sleep=fake.sleep
+        transport_config(_job()), missing, in_pod=False, timeout_s=60, clock=fake.clock, sleep=fake.sleep
     )
     assert local.source == "local" and local.transport == "auto"
     missing.write_text("not json")  # an explicit transport never reads the file
     spec = wait_for_transport(
-        _job("p2p"), missing, in_pod=True, timeout_s=60, clock=fake.clock, sleep=fake.sleep
+        transport_config(_job("p2p")), missing, in_pod=True, timeout_s=60, clock=fake.clock, sleep=fake.sleep
     )
     assert spec.transport == "p2p" and fake.sleeps == 0
 
@@ -124,7 +128,7 @@ def test_a_bad_file_names_the_file_and_the_field(tmp_path: Path, text: str, fiel
         load_transport_choice(path)
     assert str(err.value).startswith(f"{path}: {field}")
     with pytest.raises(TransportFileError):
-        wait_for_transport(_job(), path, in_pod=True, timeout_s=5)
+        wait_for_transport(transport_config(_job()), path, in_pod=True, timeout_s=5)
 
 
 def test_with_transport_is_validated_like_the_manifest() -> None:

@@ -11,6 +11,7 @@ another runs is a 409, and an unreachable trainer is retried with backoff, then 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from lockstep.serving.client import EngineUnreachable
 from lockstep.trainer.protocol import NonFiniteLoss, PreflightFailed
 from lockstep.trainer.server import CommandServer, _serve_http
 from lockstep.trainer.state import DriverState
+from lockstep.trainer.wire import API_PREFIX, GroupWire
 from lockstep.types import Group, Sample, SampleStatus
 from lockstep.weights.preflight import PreflightResult, TensorMismatch
 
@@ -129,6 +131,8 @@ def test_commands_round_trip_token_exact(served: tuple[ScriptedTrainer, str]) ->
         assert trainer.groups == _groups()  # every field the loss and staleness read, per token
         assert remote.load_latest() is None
         state = DriverState(step=4, version=3, prompts_consumed=8, next_group_index=9, sft_done=True)
+        state.pending_groups = [[7, 6]]  # fully-async: the groups to regenerate and the buffer's counts
+        state.group_counts = {"consumed_groups": 8, "stale_groups_filtered": 1}
         assert remote.save(state) == "/ckpt/step_000004"
         assert remote.load_latest() == state
         with pytest.raises(ValueError, match="serves job 'job-a', not 'job-b'"):
@@ -214,29 +218,39 @@ def test_a_restarted_trainer_group_refuses_the_old_drivers_commands(
         remote.close()
 
 
-def test_non_finite_values_cross_as_such(served: tuple[ScriptedTrainer, str]) -> None:
-    """A NaN reward must reach the loss as NaN (and stop the run there), never as "no reward"."""
-    import math
-
+def test_values_the_loss_cannot_use_are_refused_at_the_wire(served: tuple[ScriptedTrainer, str]) -> None:
+    """A NaN reward or a non-finite logprob never reaches the trainer: the wire model refuses it on
+    the driver's side (naming the field), and the server answers 400 to a client that sends it anyway
+    (JSON carries it as NaN, never as null, which would turn it into "no reward"). Nothing trains. The
+    driver stops on a non-finite reward before this (lockstep.driver.batch_checks, exit 4)."""
     trainer, url = served
-    groups = _groups()
-    groups[0].samples[0].reward = float("nan")
-    groups[0].samples[1].rollout_logprobs = [float("-inf")]
-    remote = RemoteTrainer(url)
-    try:
-        remote.train(groups)
-    finally:
-        remote.close()
-    got = trainer.groups[0].samples
-    assert got[0].reward is not None and math.isnan(got[0].reward)
-    assert got[1].rollout_logprobs == [float("-inf")]
+    good = GroupWire.of(_groups()[0]).model_dump(mode="json")
+    for field, needle in (("reward", "reward nan"), ("rollout_logprobs", "rollout_logprobs holds -inf")):
+        groups = _groups()
+        if field == "reward":
+            groups[0].samples[0].reward = float("nan")
+        else:
+            groups[0].samples[0].rollout_logprobs = [float("-inf")] * len(groups[0].samples[0].response_ids)
+        remote = RemoteTrainer(url)
+        try:
+            with pytest.raises(ValueError, match=needle):
+                remote.train(groups)
+        finally:
+            remote.close()
+        body = json.loads(json.dumps({"groups": [good]}))
+        sample = body["groups"][0]["samples"][0]
+        sample[field] = "@" if field == "reward" else ["@"] * len(sample["response_ids"])
+        raw = json.dumps(body).replace('"@"', "NaN" if field == "reward" else "-Infinity")
+        r = httpx.post(f"{url}{API_PREFIX}/train", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and needle.split()[0] in r.json()["message"], r.text
+    assert trainer.groups == []
 
 
 def test_the_trainers_preflight_result_reaches_the_drivers_run_dir(
     served: tuple[ScriptedTrainer, str], tmp_path: Path
 ) -> None:
     """The progress channel reads preflight.json from the driver's run dir, as with a local trainer."""
-    from lockstep.trainer.protocol import PREFLIGHT_FILE
+    from lockstep.weights.preflight import PREFLIGHT_FILE
 
     trainer, url = served
     remote = RemoteTrainer(url, run_dir=tmp_path)

@@ -1,12 +1,12 @@
-"""Disk-delta transport end to end on real safetensors files (lockstep.weights.disk_delta, seed §7.2.4)."""
+"""Disk-delta transport end to end on real safetensors files (lockstep.weights.disk_delta, §7.2.4)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import lockstep.models.st_bytes as sb
 import lockstep.weights.disk_delta as dd
-import lockstep.weights.st_bytes as sb
 import pytest
 import torch
 from lockstep.cli import main as cli

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from lockstep.api import RLJob, load_manifest
-from lockstep.weights.factory import check_transport, needs_tensor_updates
+from lockstep.config.trainer import transport_config
+from lockstep.weights.factory import TransportConfig, check_transport, needs_tensor_updates
 
 FIXTURE = Path(__file__).parents[1] / "driver" / "fixtures" / "tiny-fast.yaml"
 
@@ -21,11 +22,15 @@ def _job(transport: str, device: str = "cpu", replicas: int = 1) -> RLJob:
     return load_manifest(yaml.safe_dump(doc))
 
 
+def _config(transport: str, device: str = "cpu", replicas: int = 1) -> TransportConfig:
+    return transport_config(_job(transport, device, replicas))
+
+
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p"])
 @pytest.mark.parametrize("external", [False, True])
 def test_other_transports_always_start(transport: str, external: bool) -> None:
-    check_transport(_job(transport), external_engines=external, cuda_available=False)
-    assert not needs_tensor_updates(_job(transport))
+    check_transport(_config(transport), external_engines=external, cuda_available=False)
+    assert not needs_tensor_updates(_config(transport))
 
 
 @pytest.mark.parametrize(
@@ -41,7 +46,7 @@ def test_other_transports_always_start(transport: str, external: bool) -> None:
 def test_cuda_ipc_refusals_name_the_field(
     device: str, replicas: int, external: bool, cuda: bool, refusal: str | None
 ) -> None:
-    job = _job("cuda-ipc", device, replicas)
+    job = _config("cuda-ipc", device, replicas)
     assert needs_tensor_updates(job)
     if refusal is None:
         check_transport(job, external_engines=external, cuda_available=cuda)
@@ -69,7 +74,9 @@ def test_p2p_into_stock_sglang_is_refused_at_apply_with_the_fix(
         with pytest.raises(ManifestError, match=r"spec\.rollout\.p2pReceiver: false: p2p writes"):
             load_manifest(yaml.safe_dump(doc))
         return
-    check_transport(load_manifest(yaml.safe_dump(doc)), external_engines=True, cuda_available=False)
+    check_transport(
+        transport_config(load_manifest(yaml.safe_dump(doc))), external_engines=True, cuda_available=False
+    )
 
 
 @pytest.mark.parametrize("transport", ["auto", "broadcast", "disk-delta", "p2p", "cuda-ipc"])
@@ -80,4 +87,5 @@ def test_quantized_serving_starts_on_every_transport(transport: str, precision: 
     wire = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     wire["spec"]["rollout"]["precision"] = precision
     wire["spec"]["trainer"]["precision"] = "nvfp4" if precision == "nvfp4" else "bf16"
-    check_transport(load_manifest(yaml.safe_dump(wire)), external_engines=False, cuda_available=False)
+    config = transport_config(load_manifest(yaml.safe_dump(wire)))
+    check_transport(config, external_engines=False, cuda_available=False)

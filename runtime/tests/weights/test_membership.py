@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,13 @@ import pytest
 import torch
 import yaml
 from lockstep.api import RLJob, load_manifest
+from lockstep.config.trainer import transport_config
 from lockstep.serving.membership import ServiceMembers, StaticMembers, members_from
 from lockstep.weights.factory import build_transport
+from lockstep.weights.fallback import Export
+from lockstep.weights.p2p import P2PWriteError
 from lockstep.weights.transport import (
     EngineSet,
-    MembershipChanged,
     TransferReport,
     WeightTransport,
     update_members,
@@ -110,10 +112,12 @@ class Pushes:
     def __init__(
         self, transport: str, members: ServiceMembers, urls: list[str], tiny: Path, run_dir: Path
     ) -> None:
-        self.transport: WeightTransport = build_transport(_job(transport), run_dir, tiny, urls, "cpu")
+        self.transport: WeightTransport = build_transport(
+            transport_config(_job(transport)), run_dir, tiny, urls, "cpu"
+        )
         self.engines = EngineSet(members, sorted(urls))
 
-    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> TransferReport:
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> TransferReport:
         return update_members(self.transport, self.engines, named, version)
 
     def close(self) -> None:
@@ -190,21 +194,89 @@ def test_a_listed_engine_that_does_not_serve_yet_joins_a_later_update(
         pushes.close()
 
 
-def test_p2p_refuses_a_changed_membership_naming_the_fix(
-    engines: Engines, tiny: Path, tmp_path: Path
-) -> None:
+def _export(named: list[tuple[str, torch.Tensor]], exports: list[int] | None = None) -> Export:
+    """The trainer's export as the trainer passes it: iterable again when a transport falls back."""
+
+    def again() -> Iterator[tuple[str, torch.Tensor]]:
+        if exports is not None:
+            exports.append(1)
+        yield from named
+
+    return Export(again)
+
+
+def test_p2p_follows_engines_that_join_and_leave(engines: Engines, tiny: Path, tmp_path: Path) -> None:
+    """Engines scaled 1 -> 2 -> 1 between updates: the joining engine's receive buffer is fetched and
+    the plan made again before the next update; every update lands whole in every live engine."""
     listed = ["127.0.0.1"]
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
     pushes = Pushes("p2p", members, [engines.url("127.0.0.1")], tiny, tmp_path)
     try:
-        pushes.update_weights(_weights(tiny, 1), 1)
-        assert engines.version("127.0.0.1") == 1
-        listed.append("127.0.0.2")
-        with pytest.raises(
-            MembershipChanged, match=r"joined: http://127\.0\.0\.2:\d+; left: -\) .*use broadcast"
-        ):
-            pushes.update_weights(_weights(tiny, 2), 2)
-        assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (1, 0)  # nothing half-updated
+        v1 = _weights(tiny, 1)
+        report = pushes.update_weights(_export(v1), 1)
+        assert engines.version("127.0.0.1") == 1 and _holds(engines, "127.0.0.1", v1)
+        assert report.transport == "p2p" and report.extra["update_weights_fallback"] == 0.0
+        listed.append("127.0.0.2")  # scaled to 2: a new engine at version 0
+        for version in (2, 3):
+            named = _weights(tiny, version)
+            report = pushes.update_weights(_export(named), version)
+            assert (engines.version("127.0.0.1"), engines.version("127.0.0.2")) == (version, version)
+            assert _holds(engines, "127.0.0.1", named) and _holds(engines, "127.0.0.2", named)
+            assert report.transport == "p2p" and report.extra["update_weights_engines"] == 2.0
+        assert report.extra["update_weights_p2p_replans"] == 1.0  # planned once for the join, not per update
+        assert report.phases["membership"] > 0
+        listed.remove("127.0.0.1")  # scaled back to 1
+        v4 = _weights(tiny, 4)
+        report = pushes.update_weights(_export(v4), 4)
+        assert engines.version("127.0.0.2") == 4 and _holds(engines, "127.0.0.2", v4)
+        assert engines.version("127.0.0.1") == 3  # gone from the Service: not reached any more
+        assert (
+            report.extra["update_weights_engines"] == 1.0
+            and report.extra["update_weights_p2p_replans"] == 2.0
+        )
+    finally:
+        pushes.close()
+
+
+def test_a_failed_p2p_update_is_delivered_by_broadcast_and_reported(
+    engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    """A P2P write that fails (here: a target whose receive buffer moved, as after an engine restart
+    at the same address) does not stop the run nor leave engines half-updated: the same version is
+    exported again and broadcast to every engine; the report says so. The next update is P2P again,
+    with every target's buffer fetched anew."""
+    listed = list(HOSTS)
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
+    pushes = Pushes("p2p", members, [engines.url(h) for h in HOSTS], tiny, tmp_path)
+    try:
+        pushes.update_weights(_export(_weights(tiny, 1)), 1)
+        p2p = pushes.transport.primary  # type: ignore[attr-defined]
+        moved = p2p.all_targets[1].info
+        moved.buffer_ptr += 1 << 40  # the registered buffer is elsewhere now: the write is refused
+        v2, exports = _weights(tiny, 2), []
+        report = pushes.update_weights(_export(v2, exports), 2)
+        assert report.transport == "p2p->broadcast" and report.extra["update_weights_fallback"] == 1.0
+        assert report.extra["update_weights_fallback_broadcast"] == 1.0 and len(exports) == 2
+        for host in HOSTS:  # the same version, whole, everywhere
+            assert engines.version(host) == 2 and _holds(engines, host, v2)
+        v3 = _weights(tiny, 3)
+        report = pushes.update_weights(_export(v3), 3)
+        assert report.transport == "p2p" and report.extra["update_weights_fallback"] == 0.0
+        assert all(engines.version(h) == 3 and _holds(engines, h, v3) for h in HOSTS)
+    finally:
+        pushes.close()
+
+
+def test_without_a_second_export_a_p2p_failure_is_raised_not_hidden(
+    engines: Engines, tiny: Path, tmp_path: Path
+) -> None:
+    members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: ["127.0.0.1"])
+    pushes = Pushes("p2p", members, [engines.url("127.0.0.1")], tiny, tmp_path)
+    try:
+        pushes.transport.primary.all_targets[0].info.buffer_ptr += 1 << 40  # type: ignore[attr-defined]
+        with pytest.raises(P2PWriteError, match="failed"):
+            pushes.update_weights(_weights(tiny, 1), 1)  # a plain list: it cannot be sent twice
+        assert engines.version("127.0.0.1") == 0  # nothing loaded
     finally:
         pushes.close()
 
@@ -244,20 +316,22 @@ def test_the_preflight_checks_the_engines_of_the_moment(engines: Engines, tiny: 
     """Found on the real node: the engine pod was replaced (a new address) before a restarted driver's
     first update; the pre-flight still read the old address back and failed the driver forever
     (EngineUnreachable at /weights_checker). It checks the engines each update reaches now."""
-    from lockstep.trainer.local import LocalTrainer, build_backend, build_trainer_parts
-    from lockstep.trainer.settings import TrainerSettings
+    from lockstep.config.trainer import trainer_config
+    from lockstep.train.factory import build_backend
+    from lockstep.trainer.local import LocalTrainer
+    from lockstep.trainer.parts import build_trainer_parts
 
     doc = yaml.safe_load(FIXTURE.read_text())
     doc["spec"]["weightSync"] = {"transport": "broadcast", "checkWeightUpdateEqual": True}
     job = load_manifest(yaml.safe_dump(doc))
     listed = ["127.0.0.1"]
     members = ServiceMembers("pool-engines", engines.port, resolve=lambda host, port: list(listed))
-    settings = TrainerSettings.from_job(job)
-    backend = build_backend(job, settings, tiny)
+    config = trainer_config(job)
+    backend = build_backend(config.backend, tiny)
     closers: list[Any] = [backend.close]
     try:
         parts = build_trainer_parts(
-            job, settings, tmp_path, tiny, backend, [engines.url("127.0.0.1")], closers, "127.0.0.1", members
+            config, tmp_path, tiny, backend, [engines.url("127.0.0.1")], closers, "127.0.0.1", members
         )
         engines.stop("127.0.0.1")  # the engine pod replaced: the Service lists only the new one
         listed[:] = ["127.0.0.2"]
@@ -267,3 +341,22 @@ def test_the_preflight_checks_the_engines_of_the_moment(engines: Engines, tiny: 
             fn()
     assert metrics["preflight_tensors"] > 0
     assert engines.version("127.0.0.2") == 0
+
+
+def test_a_driver_pods_session_members_fall_back_to_the_headless_service() -> None:
+    """In a driver pod the session routing lists the router's EndpointSlices and, while that list is
+    forbidden, the engines of the headless Service that answer /health (docs/tito.md, "Affinity")."""
+    from lockstep.serving.membership import HealthyMembers, session_members
+
+    env = {
+        "LOCKSTEP_ROUTER_URL": "http://pool-router.ns.svc:30000",
+        "POD_NAMESPACE": "ns",
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "LOCKSTEP_ENGINES_SERVICE": "pool-engines.ns.svc",
+    }
+    members = session_members(env)
+    assert members is not None and members.service == "pool-router"
+    assert isinstance(members.fallback, HealthyMembers)
+    assert members.fallback.source == ServiceMembers("pool-engines.ns.svc", 30000)
+    no_headless = session_members({k: v for k, v in env.items() if k != "LOCKSTEP_ENGINES_SERVICE"})
+    assert no_headless is not None and no_headless.fallback is None

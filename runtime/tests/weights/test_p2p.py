@@ -1,4 +1,4 @@
-"""P2P transport over Mooncake's TransferEngine on loopback TCP (lockstep.weights.p2p, seed §7.2.3)."""
+"""P2P transport over Mooncake's TransferEngine on loopback TCP (lockstep.weights.p2p, §7.2.3)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ def test_target_layout_sharding() -> None:
     assert torch.equal(o, w[:, :3])
     n = p2p.shard_for_target("model.layers.0.input_layernorm.weight", w[0], 1, 2)
     assert torch.equal(n, w[0])
-    assert p2p.target_shape("lm_head.weight", (10, 4), 2) == [5, 4]
+    # SGLang pads the vocabulary to a multiple of 64 before splitting it (runtime/tests/sglang checks it)
+    assert p2p.target_shape("lm_head.weight", (10, 4), 2) == [32, 4]
+    head = p2p.shard_for_target("lm_head.weight", w, 1, 2, [32, 6])
+    assert head.shape == (32, 6) and not head.any()  # rank 1's block lies past the 4 real rows
+    # fewer KV heads than ranks: each head replicated (2 heads of 2 rows over 4 ranks)
+    assert p2p.target_shape("model.layers.0.self_attn.k_proj.weight", (4, 6), 4, head_dim=2) == [2, 6]
+    k = p2p.shard_for_target("model.layers.0.self_attn.k_proj.weight", w, 1, 4, [2, 6])
+    assert torch.equal(k, w[:2])
     with pytest.raises(ValueError, match="tp_size=4"):
         p2p.target_shape("model.layers.0.mlp.down_proj.weight", (4, 6), 4)
 
@@ -33,7 +40,7 @@ def test_target_layout_sharding() -> None:
 def model() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
-        "model.embed_tokens.weight": torch.randn(16, 8, generator=g).bfloat16(),
+        "model.embed_tokens.weight": torch.randn(64, 8, generator=g).bfloat16(),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g).bfloat16(),
         "model.layers.0.self_attn.o_proj.weight": torch.randn(8, 8, generator=g).bfloat16(),
         "model.layers.0.mlp.down_proj.weight": torch.randn(8, 32, generator=g),

@@ -1,4 +1,4 @@
-"""Golden tests of the shared bucketing pipeline (lockstep.weights.pipeline, seed §7.2.1)."""
+"""Golden tests of the shared bucketing pipeline (lockstep.weights.pipeline, §7.2.1)."""
 
 from __future__ import annotations
 

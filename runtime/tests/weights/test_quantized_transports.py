@@ -1,4 +1,4 @@
-"""Quantized weights over every transport into a real quantized reference engine (seed §6, stage 3 -> 4).
+"""Quantized weights over every transport into a real quantized reference engine (§6, stage 3 -> 4).
 
 Each transport carries what the shared quantizer exports (SGLang's checkpoint layout: the FP8/FP4
 `weight` plus its scales) and the engine, loaded from the converted checkpoint, dequantizes exactly

@@ -97,6 +97,30 @@ def test_ipc_code_path_on_cpu(engine_server: EngineServer, tiny_dir: Path) -> No
     assert_engine_holds(engine_server, named, 3)
 
 
+def test_ipc_reuses_two_buffers_and_sets_the_version_with_the_last_bucket(
+    engine_server: EngineServer, tiny_dir: Path
+) -> None:
+    transport = CudaIpcTransport(
+        engine_server.url, device="cpu", config=PipelineConfig(bucket_bytes=16 * 1024)
+    )
+    try:
+        transport.update_weights(export(trainer_model(tiny_dir)), version=3)
+        buffers = transport.buffers.allocations()
+        assert 0 not in buffers  # several buckets: both buffers in use
+        named = export(trainer_model(tiny_dir, seed=2))
+        transport.update_weights(named, version=4)
+        assert transport.buffers.allocations() == buffers  # kept across updates, not reallocated
+        assert_engine_holds(engine_server, named, 4)
+        # a tensor the engine refuses in the last bucket: the version stays, generation resumes
+        bad = [*named[:-1], ("model.no_such.weight", named[-1][1])]
+        with pytest.raises(Exception, match="no_such"):
+            transport.update_weights(bad, version=5)
+        assert engine_server.engine.weight_version == 4
+        assert not engine_server.engine.is_paused
+    finally:
+        transport.close()
+
+
 def test_p2p_into_engine(engine_server: EngineServer, tiny_dir: Path) -> None:
     named = export(trainer_model(tiny_dir))
     transport = p2p.P2PTransport([p2p.http_target(engine_server.url)], staging_bytes=1 << 20)

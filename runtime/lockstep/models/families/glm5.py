@@ -22,11 +22,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import ClassVar
 
-from lockstep.models.families._bpe import BpeCodec
 from lockstep.models.families._parse import split_calls
-from lockstep.models.families.glm47 import _STOPS, _TOOL_CALL, SPECIALS, Glm47, _arg_text, _parse_call
+from lockstep.models.families.glm47 import (
+    _STOPS,
+    _TOOL_CALL,
+    Glm47,
+    GlmStyle,
+    _parse_call,
+    build_glm,
+    render_turns,
+)
 from lockstep.models.registry import Message, ParsedReply, Tool, register
+
+GLM5_STYLE = GlmStyle(
+    name="glm5", role_separator="", strip_content=True, generation_prompt="<|assistant|><think>"
+)
+"""No newline after a role token, stripped assistant content, a generation prompt that opens <think>."""
 
 _TOOLS_HEAD = (
     "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -40,7 +53,9 @@ _TOOLS_TAIL = (
 
 
 class Glm5(Glm47):
-    """The GLM-5 family (GLM-5.x text models)."""
+    """The GLM-5 family (GLM-5.x text models): GLM-4.7's renderer with GLM-5's style."""
+
+    style: ClassVar[GlmStyle] = GLM5_STYLE
 
     def render(
         self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] = ()
@@ -49,10 +64,7 @@ class Glm5(Glm47):
         if tools:
             schemas = "".join(json.dumps(t.get("function", t), ensure_ascii=False) + "\n" for t in tools)
             head += _TOOLS_HEAD + schemas + _TOOLS_TAIL
-        return head + _render(messages, add_generation_prompt, previous_role="")
-
-    def render_appended(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        return _render(messages, add_generation_prompt, previous_role="assistant")
+        return head + render_turns(messages, add_generation_prompt, "", self.style)
 
     def parse_reply(self, text: str) -> ParsedReply:
         for stop in _STOPS:
@@ -65,51 +77,9 @@ class Glm5(Glm47):
         return ParsedReply(content=content.strip(), reasoning=reasoning.strip(), tool_calls=calls)
 
 
-def _assistant(m: Message) -> str:
-    out = f"<|assistant|><think>{m.reasoning}</think>{m.content.strip()}"
-    for call in m.tool_calls:
-        obj = call.arguments_obj()
-        pairs = obj.items() if isinstance(obj, dict) else ()
-        args = "".join(f"<arg_key>{k}</arg_key><arg_value>{_arg_text(v)}</arg_value>" for k, v in pairs)
-        out += f"<tool_call>{call.name}{args}</tool_call>"
-    return out
-
-
-def _render(messages: Sequence[Message], add_generation_prompt: bool, previous_role: str) -> str:
-    parts: list[str] = []
-    prev = previous_role
-    for i, m in enumerate(messages):
-        if m.role == "tool":
-            opener = "<|observation|>" if prev != "tool" else ""
-            parts.append(f"{opener}<tool_response>{m.content}</tool_response>")
-        elif m.role == "assistant":
-            parts.append(_assistant(m))
-        elif m.role in ("system", "user"):
-            parts.append(f"<|{m.role}|>{m.content}")
-        else:
-            raise ValueError(f"messages[{i}].role={m.role!r}: glm5 renders system, user, assistant, tool")
-        prev = m.role
-    if add_generation_prompt:
-        parts.append("<|assistant|><think>")
-    return "".join(parts)
-
-
 def build(tokenizer_dir: str | None = None) -> Glm5:
     """Build the GLM-5 family with the model's tokenizer.json from `tokenizer_dir`, or the offline stand-in."""
-    codec = BpeCodec.load(tokenizer_dir, SPECIALS)
-    ids = codec.special_to_id
-    return Glm5(
-        name="glm5",
-        codec=codec,
-        special_ids=frozenset(ids.values()),
-        stop_ids=frozenset(ids[s] for s in _STOPS),
-        role_openers={
-            ids["<|system|>"]: "system",
-            ids["<|user|>"]: "user",
-            ids["<|assistant|>"]: "assistant",
-            ids["<|observation|>"]: "tool",
-        },
-    )
+    return build_glm(Glm5, tokenizer_dir)
 
 
 register("glm5", build)

@@ -1,4 +1,4 @@
-"""TITO: the session server owns the tokens of multi-turn agent trajectories (seed §3).
+"""TITO: the session server owns the tokens of multi-turn agent trajectories (§3).
 
 Agents talk to the session server with ordinary OpenAI chat messages; the server renders only
 what the agent appended, keeps every sampled token ID with its logprob and weight version, and hands

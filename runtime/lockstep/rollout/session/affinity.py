@@ -1,6 +1,6 @@
 """Session affinity: every turn of a session goes to the same engine replica.
 
-Why it exists (seed §3, throughput): the replica that served turn k holds C_k in its prefix (KV)
+Why it exists (§3, throughput): the replica that served turn k holds C_k in its prefix (KV)
 cache, so turn k+1 only prefills the appended suffix. We pick the replica by consistent hashing of
 the session id over the replica URLs (adding or removing a replica moves only ~1/n of the sessions),
 and also send the session id as the `X-SMG-Routing-Key` header, which SGLang's router (sgl-router,
@@ -9,15 +9,24 @@ A replica that runs DP attention (`--dp-size N`) has N schedulers with N separat
 with `dp_size > 1` the ring's nodes are (replica, DP rank) pairs and the session server sends the
 rank as SGLang's `routed_dp_rank`; with one rank nothing is sent and the engine chooses.
 
-Who calls it: lockstep.rollout.session.server. Pure.
+In a cluster the replicas come and go (lockstep.rollout.session.engine.LiveReplicaPool asks the
+router Service's EndpointSlices): `place` keeps each session on the (replica, rank) of its first turn
+while that replica is live, and moves it (by the ring over the live replicas) only when it is gone, so
+a new engine joining takes only new sessions and never cools a running session's cache.
+
+Who calls it: lockstep.rollout.session.engine. Pure.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import xxhash
+
+Route: TypeAlias = tuple[str, int | None]
+"""(replica URL, DP rank; None when the engine picks the rank)."""
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 """sgl-router's session-affinity header (read by its consistent_hashing and manual policies)."""
@@ -59,3 +68,12 @@ class HashRing:
     def pick(self, session_id: str) -> str:
         """The replica that serves every turn of `session_id`."""
         return self.route(session_id)[0]
+
+
+def place(session_id: str, pinned: Route | None, ring: HashRing) -> tuple[Route, bool]:
+    """Where the next turn of `session_id` goes, and whether the session moved (pure): its `pinned`
+    route while that replica is among the ring's (live) replicas, else the ring's choice; moved is
+    True only when it had a pin whose replica is gone."""
+    if pinned is not None and pinned[0] in ring.replicas and (pinned[1] is None) == (ring.dp_size == 1):
+        return pinned, False
+    return ring.route(session_id), pinned is not None

@@ -4,7 +4,10 @@ Why it exists: in a cluster the driver hands agents the URL of a session-server 
 (AgentContext.session_url). On one machine nothing runs it yet, so these AgentFns start one
 SessionServer per process on 127.0.0.1 the first time they run, in front of the driver's engine
 client (AgentContext.client, so turns go where the driver's samples go; with several replicas each
-session sticks to one of them), and reuse it afterwards.
+session sticks to one of them), and reuse it afterwards. In a driver pod the driver hands the
+router Service's EndpointSlices (AgentContext.extra["members"]): each session then sticks to one live
+engine pod (LiveReplicaPool) rather than to the Service's load balancing, and to one DP-attention
+rank of it when spec.rollout.dataParallelAttention > 1 (extra["dp_size"]).
 
 Manifest: spec.agent.agentFunction: lockstep.rollout.session.local:toolcalc_agent
           spec.agent.rewardFunction: lockstep.tasks.toolcalc:reward
@@ -22,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.api.auth import api_key_from_env
-from lockstep.rollout.session.engine import BackendEngine, ReplicaPool, TurnEngine
+from lockstep.observability.metrics import share_registry
+from lockstep.rollout.session.engine import BackendEngine, LiveReplicaPool, ReplicaPool, TurnEngine
 from lockstep.rollout.session.server import SessionServer, SessionServerConfig
 from lockstep.serving import EngineClient
 from lockstep.tasks.toolcalc.agent import run_episode
@@ -44,16 +48,20 @@ class _LoopServers:
 _per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopServers] = weakref.WeakKeyDictionary()
 
 
-def turn_engine(client: Any) -> TurnEngine:
-    """Session affinity over the driver's replicas when its client holds several EngineClients (its
-    round-robin PoolClient would send every turn elsewhere); otherwise the client itself."""
+def turn_engine(client: Any, members: Any = None, dp_size: int = 1) -> TurnEngine:
+    """Where the session server sends turns: the live engines of `members` (a driver pod), else
+    session affinity over the driver's replicas when its client holds EngineClients (its round-robin
+    PoolClient would send every turn elsewhere) and there are several or they run DP attention,
+    otherwise the client itself."""
+    if members is not None:
+        return LiveReplicaPool(members, dp_size=dp_size)
     replicas = getattr(client, "clients", None)
     if (
         isinstance(replicas, list)
-        and len(replicas) > 1
+        and (len(replicas) > 1 or (replicas and dp_size > 1))
         and all(isinstance(c, EngineClient) for c in replicas)
     ):
-        return ReplicaPool(replicas)
+        return ReplicaPool(replicas, dp_size=dp_size)
     return BackendEngine(client)
 
 
@@ -80,8 +88,10 @@ async def session_url_for(ctx: Any) -> str:
                 max_nodes=session.get("maxNodes", 256),
                 api_key=api_key_from_env(),
             )
-            srv = SessionServer(config, turn_engine(ctx.client))
+            engine = turn_engine(ctx.client, ctx.extra.get("members"), int(ctx.extra.get("dp_size", 1)))
+            srv = SessionServer(config, engine)
             await srv.start("127.0.0.1", 0)
+            share_registry(srv.metrics.registry)  # on the driver's metrics endpoint (tito_* series)
             entry = servers.by_client[id(ctx.client)] = (ctx.client, srv)
         return entry[1].url
 

@@ -1,4 +1,4 @@
-"""Message matchers: does a message an agent replays describe the stored one (seed §3)?
+"""Message matchers: does a message an agent replays describe the stored one (§3)?
 
 Why it exists: an agent replays the whole history every turn. The server reuses a stored token
 checkpoint only when every replayed message up to it matches the stored message at that position.

@@ -1,6 +1,6 @@
 """tito_session_mismatch: re-render a session canonically and classify how it differs from the held row.
 
-Why it exists (seed §3, built-in diagnostic): the held tokens are authoritative, but comparing them
+Why it exists (§3, built-in diagnostic): the held tokens are authoritative, but comparing them
 with what the canonical chat template would produce tells a healthy session from a broken family
 module. Differences are classified:
 

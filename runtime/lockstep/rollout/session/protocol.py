@@ -3,7 +3,7 @@
 Why it exists: the session server speaks OpenAI's chat-completions shape (so the real `openai`
 client works with base_url=.../sessions/{id}/v1) plus three session endpoints. Requests are parsed
 with extra="forbid": an unknown field is a 400 naming it, and fields that would let an agent supply
-token IDs or offsets are refused with an explicit reason (the server owns the token row, seed §3).
+token IDs or offsets are refused with an explicit reason (the server owns the token row, §3).
 Capture options (logprobs, meta info, routing data) are accepted and ignored: the server sets
 them itself for every request.
 

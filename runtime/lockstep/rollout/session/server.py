@@ -1,4 +1,4 @@
-"""The TITO session server: an aiohttp app between agents and rollout engines (seed §3).
+"""The TITO session server: an aiohttp app between agents and rollout engines (§3).
 
 Endpoints (errors: 404 unknown session, 400 validation or forbidden fields, 409 fork/truncation,
 422 a sample cannot be assembled, 502 the engine failed or answered inconsistently):
@@ -56,10 +56,12 @@ from lockstep.rollout.session.protocol import (
     forbidden_fields,
 )
 from lockstep.rollout.session.tree import Node, SessionError, SessionMode, TokenTree, TurnOutput
-from lockstep.serving import GenerateResult, SamplingParams
+from lockstep.serving import ContextFull, GenerateResult, SamplingParams
 from lockstep.serving.client import EngineError, EngineUnreachable
-from lockstep.serving.guard import bearer_middleware, parse_json
+from lockstep.serving.guard import IDLE_TIMEOUT_S, bearer_middleware, parse_json
 from lockstep.serving.http import NoReply
+from lockstep.serving.listen import listen
+from lockstep.serving.sampling_limits import sampling_problem
 
 _T = TypeVar("_T")
 
@@ -84,6 +86,8 @@ class SessionServerConfig:
     """The job's key: required as `Authorization: Bearer <key>` on every route but GET /metrics."""
     max_body_bytes: int = 4 << 20
     """Request body cap (a 64K-token conversation is well under 1 MiB); larger bodies get 413."""
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    """Seconds an idle keep-alive connection stays open (the engine's 75 s)."""
     cpu_threads: int = 2
     """Threads for tokenizing, parsing and rendering, so one session's CPU work never stalls the
     event loop that serves every other session."""
@@ -213,10 +217,9 @@ class SessionServer:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=2.0)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        bound = self._runner.addresses[0][1]
+        self._runner, bound = await listen(
+            self.app(), host, port, shutdown_timeout=2.0, keepalive_timeout=self.config.idle_timeout_s
+        )
         self.url = f"http://{host}:{bound}"
         return self.url
 
@@ -386,10 +389,15 @@ class SessionServer:
                 stop_ids.add(ids[0])
             elif text:
                 strings.append(text)
+        temperature = cfg.temperature if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        problem = sampling_problem(temperature, top_p, prefix="")  # float32, as the engine samples
+        if problem:
+            raise SessionError(problem, 400)
         return SamplingParams(
             max_new_tokens=req.max_completion_tokens or req.max_tokens or cfg.max_new_tokens,
-            temperature=cfg.temperature if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=temperature,
+            top_p=top_p,
             stop=strings or None,
             stop_token_ids=sorted(stop_ids),
             sampling_seed=req.seed,
@@ -420,8 +428,12 @@ class SessionServer:
     async def _generate(self, sid: str, input_ids: list[int], sampling: SamplingParams) -> GenerateResult:
         try:
             res = await self.engine.generate(sid, input_ids, sampling, self.config.capture_routing)
+        except ContextFull as exc:  # the conversation fills the engine's context: the agent's to end
+            raise SessionError(f"context_length_exceeded: {exc}", 400) from exc
         except (EngineError, EngineUnreachable, NoReply, ValueError) as exc:
             raise SessionError(f"engine failed: {exc}", 502) from exc
+        if res.finish_reason == "abort":  # never a turn: the agent would read an empty reply as `stop`
+            raise SessionError(f"engine aborted the turn: {res.abort_message or 'no reason given'}", 502)
         if len(res.output_logprobs) != len(res.output_ids):
             raise SessionError(
                 f"engine returned {len(res.output_ids)} completion tokens but {len(res.output_logprobs)} logprobs",

@@ -1,6 +1,6 @@
 """Token checkpoints of one session: locate, plan the next prompt, commit, assemble samples (pure).
 
-Why it exists: this is TITO's core (seed §3). After turn k the session holds the checkpoint
+Why it exists: this is TITO's core (§3). After turn k the session holds the checkpoint
 C_k = P_k || O_k: the exact prompt IDs served and the exact output IDs sampled. On turn k+1 the agent
 replays the whole history plus new messages; we find the deepest stored checkpoint whose messages
 match the replay (a `Matcher` decides), tokenize only the appended messages plus the next assistant

@@ -22,7 +22,7 @@ import httpx
 
 from lockstep.api.auth import api_key_from_env, auth_headers
 from lockstep.tasks.toolcalc.env import CALC_TOOL, calc
-from lockstep.types import Sample, SampleStatus
+from lockstep.types import Sample
 
 
 def _arguments(raw: str) -> tuple[dict[str, Any], bool]:
@@ -86,12 +86,6 @@ async def run_episode(
             await client.close()
             await http.delete(f"{session_url}/sessions/{sid}")
     (traj,) = got.json()["samples"]
-    sample.prompt_ids = traj["prompt_ids"]
-    sample.response_ids = traj["response_ids"]
-    sample.loss_mask = traj["loss_mask"]
-    sample.rollout_logprobs = traj["rollout_logprobs"]
-    sample.token_versions = traj["token_versions"]
-    sample.status = SampleStatus(traj["status"])
+    sample.take_trajectory(traj)
     sample.metadata["toolcalc"] = {"called_calc": called, "well_formed": well_formed, "final": final}
-    sample.metadata["tito_mismatch"] = traj["mismatch"]
     return sample

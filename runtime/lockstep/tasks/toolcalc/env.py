@@ -88,7 +88,7 @@ class ToolCalc:
             index,
             ({"role": "user", "content": f"calc {expr}"},),
             calc({"expression": expr}),
-            {"expression": expr},
+            {"expression": expr, "label": "toolcalc"},  # label: the OPD route (the task's name)
         )
 
     def reward(self, response: str, item: TaskItem) -> float:

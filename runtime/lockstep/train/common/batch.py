@@ -43,6 +43,12 @@ class TrainBatch:
     """[B] float32 scalar reward per sample (for metrics)."""
     routed_experts: list[bytes | None] = field(default_factory=list)
     """Per-row R3 routing replay data (MoE); empty for dense models."""
+    teacher_logprobs: torch.Tensor | None = None
+    """[B, T-1] OPD: the teacher's logprob of the token at t+1 (0 where loss_mask is 0); None without OPD."""
+    opd_logratio: torch.Tensor | None = None
+    """[B, T-1] OPD with a candidate set: the set's estimate of d_t per token; None for sampled-token OPD."""
+    teachers: list[str | None] = field(default_factory=list)
+    """Per-row OPD teacher name (per-teacher metrics); empty without OPD."""
 
     @property
     def size(self) -> int:
@@ -71,6 +77,9 @@ class TrainBatch:
             ref_logprobs=cut(self.ref_logprobs),
             rewards=cut(self.rewards),
             routed_experts=self.routed_experts[start:stop],
+            teacher_logprobs=cut(self.teacher_logprobs),
+            opd_logratio=cut(self.opd_logratio),
+            teachers=self.teachers[start:stop],
         )
 
     def padded(self, rows: int) -> TrainBatch:
@@ -108,4 +117,7 @@ class TrainBatch:
             ref_logprobs=cat(self.ref_logprobs, first.ref_logprobs),
             rewards=cat(self.rewards, first.rewards, zero=True),
             routed_experts=[*self.routed_experts, *[None] * missing] if self.routed_experts else [],
+            teacher_logprobs=cat(self.teacher_logprobs, first.teacher_logprobs),
+            opd_logratio=cat(self.opd_logratio, first.opd_logratio, zero=True),
+            teachers=[*self.teachers, *[None] * missing] if self.teachers else [],
         )

@@ -17,23 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def fsync_dir(path: Path) -> None:
-    """Make the names in directory `path` (creations, renames, removals) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Make the bytes of file `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from lockstep.models.st_bytes import fsync_dir, fsync_file  # the fsync primitives, defined once
 
 
 @contextlib.contextmanager

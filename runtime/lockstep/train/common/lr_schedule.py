@@ -1,13 +1,13 @@
 """How fast and how long the policy trains: the RL learning rate of each step, the SFT warm start's end.
 
 Why it exists: a constant rate that is fast enough for the rise keeps shaking a nearly solved policy
-at the end of a run (issue 18: how far a run got at its last steps depended on the seed); a decay lets
+at the end of a run (how far a run got at its last steps depended on the data seed); a decay lets
 it settle, a warmup lets Adam's moments form on RL gradients before full-size steps. The schedule is
 spec.algorithm.lrSchedule over spec.schedule.steps; one pure function, table-tested, used by every
 backend through the trainer.
 
 The SFT warm start ends at a loss target when one is set (`sft_done`): after a fixed step count the
-seeds of issue 18 were anywhere between loss 0.50 and 1.02 on a steep curve.
+seeds of bench/seed_sweep.py were anywhere between loss 0.50 and 1.02 on a steep curve.
 
 Who calls it: lockstep.trainer.local (before every RL optimizer step, after every SFT step).
 """

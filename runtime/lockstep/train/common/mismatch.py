@@ -1,4 +1,4 @@
-"""Train-rollout mismatch: measure it per sampled token and bound its effect on the gradient (seed §4.2).
+"""Train-rollout mismatch: measure it per sampled token and bound its effect on the gradient (§4.2).
 
 Why it exists: even with identical tokens and weights, the engine and the trainer compute slightly
 different logprobs (kernels, precision, batching), and in fully-async mode the rollout policy can be

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from lockstep.train.common.advantages import group_advantages
 from lockstep.train.common.batch import TrainBatch
-from lockstep.types import Group, SampleStatus
+from lockstep.types import Group, Sample, SampleStatus
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,7 @@ def pack_groups(
 
     rows: list[tuple[list[int], list[int], list[int], list[float], float]] = []
     rewards: list[float] = []
+    samples = [s for g in groups for s in g.samples]
     for group in groups:
         advs = group_advantages(group.rewards, estimator)
         for sample, adv in zip(group.samples, advs, strict=True):
@@ -48,7 +49,33 @@ def pack_groups(
             rewards.append(sample.reward if sample.reward is not None else 0.0)
     batch = _pad(rows, pad_id, temperature)
     batch.rewards = torch.tensor(rewards, dtype=torch.float32)
+    if any(s.teacher_logprobs is not None for s in samples):  # OPD: the teachers' scores, same layout
+        batch.teacher_logprobs = _per_token(batch, samples, "teacher_logprobs")
+        batch.teachers = [s.teacher for s in samples]
+        if any(s.opd_logratio is not None for s in samples):
+            batch.opd_logratio = _per_token(batch, samples, "opd_logratio")
     return batch
+
+
+def _per_token(batch: TrainBatch, samples: Sequence[Sample], name: str) -> torch.Tensor:
+    """A per-response-token field of every sample in the shifted [B, T-1] layout (0 off the loss mask).
+
+    A trained token without the value (a sample that was not scored) is a broken invariant: ValueError
+    naming the sample."""
+    import torch
+
+    out = torch.zeros_like(batch.loss_mask)
+    for i, s in enumerate(samples):
+        values = getattr(s, name)
+        p = len(s.prompt_ids)
+        if values is None:
+            if batch.loss_mask[i].any():
+                raise ValueError(
+                    f"sample {s.group_index}/{s.index} trains but carries no {name} (not scored)"
+                )
+            continue
+        out[i, p - 1 : p - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out * batch.loss_mask
 
 
 def pack_sft(
@@ -60,6 +87,38 @@ def pack_sft(
     """
     rows = [(list(p), list(r), [1] * len(r), [0.0] * len(r), 1.0) for p, r in pairs]
     return _pad(rows, pad_id, temperature)
+
+
+def pack_masked(rows: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int = 0) -> TrainBatch:
+    """Build an SFT batch of whole conversations: each row is (token IDs, loss mask per token); token t
+    trains where its mask is 1 (predicted at shifted column t-1), so `sft_loss` is the token-mean NLL of
+    exactly the masked tokens. ValueError when a row's mask has another length or trains its first token
+    (nothing predicts it)."""
+    import torch
+
+    if not rows:
+        raise ValueError("cannot pack an empty batch: no rows")
+    t = max(len(ids) for ids, _ in rows)
+    b = len(rows)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t), dtype=torch.long)
+    loss_mask = torch.zeros((b, t - 1), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(rows):
+        if len(mask) != len(ids) or not ids:
+            raise ValueError(f"row {i}: {len(mask)} mask entries for {len(ids)} tokens")
+        if mask[0]:
+            raise ValueError(f"row {i}: the first token cannot train (nothing before it predicts it)")
+        n = len(ids)
+        input_ids[i, :n] = torch.tensor(list(ids), dtype=torch.long)
+        attention_mask[i, :n] = 1
+        loss_mask[i, : n - 1] = torch.tensor(list(mask[1:]), dtype=torch.float32)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.zeros_like(loss_mask),
+        advantages=loss_mask.clone(),
+    )
 
 
 def _pad(

@@ -1,4 +1,4 @@
-"""R3, rollout routing replay (seed §4.1): decode the rollout's expert IDs and replay them in the trainer.
+"""R3, rollout routing replay (§4.1): decode the rollout's expert IDs and replay them in the trainer.
 
 Why it exists: a MoE router keeps the top-k of its scores, a discrete choice that a few bits of
 floating-point difference can flip. If the trainer recomputes top-k it may send token t through
@@ -116,7 +116,7 @@ class ReplayPlan:
     valid: torch.Tensor
     """[B, T-1] bool, True where a payload covers the column (real tokens 0..n-2 of rows with data)."""
     payload_bytes: int
-    """Raw payload bytes of the rows (the R3 cost, seed §4.1)."""
+    """Raw payload bytes of the rows (the R3 cost, §4.1)."""
 
 
 def build_replay(

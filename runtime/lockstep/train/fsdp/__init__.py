@@ -3,7 +3,7 @@
 Why it exists: the default trainer of Lockstep; gloo on CPU (one process is the local default), NCCL
 on CUDA (ranks from torchrun env). Never imported by a Megatron backend, and vice versa.
 
-Who calls it: lockstep.driver.components builds `FSDPBackend`; `lockstep trainer` runs it per rank.
+Who calls it: lockstep.train.factory builds `FSDPBackend` (a local run's, lockstep.driver.policy); `lockstep trainer` runs it per rank.
 """
 
 from lockstep.train.fsdp.backend import FSDPBackend, FSDPConfig

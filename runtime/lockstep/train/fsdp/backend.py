@@ -5,13 +5,14 @@ are wrapped with `fully_shard`, so parameters are DTensors sharded over the rank
 gathers them to full tensors in HF names (the transformers state-dict names already are HF names).
 Logprobs use lockstep.train.common.logprobs, the same definition as the engine's.
 
-R3 (MoE models, seed §4.1): when a batch carries `routed_experts`, every forward (compute_logprobs
+R3 (MoE models, §4.1): when a batch carries `routed_experts`, every forward (compute_logprobs
 and train_step) runs inside lockstep.train.common.r3.hf_routing, which replays the rollout's expert
 IDs in each MoE router (gate values stay the trainer's own scores at those IDs) and measures how
 often the trainer's own top-k differed. `FSDPConfig.r3_replay=False` only measures. train_step
 reports r3_routing_mismatch and r3_payload_bytes (summed over ranks) in StepResult.metrics.
 
-Who calls it: lockstep.driver.components (local runs) and `lockstep trainer` (rank pods).
+Who calls it: lockstep.train.factory (local runs through lockstep.driver.policy, and `lockstep trainer`
+on rank pods), lockstep.cli.precision.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from lockstep.models.checkpoint import copy_model_files
 from lockstep.models.loading import load_causal_lm
 from lockstep.numerics import exact, sglang_kernels
 from lockstep.numerics.recipe import Recipe
-from lockstep.train.backend import StepResult
+from lockstep.train.backend import BackendConfig, StepResult
 from lockstep.train.common.dist import init_distributed
 from lockstep.train.common.logprobs import sglang_token_logprobs, token_logprobs
 from lockstep.train.common.r3 import RoutingRecord, build_replay, hf_routing, routing_dims
 from lockstep.train.fsdp import checkpoint as ckpt
+from lockstep.train.fsdp import lora, lora_checkpoint, sharded_load
+from lockstep.train.fsdp.lora import AdapterConfig
+from lockstep.train.fsdp.sharded_load import DEFAULT_BUCKET_BYTES as LOAD_BUCKET_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -39,36 +43,14 @@ if TYPE_CHECKING:
     from lockstep.train.common.losses import LossFn
 
 
-@dataclass(frozen=True, slots=True)
-class FSDPConfig:
-    """Construction-time settings of the FSDP2 backend."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FSDPConfig(BackendConfig):
+    """Construction-time settings of the FSDP2 backend (BackendConfig's fields, and these)."""
 
-    model_path: Path
-    """HF checkpoint directory: config.json and, optionally, safetensors weights (absent = random
-    init from `seed`)."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 disables clipping; the norm is still reported)."""
-    micro_batch_size: int = 64
-    """Rows per forward/backward; gradients accumulate over micro-batches."""
-    seed: int = 0
-    """Seed for random init and for the RNG state saved in checkpoints (rank is added)."""
     device: str = "auto"
     """cpu | cuda | auto (cuda when available)."""
-    dtype: str = "float32"
-    """Parameter dtype: float32 | bfloat16."""
-    with_ref: bool = False
-    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint until `set_reference`."""
-    r3_replay: bool = True
-    """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
-    measures r3_routing_mismatch (what replay would fix)."""
     train_recipe: Recipe | None = None
-    """Low-precision training forward (spec.trainer.precision, seed §6 stage 2): the recipe's
+    """Low-precision training forward (spec.trainer.precision, §6 stage 2): the recipe's
     quantized linear layers compute with fake_quantize(weight), gradients straight through."""
     true_on_policy: bool = False
     """Run batch-invariant kernels the rollout engine runs too, so the trainer's logprobs equal the
@@ -77,18 +59,23 @@ class FSDPConfig:
     """With true_on_policy: `lockstep` (lockstep.numerics.exact, the reference engine's kernels) or
     `sglang` (lockstep.numerics.sglang_kernels: computing as stock SGLang's on-policy path does;
     lockstep.api.profiles.trainer_kernels_for picks it from the rollout engine)."""
+    lora: AdapterConfig | None = None
+    """spec.model.lora: train a peft LoRA adapter on the frozen base (lockstep.train.fsdp.lora);
+    `export_weights` and checkpoints then carry the adapter only. None trains every weight."""
+    sharded_load: bool = True
+    """Build the model on the meta device and read each rank's own rows of the checkpoint
+    (lockstep.train.fsdp.sharded_load); False loads the whole model on every rank first."""
+    load_bucket_bytes: int = LOAD_BUCKET_BYTES
+    """The staging buffer of a sharded load (host memory per rank: its shards plus this)."""
     offload: str = "none"
     """trainer.offload: `cpu` keeps parameters, gradients and optimizer state in host memory with
     FSDP2's CPUOffloadPolicy (moved to the GPU layer by layer for compute, the optimizer step runs on
     the host); `none` keeps them on the device (offload() then moves only the optimizer state)."""
 
     def __post_init__(self) -> None:
+        BackendConfig.__post_init__(self)
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload {self.offload!r}: FSDP offloads to host memory only; use none or cpu")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32 or bfloat16")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device {self.device!r} is unknown; use cpu, cuda or auto")
         if self.kernels not in ("lockstep", "sglang"):
@@ -114,7 +101,7 @@ class FSDPBackend:
         torch.manual_seed(config.seed + self.rank)
         self.model = self._build_model()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+            self.trainable(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.ref_model = self._build_model(frozen=True) if config.with_ref else None
         self.routing_dims = routing_dims(self.model.config)
@@ -130,20 +117,32 @@ class FSDPBackend:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = torch.bfloat16 if self.config.dtype == "bfloat16" else torch.float32
-        path = self.config.model_path if path is None else Path(path)
+        path = self.config.checkpoint() if path is None else Path(path)
         model: Any
-        if ckpt.has_weights(path):
+        # Each rank reads only its shards (sharded_load); a LoRA adapter is built on the loaded base.
+        sharded = ckpt.has_weights(path) and self.config.sharded_load and self.config.lora is None
+        if sharded:
+            model = sharded_load.empty_model(path, dtype)
+        elif ckpt.has_weights(path):
             model = load_causal_lm(path, dtype=dtype)
         else:
             torch.manual_seed(self.config.seed)  # every rank builds the same random init
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)  # type: ignore[no-untyped-call]
-        model.to(self.device)
+        if not sharded:
+            model.to(self.device)
         if self.config.true_on_policy and self.config.kernels == "sglang":
             sglang_kernels.apply(model, self.device)
         elif self.config.true_on_policy:
             exact.apply(model, self.device)
         if self.config.train_recipe is not None:
             self.config.train_recipe.install_training(model)
+        if self.config.lora is not None:
+            # The adapter's random init is a function of the seed alone: the same on every rank and
+            # world size; the run's RNG stream is left as it was.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.config.seed)
+                model = lora.attach(model, self.config.lora, base_path=str(self.config.checkpoint()))
+        layers = (lora.hf_model(model) if self.config.lora is not None else model).model.layers
         # An explicit mesh of the trainer's own device type: the default mesh follows the machine (CUDA
         # when present) and would move a CPU trainer's parameters onto the GPU.
         mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -152,9 +151,17 @@ class FSDPBackend:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
+        if sharded:  # with the CPU offload policy the shards live in host memory
+            offloaded = "offload_policy" in kwargs
+            sharded_load.materialize(model, torch.device("cpu") if offloaded else self.device)
+            reader = sharded_load.ShardReader(path, self.config.load_bucket_bytes)
+            try:
+                sharded_load.load_shards(model, reader)
+            finally:
+                reader.close()
         if frozen:
             model.requires_grad_(False)
             model.eval()
@@ -201,6 +208,9 @@ class FSDPBackend:
     def set_reference(self, directory: Path) -> None:
         if self.ref_model is None:
             raise ValueError("set_reference needs FSDPConfig.with_ref=True (the manifest's kl_coef > 0)")
+        if self.config.lora is not None:  # the reference is base + the adapter saved there
+            lora_checkpoint.load_into(self.ref_model, Path(directory))
+            return
         if not ckpt.has_weights(Path(directory)):
             raise FileNotFoundError(f"set_reference: no safetensors weights in {directory}")
         import torch
@@ -237,7 +247,7 @@ class FSDPBackend:
         dist.all_reduce(reduced)
         mean_loss = reduced.item() / denom
         clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable(), clip)
         grad_norm = float(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
         if not skipped:
@@ -285,8 +295,27 @@ class FSDPBackend:
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
+    def trainable(self) -> list[Any]:
+        """The parameters the optimizer steps: all of them, or with LoRA the adapter's only."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the frozen base's full tensors in HF names (a tied lm_head left out), what the engines
+        must serve under the adapter; the pre-flight compares their checksums (collective, like
+        export_weights). Raises ValueError without LoRA (export_weights is the whole model then)."""
+        if self.config.lora is None:
+            raise ValueError(
+                "export_base is the frozen base of a LoRA model; without LoRA use export_weights"
+            )
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        yield from lora.base_tensors(self.model.state_dict(), tied=tied)
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors in HF names; a tied lm_head is left out, as in HF checkpoints."""
+        """Full tensors in HF names; a tied lm_head is left out, as in HF checkpoints. With LoRA: the
+        adapter's tensors only, under peft's saved names (the base never changes)."""
+        if self.config.lora is not None:
+            yield from lora.adapter_tensors(self.model.state_dict())
+            return
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         for name, value in self.model.state_dict().items():
             if tied and name == "lm_head.weight":
@@ -294,12 +323,27 @@ class FSDPBackend:
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             yield name, full.detach()
 
+    def adapter_config(self) -> dict[str, Any]:
+        """adapter_config.json of the LoRA adapter (peft's, base_model_name_or_path the base checkpoint)."""
+        assert self.config.lora is not None
+        return lora.adapter_config_dict(self.model, self.config.lora, base_path=str(self.config.checkpoint()))
+
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> None:
+        if self.config.lora is not None:  # the adapter in peft's layout + its optimizer state
+            lora_checkpoint.save(self, Path(directory), extra or {}, self.adapter_config())
+            return
         ckpt.save(self, Path(directory), extra or {})
         if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
-            copy_model_files(self.config.model_path, directory)
+            copy_model_files(self.config.checkpoint(), directory)
+
+    @property
+    def load_bucket_bytes(self) -> int:
+        """The staging buffer of every sharded read (model load, resume)."""
+        return self.config.load_bucket_bytes
 
     def load(self, directory: Path) -> dict[str, Any]:
+        if self.config.lora is not None:
+            return lora_checkpoint.load(self, Path(directory))
         return ckpt.load(self, Path(directory))
 
     def offload(self) -> None:

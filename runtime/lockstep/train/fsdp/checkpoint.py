@@ -5,10 +5,15 @@ update_weights_from_disk, transformers' from_pretrained) and must also restore t
 optimizer state, step and RNG. Layout of a checkpoint directory:
 
     config.json            the model's HF config
-    model.safetensors      full (gathered) weights in HF names; a tied lm_head is omitted, as in HF
-    optimizer.pt           full (gathered) AdamW state keyed by parameter name (rank 0 writes)
+    model.safetensors      full weights in HF names; a tied lm_head is omitted, as in HF
+    optimizer.safetensors  AdamW's exp_avg / exp_avg_sq as `<param>.exp_avg` ... (full tensors)
+    optimizer.json         AdamW's step counters and hyper-parameters
     rng_rank{R}.pt         each rank's torch RNG state (and CUDA RNG when present)
     trainer_state.json     {"step": ..., "extra": {...}} (the driver's resume data lives in extra)
+
+The tensors are written by every rank at once, each its own rows (lockstep.train.fsdp.sharded_save),
+and read back the same way (sharded_load): no rank holds more than its shards. Checkpoints from
+before hold a gathered optimizer.pt instead of the two optimizer files; they still load.
 
 Every file is written durably (temp name, fsync, rename: lockstep.train.common.durable) and read
 back with torch.load(weights_only=True): a checkpoint holds tensors and plain data, never code.
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lockstep.train.common.durable import atomic_path, atomic_write_text, join_checkpoint_dir
+from lockstep.train.fsdp import sharded_load, sharded_save
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +38,8 @@ WEIGHTS = "model.safetensors"
 """File name of the gathered weights."""
 STATE = "trainer_state.json"
 """File name of step and extra resume data."""
+LEGACY_OPTIMIZER = "optimizer.pt"
+"""The gathered AdamW state of checkpoints written before the streamed save (still read)."""
 
 
 class Checkpointed(Protocol):
@@ -43,6 +51,9 @@ class Checkpointed(Protocol):
     device: torch.device
     rank: int
     step: int
+
+    @property
+    def load_bucket_bytes(self) -> int: ...
 
     @property
     def device_type(self) -> str: ...
@@ -57,26 +68,17 @@ def has_weights(path: Path) -> bool:
 
 def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
     """Write the checkpoint; all ranks must call it (gathers are collective)."""
-    import torch
     import torch.distributed as dist
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     join_checkpoint_dir(directory, backend.rank)  # rank 0 prepared it before anyone writes
-    weights = {name: t.to("cpu").contiguous() for name, t in backend.export_weights()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    optim_state = get_optimizer_state_dict(backend.model, backend.optimizer, options=options)
-    rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if backend.device_type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(backend.device)
-    with atomic_path(directory / f"rng_rank{backend.rank}.pt") as tmp:
-        torch.save(rng, tmp)
+    tied = bool(getattr(backend.model.config, "tie_word_embeddings", False))
+    # Each rank writes its own rows of every tensor (sharded_save): nothing is gathered in one host.
+    weights = sharded_save.weights_of(backend.model, lambda n: tied and n == "lm_head.weight")
+    sharded_save.write_sharded(weights, directory / WEIGHTS, backend.rank)
+    sharded_save.save_optimizer(backend.model, backend.optimizer, directory, backend.rank)
+    save_rng(backend, directory)
     if backend.rank == 0:
-        with atomic_path(directory / WEIGHTS) as tmp:
-            save_file(weights, str(tmp), metadata={"format": "pt"})
         atomic_write_text(directory / "config.json", backend.model.config.to_json_string())
-        with atomic_path(directory / "optimizer.pt") as tmp:
-            torch.save(optim_state, tmp)
         atomic_write_text(directory / STATE, json.dumps({"step": backend.step, "extra": extra}, indent=1))
     dist.barrier()
 
@@ -84,21 +86,49 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
 def load(backend: Checkpointed, directory: Path) -> dict[str, Any]:
     """Restore weights, optimizer, step and RNG written by `save`; returns the saved `extra`."""
     import torch
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    missing = [f for f in (WEIGHTS, "optimizer.pt", STATE) if not (directory / f).exists()]
+    streamed = (directory / sharded_save.OPTIMIZER_META).exists()
+    optimizer = sharded_save.OPTIMIZER_META if streamed else LEGACY_OPTIMIZER
+    missing = [f for f in (WEIGHTS, optimizer, STATE) if not (directory / f).exists()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    weights: dict[str, Any] = dict(load_file(str(directory / WEIGHTS)))
-    set_model_state_dict(backend.model, weights, options=options)
-    optim_state = torch.load(directory / "optimizer.pt", weights_only=True)
-    set_optimizer_state_dict(backend.model, backend.optimizer, optim_state_dict=optim_state, options=options)
+    # FSDP2 leaves the root module's parameters unsharded after a forward without a backward (the
+    # pre-flight's logprob probe); reading shards into them would mix plain tensors and DTensors
+    reshard = getattr(backend.model, "reshard", None)
+    if reshard is not None:
+        reshard()
+    reader = sharded_load.ShardReader(directory, backend.load_bucket_bytes)
+    try:  # every rank reads its own rows (a tied lm_head through the embedding)
+        sharded_load.load_shards(backend.model, reader)
+    finally:
+        reader.close()
+    if streamed:
+        sharded_save.load_optimizer(backend.model, backend.optimizer, directory, backend.load_bucket_bytes)
+    else:  # a checkpoint written before the streamed save: the gathered optimizer.pt
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        optim_state = torch.load(directory / LEGACY_OPTIMIZER, weights_only=True)
+        set_optimizer_state_dict(
+            backend.model, backend.optimizer, optim_state_dict=optim_state, options=options
+        )
+    return restore_rng_and_step(backend, directory)
+
+
+def save_rng(backend: Checkpointed, directory: Path) -> None:
+    """Write this rank's RNG states (CPU, and CUDA on a GPU) as rng_rank<R>.pt."""
+    import torch
+
+    rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if backend.device_type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(backend.device)
+    with atomic_path(directory / f"rng_rank{backend.rank}.pt") as tmp:
+        torch.save(rng, tmp)
+
+
+def restore_rng_and_step(backend: Checkpointed, directory: Path) -> dict[str, Any]:
+    """Set this rank's RNG states (when saved) and the backend's step from a checkpoint; its `extra`."""
+    import torch
+
     rng_file = directory / f"rng_rank{backend.rank}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)

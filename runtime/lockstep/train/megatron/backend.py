@@ -1,6 +1,6 @@
 """MegatronBackend: a TrainBackend on megatron-core's GPTModel with TP/PP/EP and the distributed optimizer.
 
-Why it exists: see lockstep.train.backend for the contract, seed §7.1 and §9 for why Megatron. Per rank:
+Why it exists: see lockstep.train.backend for the contract, §7.1 and §9 for why Megatron. Per rank:
 the model of its pipeline stage (lockstep.train.megatron.model) in bf16, wrapped in megatron-core's
 DistributedDataParallel (fp32 gradient buffers) and its distributed optimizer (fp32 master weights and
 Adam moments sharded over data-parallel ranks; torch's AdamW underneath, so the update is the FSDP
@@ -19,7 +19,7 @@ definition (lockstep.train.common.logprobs; split over the vocabulary under TP),
 gradients are clipped on their global norm, and a non-finite loss or norm skips the update. R3
 replays the rollout's experts through megatron-core's router replay (lockstep.train.megatron.r3).
 
-Memory (seed §7.1): `offload()` moves the weights and the optimizer state to host memory or local disk
+Memory (§7.1): `offload()` moves the weights and the optimizer state to host memory or local disk
 and frees the gradient buffers; any later call brings them back first. With
 `stream_optimizer_state` the Adam moments live on local disk and are streamed through the GPU bucket
 by bucket inside the optimizer step (lockstep.train.megatron.state).
@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,8 +42,7 @@ from lockstep.train.backend import StepResult
 from lockstep.train.common.logprobs import token_logprobs
 from lockstep.train.common.r3 import ReplayPlan, RoutingRecord, build_replay
 from lockstep.train.megatron import checkpoint as ckpt
-from lockstep.train.megatron.config import ModelShape, ParallelLayout
-from lockstep.train.megatron.convert import ExpertLayout
+from lockstep.train.megatron.config import ExpertLayout, MegatronConfig, ModelShape
 from lockstep.train.megatron.export import MegatronExport
 from lockstep.train.megatron.model import build_gpt, load_into, local_weights
 from lockstep.train.megatron.parallel import Groups, destroy_parallel, init_parallel
@@ -55,59 +54,6 @@ if TYPE_CHECKING:
 
     from lockstep.train.common.batch import TrainBatch
     from lockstep.train.common.losses import LossFn
-
-
-@dataclass(frozen=True, slots=True)
-class MegatronConfig:
-    """Construction-time settings of the Megatron backend."""
-
-    model_path: Path
-    """HF checkpoint directory: config.json and, optionally, safetensors weights (absent = transformers'
-    random init from `seed`, converted like a checkpoint)."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay (not applied to norms and biases, megatron-core's grouping)."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 disables clipping; the norm is still reported)."""
-    micro_batch_size: int = 64
-    """Rows per forward/backward; gradients accumulate over micro-batches."""
-    seed: int = 0
-    """Seed of the random init and of the RNG state saved in checkpoints (rank is added)."""
-    dtype: str = "bfloat16"
-    """bfloat16 (weights and compute; fp32 master weights and gradients) or float32."""
-    with_ref: bool = False
-    """Keep a frozen reference policy for `compute_logprobs(role="ref")` (KL): the loaded checkpoint until `set_reference`."""
-    r3_replay: bool = True
-    """When a batch carries R3 routing data (MoE): True replays the rollout's experts; False only
-    measures r3_routing_mismatch."""
-    parallelism: ParallelLayout = field(default_factory=ParallelLayout)
-    """TP / PP / CP / EP / ETP (trainer.parallelism)."""
-    offload: str = "none"
-    """Where `offload()` puts weights and optimizer state: none (host memory when asked anyway), cpu
-    (pinned host memory) or disk (files under state_dir)."""
-    stream_optimizer_state: bool = False
-    """Keep the Adam moments on local disk, streamed bucket by bucket in the optimizer step."""
-    state_dir: Path | None = None
-    """Node-local directory for disk offload and streamed state (default: a temporary directory)."""
-    optimizer_bucket_bytes: int = 512 << 20
-    """Moment bytes on the GPU at once while streaming."""
-    export_bucket_bytes: int = 512 << 20
-    """Bucket size of the weight export (spec.weightSync.bucketMiB)."""
-    expert_layout: str = ExpertLayout.FUSED.value
-    """HF spelling of exported routed experts: fused (transformers' own parameters, what the
-    reference engine and the FSDP backend use) or per-expert (the hub's files, stock SGLang)."""
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use bfloat16 or float32")
-        if self.offload not in ("none", "cpu", "disk"):
-            raise ValueError(f"offload {self.offload!r} is unknown; use none, cpu or disk")
-        ExpertLayout(self.expert_layout)
 
 
 @dataclass(slots=True)
@@ -132,7 +78,7 @@ class MegatronBackend:
                 "not run on the CPU): set trainer.device to cuda on a GPU node, or trainer.backend to fsdp"
             )
         self.config = config
-        self.shape = ModelShape.from_checkpoint(config.model_path)
+        self.shape = ModelShape.from_checkpoint(config.checkpoint())
         self.groups: Groups = init_parallel(config.parallelism, "cuda", config.seed)
         self.rank, self.world_size = self.groups.dist.rank, self.groups.dist.world_size
         config.parallelism.check(self.shape, self.world_size)
@@ -171,7 +117,7 @@ class MegatronBackend:
     def _build_bare(self, path: Path | None = None) -> Any:
         """The bare model with this rank's shard of the weights at `path` (default: the configured checkpoint)."""
         bare = build_gpt(self.shape, self.config.parallelism, self.groups.spec, bf16=self._bf16(), cuda=True)
-        source = self.config.model_path if path is None else Path(path)
+        source = self.config.checkpoint() if path is None else Path(path)
         load_into(bare, local_weights(self.shape, source, self.groups.spec, seed=self.config.seed))
         return bare
 
@@ -474,6 +420,10 @@ class MegatronBackend:
 
     # -- weights, checkpoints, memory -------------------------------------------------------------
 
+    def export_base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA's frozen base: LoRA is not built on this backend (refused at apply, lora-needs-fsdp)."""
+        raise ValueError("export_base: LoRA trains on the fsdp backend only (spec.trainer.backend: fsdp)")
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors in HF names (rank 0's are the update; every rank must iterate to the end)."""
         import torch
@@ -493,7 +443,7 @@ class MegatronBackend:
         self.onload()
         ckpt.save(self, Path(directory), extra or {})
         if self.rank == 0:  # tokenizer and generation config: the saved dir loads alone in transformers
-            copy_model_files(self.config.model_path, directory)
+            copy_model_files(self.config.checkpoint(), directory)
 
     def load(self, directory: Path) -> dict[str, Any]:
         self.onload()

@@ -4,7 +4,7 @@ Why it exists: a checkpoint must load in anything that reads HF checkpoints (the
 transformers) and must restore training exactly. The weights are the gathered export in HF names
 (the same bytes the engines receive); the optimizer state is the distributed optimizer's shard of each
 rank (fp32 master weights and Adam moments, streamed moments read from their files), so resuming
-needs the same world size and parallel layout (seed §7.1 says the same of Miles) and says so when it
+needs the same world size and parallel layout (§7.1 says the same of Miles) and says so when it
 differs. Layout of a checkpoint directory:
 
     config.json              the model's HF config (copied from the initial checkpoint)
@@ -74,7 +74,7 @@ def save(backend: Checkpointed, directory: Path, extra: dict[str, Any]) -> None:
         with atomic_path(directory / WEIGHTS) as tmp:
             save_file(weights, str(tmp), metadata={"format": "pt"})
         with atomic_path(directory / "config.json") as tmp:
-            shutil.copyfile(Path(backend.config.model_path) / "config.json", tmp)
+            shutil.copyfile(backend.config.checkpoint() / "config.json", tmp)
         atomic_write_text(directory / STATE, json.dumps({"step": backend.step, "extra": extra}, indent=1))
     dist.barrier()
 

@@ -19,9 +19,12 @@ Who calls it: lockstep.train.megatron.model (building the GPTModel), .convert (t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lockstep.train.backend import BackendConfig
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """HF architectures the Megatron backend builds (config.json `architectures[0]`)."""
@@ -292,3 +295,44 @@ def transformer_config_kwargs(
             moe_enable_routing_replay=True,
         )
     return kw
+
+
+class ExpertLayout(enum.StrEnum):
+    """How an HF checkpoint spells routed-expert tensors."""
+
+    PER_EXPERT = "per-expert"
+    """The hub's `mlp.experts.<e>.{gate,up,down}_proj.weight`."""
+    FUSED = "fused"
+    """transformers >= 5: `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronConfig(BackendConfig):
+    """Construction-time settings of the Megatron backend (BackendConfig's fields, and these). Weight
+    decay is not applied to norms and biases (megatron-core's grouping); a checkpoint without weights
+    starts from transformers' random init, converted like a checkpoint."""
+
+    dtype: str = "bfloat16"
+    """bfloat16 (weights and compute; fp32 master weights and gradients) or float32."""
+    parallelism: ParallelLayout = field(default_factory=ParallelLayout)
+    """TP / PP / CP / EP / ETP (trainer.parallelism)."""
+    offload: str = "none"
+    """Where `offload()` puts weights and optimizer state: none (host memory when asked anyway), cpu
+    (pinned host memory) or disk (files under state_dir)."""
+    stream_optimizer_state: bool = False
+    """Keep the Adam moments on local disk, streamed bucket by bucket in the optimizer step."""
+    state_dir: Path | None = None
+    """Node-local directory for disk offload and streamed state (default: a temporary directory)."""
+    optimizer_bucket_bytes: int = 512 << 20
+    """Moment bytes on the GPU at once while streaming."""
+    export_bucket_bytes: int = 512 << 20
+    """Bucket size of the weight export (spec.weightSync.bucketMiB)."""
+    expert_layout: str = ExpertLayout.FUSED.value
+    """HF spelling of exported routed experts: fused (transformers' own parameters, what the
+    reference engine and the FSDP backend use) or per-expert (the hub's files, stock SGLang)."""
+
+    def __post_init__(self) -> None:
+        BackendConfig.__post_init__(self)
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload {self.offload!r} is unknown; use none, cpu or disk")
+        ExpertLayout(self.expert_layout)

@@ -40,11 +40,12 @@ Who calls it: lockstep.train.megatron.model (loading), .export (the weight-sync 
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from lockstep.train.megatron.config import ExpertLayout
 
 if TYPE_CHECKING:
     import torch
@@ -52,15 +53,6 @@ if TYPE_CHECKING:
     from lockstep.train.megatron.config import ModelShape
 
 NamedTensor = tuple[str, "torch.Tensor"]
-
-
-class ExpertLayout(enum.StrEnum):
-    """How an HF checkpoint spells routed-expert tensors."""
-
-    PER_EXPERT = "per-expert"
-    """The hub's `mlp.experts.<e>.{gate,up,down}_proj.weight`."""
-    FUSED = "fused"
-    """transformers >= 5: `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]."""
 
 
 def detect_expert_layout(names: Collection[str]) -> ExpertLayout:

@@ -1,7 +1,7 @@
 """The Megatron backend's live weights in HF names, through the shared weight-sync bucket pipeline.
 
 Why it exists: a weight update needs full HF-layout tensors on rank 0 while each rank holds shards of
-its pipeline stage. The preparation is lockstep.weights.pipeline's (seed §7.2.1), fed with this
+its pipeline stage. The preparation is lockstep.weights.pipeline's (§7.2.1), fed with this
 backend's hooks:
 
 1. the stream: every stage's parameters in canonical names (global layers and experts), in stage
@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lockstep.train.megatron.config import ExpertLayout
 from lockstep.train.megatron.convert import (
-    ExpertLayout,
     NamedTensor,
     canonical_to_hf,
     expert_key,

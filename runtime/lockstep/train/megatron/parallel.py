@@ -6,7 +6,7 @@ parallel state of the same layout, refusing one of another), and `Groups` hands 
 and ranks it needs by name, so the rest of the package never reads the global state directly.
 
 Data parallel here is what megatron-core computes: world / (TP x PP x CP); the experts' data-parallel
-group is smaller by EP (experts are spread over the same GPUs, seed §9).
+group is smaller by EP (experts are spread over the same GPUs, §9).
 
 Who calls it: lockstep.train.megatron.backend.
 """

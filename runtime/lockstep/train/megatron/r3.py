@@ -1,6 +1,6 @@
 """R3 in megatron-core: the rollout's experts forced through megatron-core's own router replay.
 
-Why it exists: seed §4.1 (see lockstep.train.common.r3 for the payload and the FSDP side). megatron-core
+Why it exists: §4.1 (see lockstep.train.common.r3 for the payload and the FSDP side). megatron-core
 0.16 ships routing replay in its TopKRouter (`moe_enable_routing_replay`: each router owns a
 `RouterReplay` that, told REPLAY_FORWARD, takes its top-k indices from a target tensor and gathers its
 own scores at them). We feed it: a forward pre-hook on every router of the model computes the router's

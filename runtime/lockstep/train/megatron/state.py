@@ -1,4 +1,4 @@
-"""Where the Megatron trainer's state lives between and inside steps (seed §7.1): offload and streaming.
+"""Where the Megatron trainer's state lives between and inside steps (§7.1): offload and streaming.
 
 Why it exists: a colocated trainer must give the GPU back while the engines generate, and a trainer
 whose optimizer state is larger than its GPU must keep that state elsewhere. Two mechanisms:

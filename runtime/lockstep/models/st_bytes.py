@@ -1,6 +1,6 @@
 """Raw tensor bytes of safetensors checkpoints, without torch: the canonical form the disk-delta diffs.
 
-Why it exists: the disk-delta transport (seed §7.2.4) diffs the bytes of the canonical HF checkpoint,
+Why it exists: the disk-delta transport (§7.2.4) diffs the bytes of the canonical HF checkpoint,
 not tensor values, so it needs each tensor's dtype, shape and exact byte range in each file. Reading
 the safetensors header ourselves (8-byte little-endian length, then a JSON header with `dtype`,
 `shape` and `data_offsets` per tensor) gives byte-exact, dtype-agnostic access (bf16 included) through
@@ -8,7 +8,9 @@ numpy memory maps. Also holds the durable-write helpers (flush + fsync + atomic 
 checksums every transport and the pre-flight check use (xxh3-128 by default; blake3 and adler32 for
 the disk-delta's `checksum` setting).
 
-Who calls it: disk_delta.py, preflight.py, the `lockstep delta` CLI and the benchmarks.
+Who calls it: lockstep.weights (disk_delta.py, delta_encoder.py, p2p.py, preflight.py), the
+`lockstep delta` CLI, lockstep.train.fsdp (sharded load and save) and the benchmarks. It lives with
+the models because the trainer and the weight transports both read checkpoint files through it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 CHECKSUM_FORMAT: Final = "xxh3-128"
-"""The default checksum format (seed §7.2.4): fast, 128 bits, not cryptographic."""
+"""The default checksum format (§7.2.4): fast, 128 bits, not cryptographic."""
 
 ChecksumAlgorithm = Literal["xxh3-128", "blake3", "adler32"]
 """Checksums a delta index may record (lockstep.api Checksum): xxh3-128 (default), blake3 (a
@@ -84,6 +86,43 @@ def checksum(data: bytes | memoryview | np.ndarray, algorithm: str = CHECKSUM_FO
     except KeyError:
         raise ValueError(f"checksum must be one of {CHECKSUM_ALGORITHMS}, got {algorithm!r}") from None
     return fn(data)
+
+
+class Hasher:
+    """A checksum fed piece by piece: `hexdigest()` equals `checksum(all pieces joined, algorithm)`."""
+
+    __slots__ = ("_adler", "_h", "algorithm")
+
+    def __init__(self, algorithm: str = CHECKSUM_FORMAT) -> None:
+        if algorithm not in _CHECKSUMS:
+            raise ValueError(f"checksum must be one of {CHECKSUM_ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
+        """The algorithm (one of CHECKSUM_ALGORITHMS)."""
+        self._adler = 1
+        self._h: object = None
+        if algorithm == "xxh3-128":
+            self._h = xxhash.xxh3_128()
+        elif algorithm == "blake3":
+            try:
+                from blake3 import blake3
+            except ImportError as e:
+                raise RuntimeError(
+                    "checksum blake3 needs the `blake3` package: pip install 'lockstep[runtime]'"
+                ) from e
+            self._h = blake3()
+
+    def update(self, data: bytes | memoryview | np.ndarray) -> None:
+        """Add the next piece."""
+        if self._h is None:
+            self._adler = zlib.adler32(_byte_view(data), self._adler)
+        else:
+            self._h.update(_byte_view(data))  # type: ignore[attr-defined]
+
+    def hexdigest(self) -> str:
+        """The checksum of every piece so far, as `checksum` writes it."""
+        if self._h is None:
+            return f"{self._adler:08x}"
+        return str(self._h.hexdigest())  # type: ignore[attr-defined]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -188,8 +227,17 @@ def iter_checkpoint_bytes(directory: Path) -> Iterator[tuple[TensorEntry, np.nda
 
 
 def fsync_dir(directory: Path) -> None:
-    """fsync a directory so that renames inside it are durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    """fsync a directory so that the names in it (creations, renames, removals) are durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync the bytes of file `path`."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

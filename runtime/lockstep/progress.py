@@ -1,17 +1,22 @@
-"""The driver's side of the progress channel: build the progress document and write it somewhere.
+"""The progress channel's writer: build the job's progress document and deliver it somewhere.
 
 Why it exists: in a cluster the operator learns the job's step, weight version, reward, staleness and
 queue size only from the ConfigMap `<job>-progress`, the one object the driver pod's ServiceAccount
 may get/patch. `ProgressTracker` turns the loop's per-step metrics into a `ProgressReport` (pure, no
 I/O); a `ProgressReporter` delivers it: `NullReporter` for a local `lockstep run`,
 `ConfigMapReporter` in a pod (a JSON merge patch through the `kubernetes` client with the pod's
-ServiceAccount token, re-read per request; lockstep.kube), which adds every engine's weight version by address
-(`EngineVersionProbe` over the pool's headless Service) so the operator can gate engine readiness. A failed report is logged and counted, never raised: a flaky API server
-must not stop training. A driver or trainer rank that cannot start (START_FAILURES) reports
-`start_failure` instead, so the job fails with the reason rather than the pod restarting in a loop.
+ServiceAccount token, re-read per request; lockstep.kube), which adds every engine's weight version by
+address (`EngineVersionProbe` over the pool's headless Service) so the operator can gate engine
+readiness. A failed report is logged and counted, never raised: a flaky API server must not stop
+training. A driver or trainer rank that cannot start (START_FAILURES) reports `start_failure`
+instead, so the job fails with the reason rather than the pod restarting in a loop.
 
-Who calls it: lockstep.driver.loop and lockstep.driver.fully_async (through Components.reporter),
-lockstep.cli.driver (`reporter_from_env` picks the reporter), the e2e test of the channel.
+Both processes write here (the driver its steps, a trainer rank its start failure), so it sits below
+both: the trainer rank imports it without importing the driver (pyproject's import contracts).
+
+Who calls it: lockstep.driver.components and lockstep.driver.loop (`DriverProgress`, which the sync,
+fully-async and init steps call through Components.progress), lockstep.cli.driver and
+lockstep.cli.trainer (`reporter_from_env`, `start_failure`), the e2e tests of the channel.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from lockstep.api.auth import auth_headers
 from lockstep.api.progress import PROGRESS_KEY, ProgressReport, progress_config_map_name, progress_patch
 from lockstep.kube import SERVICE_ACCOUNT_DIR, RetryPolicy, use_token_file
+from lockstep.serving.lora import parse_served_name
 from lockstep.serving.membership import ENGINE_PORT, ENGINES_SERVICE_ENV, engine_url, resolve_addresses
-from lockstep.trainer.protocol import PREFLIGHT_FILE
-from lockstep.weights.preflight import PreflightResult
+from lockstep.weights.fallback import FALLBACK_METRIC
+from lockstep.weights.phases import phases_of
+from lockstep.weights.preflight import PREFLIGHT_FILE, PreflightResult
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +123,10 @@ class ProgressTracker:
         """The document after optimizer step `step` with that step's metrics."""
         update = _update_fields(metrics)
         update["step"] = step
-        if "reward_mean" in metrics:
-            r = float(metrics["reward_mean"])
+        # With OPD's taskReward zero the trained reward is 0: the column shows the task reward.
+        reward = metrics.get("task_reward_mean", metrics.get("reward_mean"))
+        if reward is not None:
+            r = float(reward)
             prev = self.current.reward
             update["reward"] = r if prev is None else self.reward_ema * prev + (1 - self.reward_ema) * r
         if "staleness_s_old_max" in metrics:
@@ -129,11 +139,19 @@ class ProgressTracker:
             update["queue_capacity"] = int(metrics["queue_capacity"])
         if engine_versions is not None:
             update["engine_versions"] = dict(engine_versions)
+        if "sandbox_aborted_samples" in metrics:  # a count per step: the report keeps the sum
+            update["sandbox_aborts"] = (self.current.sandbox_aborts or 0) + int(
+                metrics["sandbox_aborted_samples"]
+            )
         return self._set(update)
 
     def finished(self) -> ProgressReport:
         """The last document of a run that did all its steps."""
         return self._set({"done": True})
+
+    def degraded(self, reason: str | None) -> ProgressReport:
+        """The document saying why the run trains nothing (None: it trains again)."""
+        return self._set({"degraded": reason[:4096] if reason else None})
 
     def failed(self, error: str, reason: str | None = None) -> ProgressReport:
         """The last document of a run that stopped on a fatal error (truncated to the field's limit);
@@ -141,6 +159,8 @@ class ProgressTracker:
         return self._set({"error": error[:4096] or "driver failed", "reason": reason})
 
     def _set(self, update: Mapping[str, object]) -> ProgressReport:
+        if update.get("last_update_fallback"):
+            update = {**update, "update_fallbacks": (self.current.update_fallbacks or 0) + 1}
         self.current = self.current.model_copy(update=dict(update))
         # model_copy skips validation: validate once so a bad value fails here, not in the operator.
         self.current = ProgressReport.model_validate(self.current.model_dump())
@@ -168,12 +188,19 @@ class DriverProgress:
         """All steps done: the job succeeds."""
         self.reporter.report(self.tracker.finished())
 
+    def degraded(self, reason: str | None) -> None:
+        """The run trains nothing (`reason`), or trains again (None): the job's Degraded condition."""
+        self.reporter.report(self.tracker.degraded(reason))
+
     def failed(self, error: BaseException, run_dir: Path) -> None:
-        """A fatal error stops the driver: report it (and a failed pre-flight's tensor names)."""
+        """A fatal error stops the driver: report it (and a failed pre-flight's tensor names); the
+        exception's `reason` class attribute, when it has one, is the reason the job fails with."""
         preflight = _read_preflight(run_dir)
         if preflight is not None and not preflight.passed:
             self.tracker.preflight_failed(preflight)
-        self.reporter.report(self.tracker.failed(f"{type(error).__name__}: {error}"))
+        reason = getattr(error, "reason", None)
+        text = f"{type(error).__name__}: {error}"
+        self.reporter.report(self.tracker.failed(text, reason if isinstance(reason, str) else None))
 
     def start_failed(self, error: BaseException) -> None:
         """The driver cannot start (START_FAILURES): the job fails with DriverStartFailed."""
@@ -204,6 +231,18 @@ def _update_fields(metrics: Mapping[str, float]) -> dict[str, object]:
         out["last_update_seconds"] = max(float(metrics["update_weights_s"]), 0.0)
     if "update_weights_wire_bytes" in metrics:
         out["wire_bytes"] = int(metrics["update_weights_wire_bytes"])
+    found = phases_of(dict(metrics))
+    if found:
+        out["last_update_phases"] = {p: round(max(s, 0.0), 6) for p, s in found.items()}
+    if (
+        "update_weights_s" in metrics
+    ):  # an update happened: which transport delivered it when not the channel's
+        via = [
+            k[len(FALLBACK_METRIC) + 1 :]
+            for k, v in metrics.items()
+            if k.startswith(f"{FALLBACK_METRIC}_") and v
+        ]
+        out["last_update_fallback"] = via[0].replace("_", "-") if via else None
     return out
 
 
@@ -222,6 +261,13 @@ class EngineVersionProbe:
     /model_info; `weight_version`, as
     lockstep.serving.client.EngineClient.get_weight_version reads it). An engine that does not answer
     or reports no integer version is left out: the operator counts it as not holding the current one.
+
+    With `adapter` (a LoRA job) the version is the job's adapter version instead, since an engine's
+    weight_version is its base's, which adapters never move: the newest `<adapter>-v<N>` the engine
+    lists at GET /v1/models (SGLang's model cards of the loaded adapters, asked with the engines' key).
+    An engine holding none of the job's versions (one that joined since the last update) is left
+    out, so the operator keeps it out of the router until the trainer has loaded the job's next
+    version there (lockstep.weights.adapter loads every version on every engine it reaches).
     """
 
     host: str
@@ -232,6 +278,8 @@ class EngineVersionProbe:
     """HTTP timeout per engine."""
     resolve: Callable[[str, int], list[str]] = resolve_addresses
     """host, port -> IP addresses (DNS by default)."""
+    adapter: str | None = None
+    """A LoRA job's adapter name: report the adapter version each engine holds (see the class doc)."""
 
     def versions(self) -> dict[str, int] | None:
         """`<IP>:<port>` -> weight version of each engine that answered; None when the name does not
@@ -248,12 +296,29 @@ class EngineVersionProbe:
             for ip in addresses:
                 base = engine_url(ip, self.port)
                 try:
-                    r = http.get(f"{base}/model_info")
-                    r.raise_for_status()
-                    out[f"{ip}:{self.port}"] = int(r.json()["weight_version"])
+                    version = (
+                        self._adapter_version(http, base) if self.adapter else self._base_version(http, base)
+                    )
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     log.info("engine %s:%d: no weight version (%s)", ip, self.port, type(e).__name__)
+                    continue
+                if version is not None:
+                    out[f"{ip}:{self.port}"] = version
         return out
+
+    @staticmethod
+    def _base_version(http: Any, base: str) -> int:
+        r = http.get(f"{base}/model_info")
+        r.raise_for_status()
+        return int(r.json()["weight_version"])
+
+    def _adapter_version(self, http: Any, base: str) -> int | None:
+        """The newest version of this job's adapter loaded on the engine; None: none is."""
+        r = http.get(f"{base}/v1/models", headers=auth_headers())
+        r.raise_for_status()
+        cards = r.json()["data"]
+        held = [parse_served_name(str(c["id"])) for c in cards if c.get("parent") is not None]
+        return max((v for a, v in filter(None, held) if a == self.adapter), default=None)
 
 
 @dataclass(slots=True)

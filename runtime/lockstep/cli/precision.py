@@ -1,4 +1,4 @@
-"""The seed's validation order for a low-precision recipe (seed §6), as five checks on this machine.
+"""The validation order for a low-precision recipe (§6), as five checks on this machine.
 
 Why it exists: a recipe is trusted only after it is checked in this order, each step assuming the
 previous one: (1) the shared quantizer is bit-exact between export and load, (2) the BF16
@@ -26,11 +26,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lockstep.api import RLJob
+from lockstep.config.driver import RunConfig, run_config
+from lockstep.config.trainer import training_recipe
 from lockstep.driver.engines import start_reference_engine
 from lockstep.models import load_tokenizer, resolve_checkpoint
 from lockstep.models.hub_data import resolve_data
 from lockstep.numerics import quant
-from lockstep.numerics.recipe import Recipe, convert_checkpoint, recipe_of, training_recipe
+from lockstep.numerics.recipe import Recipe, convert_checkpoint
 from lockstep.serving.client import EngineClient
 from lockstep.serving.loop import LoopThread
 from lockstep.serving.payloads import SamplingParams
@@ -55,7 +57,8 @@ class Check:
 
 @dataclass(slots=True)
 class _Ctx:
-    job: RLJob
+    config: RunConfig
+    training: Recipe | None
     recipe: Recipe
     model_dir: Path
     work: Path
@@ -65,19 +68,19 @@ class _Ctx:
 
 def precision_check(job: RLJob, *, cache_dir: Path | None = None, samples: int = 8) -> list[Check]:
     """Run the five checks in order (a failed step still lets the later ones report)."""
-    serving, training = recipe_of(job), training_recipe(job)
-    recipe = serving or training
+    config, training = run_config(job), training_recipe(job)  # the manifest, read once
+    recipe = config.serving or training
     if recipe is None:
         raise ValueError(
             "spec.rollout.precision and spec.trainer.precision are both bf16: there is no low-precision "
             "recipe to check; set spec.rollout.precision to fp8, mxfp8 or nvfp4"
         )
-    model_dir = resolve_checkpoint(job.spec.model.checkpoint, cache_dir=cache_dir)
+    model_dir = resolve_checkpoint(config.trainer.model.checkpoint, cache_dir=cache_dir)
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         weights.update(load_file(str(f)))
     with tempfile.TemporaryDirectory(prefix="lockstep-precision-") as tmp:
-        ctx = _Ctx(job, recipe, model_dir, Path(tmp), weights)
+        ctx = _Ctx(config, training, recipe, model_dir, Path(tmp), weights)
         checks = [_quantizer(ctx), _exceptions(ctx)]
         checks += _update_and_logprobs(ctx, samples)
     return checks
@@ -128,7 +131,7 @@ def _exceptions(ctx: _Ctx) -> Check:
         problems.append("conversion")
     if stage3_q != quantized:
         problems.append("export")
-    train = training_recipe(ctx.job)
+    train = ctx.training
     if train is not None and train != r:  # stage 2 exists when the trainer trains in the format
         problems.append("training forward (trainer.precision must equal rollout.precision)")
     reasons = sorted(
@@ -147,17 +150,20 @@ def _has_scale(name: str, names: set[str]) -> bool:
 
 def _update_and_logprobs(ctx: _Ctx, samples: int) -> list[Check]:
     """(3), (4), (5) against a live reference engine on the converted checkpoint."""
-    job, served_dir = ctx.job, ctx.served_dir
+    config, served_dir = ctx.config, ctx.served_dir
     assert served_dir is not None
-    device = "cuda" if job.spec.trainer.device.value == "cuda" and torch.cuda.is_available() else "cpu"
-    tiles = job.spec.algorithm.true_on_policy
+    on_cuda = config.trainer.transport.trainer_device.value == "cuda"
+    device = "cuda" if on_cuda and torch.cuda.is_available() else "cpu"
+    tiles = config.engines.true_on_policy
     server = start_reference_engine(served_dir, device=device, true_on_policy=tiles)
     io = LoopThread("precision-check")
     client = EngineClient(server.url)
     full = FSDPBackend(FSDPConfig(model_path=ctx.model_dir, device=device, true_on_policy=tiles,
-                                  train_recipe=training_recipe(job)))  # fmt: skip
+                                  train_recipe=ctx.training))  # fmt: skip
     try:
-        transport = build_transport(job, ctx.work / "run", ctx.model_dir, [server.url], device)
+        transport = build_transport(
+            config.trainer.transport, ctx.work / "run", ctx.model_dir, [server.url], device
+        )
         result = check_weight_update_equal([server.url], transport, full.export_weights,
                                            served=getattr(transport, "served", None))  # fmt: skip
         transport.close()
@@ -167,7 +173,7 @@ def _update_and_logprobs(ctx: _Ctx, samples: int) -> list[Check]:
         view = FSDPBackend(FSDPConfig(model_path=ctx.model_dir, device=device, true_on_policy=tiles,
                                       train_recipe=ctx.recipe))  # fmt: skip
         try:
-            return [step3, *_compare(job, batch, rollout, full, view)]
+            return [step3, *_compare(config, batch, rollout, full, view)]
         finally:
             view.close()
     finally:
@@ -179,15 +185,15 @@ def _update_and_logprobs(ctx: _Ctx, samples: int) -> list[Check]:
 
 def _sample(ctx: _Ctx, io: LoopThread, client: EngineClient, samples: int) -> tuple[Any, torch.Tensor]:
     """`samples` completions of the job's prompts from the engine; the batch and the rollout logprobs."""
-    model = ctx.job.spec.model
+    model = ctx.config.trainer.model
     tok = load_tokenizer(ctx.model_dir, model.tokenizer, model.chat_template)
-    data = resolve_data(ctx.job.spec.data)
+    data = resolve_data(ctx.config.trainer.data)
     task = load_task(data.prompts, data.eval_prompts, 0)
-    sampling = ctx.job.spec.rollout.sampling
+    max_new_tokens = ctx.config.settings.max_new_tokens
     pairs, lps = [], []
     for i in range(samples):
         prompt = tok.render(task.item(i, "train").messages, add_generation_prompt=True)
-        params = SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=1.0, sampling_seed=i)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, sampling_seed=i)
         res = io.run(client.generate(prompt, params))
         pairs.append((prompt, list(res.output_ids)))
         lps.append(list(res.output_logprobs))
@@ -199,12 +205,12 @@ def _sample(ctx: _Ctx, io: LoopThread, client: EngineClient, samples: int) -> tu
 
 
 def _compare(
-    job: RLJob, batch: Any, rollout: torch.Tensor, full: FSDPBackend, view: FSDPBackend
+    config: RunConfig, batch: Any, rollout: torch.Tensor, full: FSDPBackend, view: FSDPBackend
 ) -> list[Check]:
     """(4) logprobs on the same tokens: the served-view trainer against the engine (the quantizer's
     values on both sides), the job's own trainer against it (the gap training sees); (5) the ratio."""
     mask = batch.loss_mask > 0
-    exact_mode = job.spec.algorithm.true_on_policy
+    exact_mode = config.engines.true_on_policy
     gap: Callable[[FSDPBackend], torch.Tensor] = lambda b: (b.compute_logprobs(batch) - rollout)[mask]  # noqa: E731
     d_view, d_full = gap(view), gap(full)
     view_max, full_mean = float(d_view.abs().max()), float(d_full.abs().mean())
@@ -217,9 +223,10 @@ def _compare(
         f"mean |diff| {full_mean:.3g} over {int(mask.sum())} tokens",
         {"served_view_max_abs_diff": view_max, "train_rollout_logprob_abs_diff": full_mean},
     )
-    mm = job.spec.algorithm.mismatch
-    config = MismatchConfig(mode="off", low=mm.low, high=mm.high)
-    m = mismatch_metrics(d_full.double(), torch.ones_like(d_full), config)
+    mm = config.settings.trainer.loss.mismatch
+    m = mismatch_metrics(
+        d_full.double(), torch.ones_like(d_full), MismatchConfig(mode="off", low=mm.low, high=mm.high)
+    )
     inside = m.get("mismatch_clipfrac", 0.0) <= 0.01
     step5 = Check(
         5,
