@@ -29,6 +29,7 @@ from lockstep.api import (
     load_manifest,
 )
 from lockstep.api.crdgen import KINDS, render
+from lockstep.api.weightchannel import WeightChannelStatus
 
 from e2e.controlplane.cluster import ControlPlane
 
@@ -240,6 +241,26 @@ def test_child_kinds_apply_from_the_models(crds: ControlPlane, namespace: str) -
     assert sorted(names) == ["trainergroup.rl.lockstep.dev/tg", "weightchannel.rl.lockstep.dev/wch"]
     stored = crds.get("weightchannel", "wch", "-n", namespace)
     assert _prune_empty(stored["spec"]) == _prune_empty(wch.spec.wire())
+
+
+def test_weightchannel_columns_show_the_last_sync(crds: ControlPlane, namespace: str) -> None:
+    """`kubectl get wch` shows the last update's seconds and its slowest phase; the phases round-trip."""
+    wch = WeightChannel.model_validate(
+        {"metadata": {"name": "sync"}, "spec": {"job": "j", "trainerGroup": "tg", "rolloutPool": "pool"}}
+    )
+    crds.apply(wch.wire(), namespace=namespace)
+    phases = {"gather": 0.25, "transfer": 1.5, "engine_load": 0.5, "pause": 0.001}
+    status = WeightChannelStatus(
+        transport="broadcast", weight_version=7, preflight_passed=True, last_update_seconds=2.251,
+        last_update_phases=phases, last_update_slowest="transfer 67%",
+    )  # fmt: skip
+    crds.kubectl("patch", "wch", "sync", "-n", namespace, "--subresource=status", "--type=merge",
+                 "-p", json.dumps({"status": status.wire()}))  # fmt: skip
+    head, row = _table(crds.kubectl("get", "wch", "sync", "-n", namespace).stdout)
+    assert head == ["NAME", "TRANSPORT", "VERSION", "PREFLIGHT", "SYNC", "SLOWEST", "AGE"]
+    assert row[:7] == ["sync", "broadcast", "7", "true", "2.251", "transfer", "67%"]
+    stored = WeightChannel.model_validate(crds.get("weightchannel", "sync", "-n", namespace))
+    assert stored.status is not None and stored.status.last_update_phases == phases
 
 
 def test_kubectl_explain_shows_the_docstrings(crds: ControlPlane) -> None:

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from lockstep.api.progress import ProgressReport
-from lockstep.driver.report import ConfigMapReporter
+from lockstep.progress import ConfigMapReporter
 from lockstep_operator.k8s.client import ApiError, KubeClient, load_credentials
 from lockstep_operator.settings import FIELD_MANAGER
 

@@ -93,7 +93,7 @@ def replicas(cluster: ControlPlane, tmp_path: Path) -> Iterator[tuple[Replica, R
         cluster.kubectl(
             "wait", "--for=condition=Established", f"crd/{name['metadata']['name']}", "--timeout=60s"
         )
-    cluster.apply({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}})
+    # No ClusterKopfPeering object: the first replica creates it at start (handlers.ensure_peering).
     # The standby starts once the active replica is in the peering object, as in a rolling update:
     # kopf starts paused until it has read the peering, so it never acts. (Two replicas started at the
     # same instant may both act for the moment before they see each other; the reconciles are

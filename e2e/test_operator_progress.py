@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lockstep.api.progress import PROGRESS_KEY, ProgressReport
-from lockstep.driver.report import ConfigMapReporter
+from lockstep.progress import ConfigMapReporter
 from lockstep_operator.reconcile.progress import read_progress
 from lockstep_operator.resources.common import Owner, driver_name, progress_name
 from lockstep_operator.resources.config import driver_rbac, progress_config_map

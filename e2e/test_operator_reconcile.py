@@ -8,17 +8,21 @@ play the driver: they patch the `<job>-progress` ConfigMap exactly as the driver
 
 Covers: every example reconciles (children, nodes, GPU requests, NVLink packing); the transport choice
 for one fixture per topology; preflight pass and fail; an engine failure and a trainer rank failure
-recover (gang restart) and the restart limit fails the job; the operator stopped mid-reconcile and
-restarted leaves no duplicates; suspend/resume; deleting the job removes everything; `kubectl get
-rljobs` shows the columns; a gang scheduler whose CRDs are missing is a condition, and installed ones
-get their pod group.
+recover (gang restart) and the restart limit fails the job; a rank pod deleted mid-run restarts the
+gang; a DELETE's answer read after the pod's DELETED event leaves no ghost rank; nor does a pod deleted
+while the pod watch was broken (410 Gone, then kopf's re-list); the operator stopped mid-reconcile and
+restarted leaves no duplicates; suspend/resume; deleting the job removes everything; `kubectl get rljobs` shows the columns; a gang scheduler whose CRDs are
+missing is a condition, and installed ones get their pod group.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,8 @@ from typing import Any
 import pytest
 import yaml
 from lockstep.api import TRANSPORT_KEY, TransportChoice
+from lockstep_operator.k8s.client import Credentials, KubeClient, load_credentials
+from lockstep_operator.reconcile import Key, dispatch
 
 from e2e.controlplane.cluster import ControlPlane
 from e2e.controlplane.nodes import NodePool
@@ -118,8 +124,21 @@ def status(cluster: ControlPlane, ns: str, kind: str, name: str) -> dict[str, An
     return result
 
 
+def _replaced(cluster: ControlPlane, ns: str, job: str, first: dict[str, str]) -> bool:
+    """Whether every rank of `first` (pod name -> uid) runs again under a new uid: rank 1 replaced
+    too, one new world."""
+    now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, ns, job, "trainer", 2)}
+    return all(now[n] != first[n] for n in first)
+
+
 def wait_status(
-    cluster: ControlPlane, ns: str, kind: str, name: str, pred: Callable[[dict[str, Any]], Any], what: str
+    cluster: ControlPlane,
+    ns: str,
+    kind: str,
+    name: str,
+    pred: Callable[[dict[str, Any]], Any],
+    what: str,
+    timeout: float = WAIT,
 ) -> dict[str, Any]:
     """Wait until `pred(status)` holds for the object's status; return that status."""
 
@@ -127,7 +146,7 @@ def wait_status(
         st = status(cluster, ns, kind, name)
         return st if pred(st) else None
 
-    got = cluster.wait_for(check, timeout=WAIT, what=what)
+    got = cluster.wait_for(check, timeout=timeout, what=what)
     assert got is not None
     return got
 
@@ -226,7 +245,8 @@ def test_h100_example_children_nodes_gpus_and_columns(
         keyed = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "LOCKSTEP_API_KEY"]
         assert [e["valueFrom"]["secretKeyRef"] for e in keyed] == [ref], pod["metadata"]["name"]
     assert cluster.get("networkpolicy", f"{job}-rollout", "-n", namespace)["spec"]["podSelector"]
-    assert cluster.get("networkpolicy", f"{job}-driver", "-n", namespace)["spec"].get("ingress") in ([], None)
+    driver_ingress = cluster.get("networkpolicy", f"{job}-driver", "-n", namespace)["spec"].get("ingress")
+    assert driver_ingress == [{"ports": [{"protocol": "TCP", "port": 9400}]}]  # the metrics port only
     for kind in ("rolloutpool", "trainergroup", "weightchannel"):
         owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
         assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == job
@@ -283,7 +303,8 @@ def test_gb300_example_packs_trainer_into_one_nvlink_domain(
     for pod in [*ranks, *engines]:
         assert node_labels(cluster, pod["spec"]["nodeName"])["nvidia.com/gpu.product"] == "NVIDIA-GB300"
     cmd = engines[0]["spec"]["containers"][0]["command"]
-    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"] and "--attn-dp-size" in cmd
+    assert cmd[4:7] == ["python3", "-m", "sglang.launch_server"] and "--attn-dp-size" in cmd
+    assert cmd[:4] == ["python3", "-m", "lockstep.observability.sglang_start", "--"]  # the key: --config
     # FP8 serving: each engine pod pulls the hub checkpoint, converts it, and serves the conversion
     inits = engines[0]["spec"]["initContainers"]
     assert [c["name"] for c in inits] == ["pull-model", "convert-model"]
@@ -299,7 +320,12 @@ def test_gb300_example_packs_trainer_into_one_nvlink_domain(
 
 @pytest.mark.parametrize(
     ("case", "expected"),
-    [("p2p", "p2p"), ("broadcast", "broadcast"), ("cuda-ipc", "cuda-ipc"), ("disk-delta", "disk-delta")],
+    [
+        ("p2p", "p2p"),
+        ("broadcast", "broadcast"),
+        ("colocated-cpu", "broadcast"),
+        ("disk-delta", "disk-delta"),
+    ],
 )
 def test_transport_choice_per_topology(
     cluster: ControlPlane, operator: Operator, namespace: str, case: str, expected: str
@@ -322,7 +348,7 @@ def test_transport_choice_per_topology(
                 "nodeSelector": {"node.kubernetes.io/instance-type": "hgx-h100-eth"},
             },
         }
-    elif case == "cuda-ipc":
+    elif case == "colocated-cpu":  # CPU pods share no device memory: not cuda-ipc, and the reason says so
         spec = {"schedule": {"colocate": True}}
     else:  # two nodes on different networks, only a shared volume between them
         cluster.add_nodes(
@@ -354,6 +380,8 @@ def test_transport_choice_per_topology(
     st = chosen_transport(cluster, namespace, job)
     assert st["transport"] == expected, st["reason"]
     assert st["reason"]
+    if case == "colocated-cpu":
+        assert st["reason"].startswith("colocated on CPU: the engine and trainer pods share no device memory")
     job_status = wait_status(
         cluster, namespace, "rljob", job, lambda s: s.get("transport"), "transport folded into the job"
     )
@@ -367,6 +395,30 @@ def test_transport_choice_per_topology(
     delete_and_wait(cluster, namespace, job)
     if case == "disk-delta":
         cluster.kubectl("delete", "node", "lsop-split-0", "lsop-split-1", "--wait=false")
+
+
+def test_gpu_colocation_is_refused_with_the_reason(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    """Engines and ranks are separate pods with their own GPUs: CUDA IPC could never work as rendered,
+    so a GPU job with schedule.colocate fails at once naming the field and the fix, and starts nothing."""
+    job = "coloc-gpu"
+    spec = {
+        "schedule": {"colocate": True},
+        "trainer": {"device": "cuda", "nodes": 1, "gpusPerNode": 8},
+        "rollout": {"replicas": 1, "gpusPerEngine": 8},
+        "placement": {"gpuProduct": "H100"},
+    }
+    cluster.apply(tiny(job, **spec), namespace=namespace)
+    st = phase_is(cluster, namespace, job, "Failed")
+    failed = cond(st, "Failed")
+    assert failed["reason"] == "InvalidSpec", failed
+    assert failed["message"].startswith(
+        "spec.schedule.colocate: the operator renders engines and trainer ranks"
+    )
+    assert "set schedule.colocate to false" in failed["message"]
+    assert pods(cluster, namespace, job) == []
+    delete_and_wait(cluster, namespace, job)
 
 
 def chosen_transport(cluster: ControlPlane, namespace: str, job: str) -> dict[str, Any]:
@@ -543,12 +595,9 @@ def test_engine_failure_is_replaced(cluster: ControlPlane, operator: Operator, n
     )
 
 
-def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
-    cluster: ControlPlane, operator: Operator, namespace: str
-) -> None:
-    job = "gang"
-    manifest = tiny(job, trainer={"nodes": 2}, backoffLimit=1)
-    cluster.apply(manifest, namespace=namespace)
+def fail_rank_1_and_wait_for_a_new_gang(cluster: ControlPlane, namespace: str, job: str) -> None:
+    """Rank 1's container fails (kwok's injected failure); wait until both ranks are new pods: rank 0
+    restarted too, the whole gang."""
     first = {
         p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, namespace, job, "trainer", 2)
     }
@@ -556,14 +605,18 @@ def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
         "label", "pod", f"{job}-trainer-1", "-n", namespace, "lockstep.dev/inject-failure=container"
     )
 
-    def restarted() -> bool:
-        now = {
-            p["metadata"]["name"]: p["metadata"]["uid"]
-            for p in running(cluster, namespace, job, "trainer", 2)
-        }
-        return all(now[n] != first[n] for n in first)  # rank 0 restarted too: the whole gang
+    cluster.wait_for(
+        lambda: _replaced(cluster, namespace, job, first), timeout=WAIT, what="both ranks recreated"
+    )
 
-    cluster.wait_for(restarted, timeout=WAIT, what="both ranks recreated")
+
+def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    job = "gang"
+    manifest = tiny(job, trainer={"nodes": 2}, backoffLimit=1)
+    cluster.apply(manifest, namespace=namespace)
+    fail_rank_1_and_wait_for_a_new_gang(cluster, namespace, job)
     cluster.wait_for(
         lambda: status(cluster, namespace, "trainergroup", f"{job}-trainer").get("restarts") == 1,
         timeout=WAIT,
@@ -579,6 +632,121 @@ def test_trainer_rank_failure_restarts_the_gang_then_fails_at_the_limit(
     failed = cond(st, "Failed")
     assert failed["reason"] == "GangRestartLimitExceeded" and "rank 0" in failed["message"]
     assert "NCCL timeout" in failed["message"]
+
+
+def test_trainer_rank_pod_deleted_mid_run_restarts_the_gang(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    """A deleted rank pod is a gang fault: a replacement alone would wait in the rendezvous for a
+    world that is gone (its peer exits when its rank 0 goes). kwok removes the pod at once, so the
+    reconcile sees the rank missing beside the live rank 1: the gang restarts, counted and named."""
+    job = "gang-deleted"
+    cluster.apply(tiny(job, trainer={"nodes": 2}), namespace=namespace)
+    first = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, namespace, job, "trainer", 2)
+    }
+    group = f"{job}-trainer"
+
+    def complete() -> bool:  # the reconcile recorded that every rank of generation 0 was created
+        meta = cluster.get("trainergroup", group, "-n", namespace)["metadata"]
+        return (meta.get("annotations") or {}).get("rl.lockstep.dev/gang-complete") == "0"
+
+    cluster.wait_for(complete, timeout=WAIT, what="generation 0 recorded as complete")
+    cluster.kubectl("delete", "pod", f"{group}-0", "-n", namespace, "--wait=false")
+
+    cluster.wait_for(
+        lambda: _replaced(cluster, namespace, job, first), timeout=WAIT, what="both ranks recreated"
+    )
+    st = wait_status(cluster, namespace, "trainergroup", group, lambda s: s.get("restarts") == 1, "1 restart")
+    assert st["restarts"] == 1, st
+
+    def named() -> bool:
+        found = cluster.get("events", "-n", namespace, "--field-selector", "reason=GangRestart")["items"]
+        return any("rank 0's pod was deleted" in e["message"] for e in found)
+
+    cluster.wait_for(named, timeout=WAIT, what="a GangRestart event naming the deleted rank")
+
+
+def test_a_delete_answer_read_after_its_event_leaves_no_ghost_rank(
+    cluster: ControlPlane, operator: Operator, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server answers the DELETE of a Failed pod and sends its DELETED event at the same moment,
+    on two connections; a busy operator may read the answer second. That late copy once went back into
+    the read cache, where no event would remove it: the gang restart waited for the ghost rank for ever
+    (`pods: []`). Here every DELETE answer is read 0.2 s late, after the event (k8s/store.py)."""
+    once = KubeClient._once
+
+    async def late(self: KubeClient, method: str, path: str, *args: Any) -> Any:
+        answer = await once(self, method, path, *args)
+        if method == "DELETE":
+            await asyncio.sleep(0.2)
+        return answer
+
+    monkeypatch.setattr(KubeClient, "_once", late)
+    job = "gang-late"
+    cluster.apply(tiny(job, trainer={"nodes": 2}), namespace=namespace)
+    fail_rank_1_and_wait_for_a_new_gang(cluster, namespace, job)
+
+
+def test_a_pod_deleted_while_the_watch_was_broken_leaves_no_ghost_rank(
+    cluster: ControlPlane, operator: Operator, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch that breaks and comes back with 410 Gone (the API server restarted, or the watch's
+    version was compacted during a long disconnect) makes kopf list the kind again; a pod deleted in
+    the gap sends no DELETED event, and the read cache kept it for ever: the gang of a rank deleted in
+    the gap never restarted. The cache re-lists each kind itself and drops what the list lacks
+    (k8s/relist.py, docs/operator.md "The read cache"). Here the pods' watch loses every event while
+    `gap` is set, then answers 410 as the API server would: kopf's own re-list follows."""
+    from kopf._cogs.clients import watching
+
+    real = watching.watch_objs
+    gap, resume = threading.Event(), threading.Event()
+
+    async def broken(*, resource: Any, **kwargs: Any) -> Any:
+        async for event in real(resource=resource, **kwargs):
+            if resource.plural != "pods" or not (gap.is_set() or resume.is_set()):
+                yield event
+            elif resume.is_set():  # the first event after the gap: the watch's version is gone
+                resume.clear()
+                yield {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
+                return
+
+    monkeypatch.setattr(watching, "watch_objs", broken)
+    operator.restart()  # its watches go through `broken`
+    job = "gang-gap"
+    cluster.apply(tiny(job, trainer={"nodes": 2}), namespace=namespace)
+    first = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in running(cluster, namespace, job, "trainer", 2)
+    }
+    group = f"{job}-trainer"
+
+    def complete() -> bool:  # every rank of generation 0 was created: a missing rank is a deletion
+        meta = cluster.get("trainergroup", group, "-n", namespace)["metadata"]
+        return (meta.get("annotations") or {}).get("rl.lockstep.dev/gang-complete") == "0"
+
+    cluster.wait_for(complete, timeout=WAIT, what="generation 0 recorded as complete")
+    gap.set()
+    cluster.kubectl("delete", "pod", f"{group}-0", "-n", namespace, "--wait=false")
+    cluster.wait_for(
+        lambda: f"{group}-0" not in {p["metadata"]["name"] for p in pods(cluster, namespace, job, "trainer")},
+        timeout=WAIT,
+        what="rank 0's pod gone (its events lost in the gap)",
+    )
+    gap.clear()
+    resume.set()
+    # An event on the pods' watch. The operator may have restarted the gang already (its own re-list or
+    # its job's periodic re-check can find rank 0 gone first), deleting rank 1: then the new gang's pods
+    # are the events, and the annotation has nothing to touch.
+    touch = ["annotate", "pod", f"{group}-1", "-n", namespace, "e2e.lockstep.dev/touch=1", "--overwrite"]
+    touched = cluster.kubectl(*touch, check=False)
+    assert touched.returncode == 0 or "NotFound" in touched.stderr, touched.stderr
+
+    cluster.wait_for(
+        lambda: _replaced(cluster, namespace, job, first),
+        timeout=WAIT,
+        what="both ranks recreated after the gap",
+    )
+    assert not resume.is_set()  # the 410 was sent: kopf listed the pods again
 
 
 def test_suspend_scales_to_zero_and_resume_restores(
@@ -664,7 +832,11 @@ def test_driver_rbac_is_narrow(cluster: ControlPlane, operator: Operator, namesp
             "auth", "can-i", *args, "-n", namespace, f"--as={sa}", check=False
         ).stdout.strip()
 
-    assert can("patch", f"configmap/{job}-progress") == "yes"
+    # The pods come first in a pass and the RBAC after them (docs/operator.md, "Reconcile order"): on
+    # kwok a pod is Running at once, so wait for the Role; what is checked is its narrowness.
+    cluster.wait_for(
+        lambda: can("patch", f"configmap/{job}-progress") == "yes", timeout=WAIT, what="the driver's Role"
+    )
     assert can("patch", f"configmap/{job}-config") == "no"
     assert can("list", "pods") == "no"
     assert can("patch", f"rljob/{job}") == "no"
@@ -732,3 +904,69 @@ def test_pool_autoscales_from_the_queue_within_bounds(
     for _ in range(6):  # still starving, but at maxReplicas: stays at 2
         starving()
     assert cluster.get("rolloutpool", f"{job}-rollout", "-n", namespace)["spec"]["replicas"] == 2
+
+
+class CountingClient(KubeClient):
+    """The operator's client, recording every request it sends to the API server."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        super().__init__(credentials)
+        self.sent: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.sent.append((method, path))
+        return await super().request(method, path, **kwargs)
+
+
+def test_a_second_pass_with_nothing_changed_writes_nothing(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    """Level-triggered passes cost no writes once converged: a client's passes over a settled job and
+    its children (the four reconciles, against the real API server) send only reads the second time
+    (the apply cache; a status written only when it changed; the Secret created once)."""
+    job = "quiet"
+    cluster.apply(tiny(job), namespace=namespace)
+    for role in ("engine", "trainer", "driver"):
+        running(cluster, namespace, job, role, 1)
+    # Within one periodic re-check (resync_seconds, 60 s) as well: on loaded cores the full suite has
+    # seen the transport come only after it (the missed kick is not found yet; the re-check, which a
+    # busy job's own passes once postponed for ever, repairs it).
+    wait_status(
+        cluster, namespace, "weightchannel", f"{job}-weights", lambda s: s.get("transport"), "transport",
+        timeout=2 * WAIT,
+    )  # fmt: skip
+    kinds = ("rljob", "rolloutpool", "trainergroup", "weightchannel")
+
+    def versions() -> list[str]:
+        listed = cluster.get(",".join(kinds), "-n", namespace)["items"]
+        return sorted(f"{o['kind']}/{o['metadata']['resourceVersion']}" for o in listed)
+
+    def settled() -> bool:  # the operator's own passes (pods Running, readiness gates) are done
+        before = versions()
+        time.sleep(2)
+        return versions() == before
+
+    cluster.wait_for(settled, timeout=WAIT, what="the job and its children unchanged for 2 s")
+    keys: list[Key] = [
+        ("RLJob", namespace, job),
+        ("RolloutPool", namespace, f"{job}-rollout"),
+        ("TrainerGroup", namespace, f"{job}-trainer"),
+        ("WeightChannel", namespace, f"{job}-weights"),
+    ]
+
+    import lockstep_operator.handlers as handlers
+
+    async def two_passes() -> list[list[tuple[str, str]]]:
+        async with CountingClient(await load_credentials(str(cluster.kubeconfig))) as kube:
+            run = dispatch(kube, handlers.SETTINGS, sink=None)  # the running operator's settings
+            writes = []
+            for _ in range(2):
+                kube.sent.clear()
+                for key in keys:
+                    await run(key)
+                writes.append([(m, p) for m, p in kube.sent if m != "GET"])
+            return writes
+
+    first, second = asyncio.run(two_passes())
+    assert first, "the first pass of a fresh client applies its children (no-ops on the server)"
+    assert second == [], f"a pass with nothing changed wrote {second}"

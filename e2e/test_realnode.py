@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lockstep.api.images import image_ref
 
 from e2e.controlplane.cluster import ControlPlane
 from e2e.controlplane.nodes import NodePool
@@ -199,8 +200,9 @@ def _host_ipsets() -> set[str]:
 
 @pytest.mark.timeout(2400)  # cold: Debian rootfs, a 5 GiB layer (CUDA torch from PyPI), its import
 def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, real_namespace: str) -> None:
-    """The image built here from a Debian rootfs and this checkout (node/runtime_image.py) runs the
-    CLI and imports torch as user 1000, as images/runtime.Dockerfile's image does."""
+    """The runtime image built here by images/runtime.Dockerfile's recipe (node/runtime_image.py) runs
+    the CLI and imports torch and megatron-core (the default trainer backend) as user 1000; it is also
+    in the node under its published reference, the operator's default."""
     assert real_cluster.node is not None
     image = real_cluster.node.runtime_image()
     # The in-cluster path of the driver's progress reports: the `kubernetes` Service, the apiserver's
@@ -212,7 +214,7 @@ def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, re
         "print(u.urlopen(req, context=ssl.create_default_context(cafile=d + '/ca.crt')).read().decode())"
     )
     script = (
-        "id -u && python -c 'import torch, lockstep.cli; print(\"torch\", torch.__version__)' && "
+        "id -u && python -c 'import torch, megatron.core, lockstep.cli; print(\"torch\", torch.__version__)' && "
         f'python -c "{check_api}" && lockstep --help'
     )
     real_cluster.apply(pod_manifest("rt", image, ["sh", "-c", script]), namespace=real_namespace)
@@ -221,9 +223,56 @@ def test_the_runtime_image_runs_lockstep_in_a_pod(real_cluster: ControlPlane, re
     assert pod["status"]["phase"] == "Succeeded", out
     lines = out.splitlines()
     assert lines[0] == "1000"
-    assert lines[1].startswith("torch 2.")
+    # megatron-core warns on stderr (no Transformer Engine or Apex on CPU), interleaved in the log.
+    assert any(line.startswith("torch 2.") for line in lines[1:]), out
     assert '"gitVersion": "v1.36.3"' in out
     assert "usage: lockstep" in out
+    # The image's own entry command (no command in the pod: the image's CMD), under its release name.
+    published = image_ref("runtime")
+    assert published in real_cluster.node.ctr("images", "list", "--quiet").stdout.split()
+    entry = pod_manifest("rt-cmd", published, [])
+    del entry["spec"]["containers"][0]["command"]
+    real_cluster.apply(entry, namespace=real_namespace)
+    pod = _finished(real_cluster, real_namespace, "rt-cmd", timeout=300)
+    assert pod["status"]["phase"] == "Succeeded", _logs(real_cluster, real_namespace, "rt-cmd")
+    assert "usage: lockstep" in _logs(real_cluster, real_namespace, "rt-cmd")
+
+
+@pytest.mark.timeout(1200)
+def test_the_operator_image_starts_its_entry_in_a_pod(
+    real_cluster: ControlPlane, real_namespace: str
+) -> None:
+    """The operator image (images/operator.Dockerfile's recipe) runs its own entry command,
+    `lockstep-operator`, as user 65532 in a pod: it starts, reads its settings and reaches the
+    apiserver with the pod's ServiceAccount (which may not list the CRDs: kopf says so and keeps
+    running, as a Deployment's pod does until its RBAC is applied)."""
+    assert real_cluster.node is not None
+    image = real_cluster.node.operator_image()
+    assert image_ref("operator") in real_cluster.node.ctr("images", "list", "--quiet").stdout.split()
+    ns = real_namespace
+    check = "id -u && python -c \"import lockstep_operator.handlers, sys; assert 'torch' not in sys.modules; print('no torch')\""
+    real_cluster.apply(pod_manifest("op-check", image, ["sh", "-c", check]), namespace=ns)
+    pod = _finished(real_cluster, ns, "op-check", timeout=300)
+    out = _logs(real_cluster, ns, "op-check")
+    assert pod["status"]["phase"] == "Succeeded", out
+    assert out.split() == ["65532", "no", "torch"]
+    env = [
+        {"name": "LOCKSTEP_OPERATOR_HA_MODE", "value": "standalone"},
+        {"name": "LOCKSTEP_OPERATOR_HEALTH_PORT", "value": "8080"},
+        {"name": "LOCKSTEP_OPERATOR_METRICS_PORT", "value": "0"},
+    ]
+    entry = pod_manifest("op", image_ref("operator"), [])
+    del entry["spec"]["containers"][0]["command"]  # the image's CMD
+    entry["spec"]["containers"][0]["env"] = env
+    real_cluster.apply(entry, namespace=ns)
+
+    def started() -> str | None:
+        out = real_cluster.kubectl("logs", "-n", ns, "op", check=False).stdout
+        return out if '"message"' in out else None
+
+    out = real_cluster.wait_for(started, timeout=300, what="the operator's first log line")
+    assert real_cluster.get("pod", "op", "-n", ns)["status"]["phase"] == "Running", out
+    assert real_cluster.get("pod", "op", "-n", ns)["status"]["containerStatuses"][0]["restartCount"] == 0
 
 
 # ------------------------------------------------------------------ NetworkPolicy (kube-router enforces)

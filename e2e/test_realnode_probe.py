@@ -25,7 +25,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is 
 
 
 def _run(prefix: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, "HOME": os.environ.get("HOME", "/root"), **env}
+    """The probe under `prefix`, with LOCKSTEP_REAL_NODE only as `env` sets it (not the caller's)."""
+    inherited = {k: v for k, v in os.environ.items() if k != "LOCKSTEP_REAL_NODE"}
+    environ = {**inherited, "HOME": os.environ.get("HOME", "/root"), **env}
     return subprocess.run(
         [*prefix, *PROBE], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120
     )

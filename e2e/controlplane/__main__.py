@@ -29,7 +29,11 @@ def _start(args: argparse.Namespace) -> int:
         return 1
     nodes = None if args.no_nodes else Path(args.nodes)
     cp = ControlPlane(
-        bin_dir=find_binaries(), nodes_file=nodes, die_with_parent=False, real_node=args.real_node
+        bin_dir=find_binaries(),
+        nodes_file=nodes,
+        die_with_parent=False,
+        real_node=args.real_node,
+        sandboxes=args.sandboxes,
     )
     cp.start()
     cp.save_state(state)
@@ -46,6 +50,10 @@ def _start(args: argparse.Namespace) -> int:
             # The operator's runtime and engine image for the examples (built and imported when its
             # inputs changed: cold about 5 GiB, node/runtime_image.py).
             print(f"export LOCKSTEP_RUNTIME_IMAGE={cp.node.runtime_image()}")
+        if args.operator_image:
+            # The operator's own image (images/operator.Dockerfile's recipe), for running it in-cluster;
+            # also tagged ghcr.io/lockstep/lockstep-operator:<version> in the node's containerd.
+            print(f"export LOCKSTEP_OPERATOR_IMAGE={cp.node.operator_image()}")
     return 0
 
 
@@ -94,9 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also run a real worker node (kubelet, containerd; needs root)",
     )
     start.add_argument(
+        "--sandboxes",
+        action="store_true",
+        help="also install kubernetes-sigs/agent-sandbox (CRDs and controller) for spec.agent.sandbox jobs",
+    )
+    start.add_argument(
         "--runtime-image",
         action="store_true",
         help="with --real-node: build (when changed) and import the runtime image, print LOCKSTEP_RUNTIME_IMAGE",
+    )
+    start.add_argument(
+        "--operator-image",
+        action="store_true",
+        help="with --real-node: build (when changed) and import the operator image, print LOCKSTEP_OPERATOR_IMAGE",
     )
     start.set_defaults(func=_start)
     sub.add_parser("stop", parents=[common], help="stop what start started").set_defaults(func=_stop)

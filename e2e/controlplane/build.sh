@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the e2e control plane (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
-# etcd, kwok) from the pinned Go modules in kube/ and kwok/, into a cache keyed by version:
+# etcd, kwok, the agent-sandbox controller, helm) from the pinned Go modules in kube/, kwok/,
+# agent-sandbox/ and helm/, into a cache keyed by version:
 #   ${LOCKSTEP_CACHE:-~/.cache/lockstep}/controlplane/k8s-<v>_etcd-<v>_kwok-<v>/bin
 # Rebuilds only binaries that are missing. Prints the bin directory on its last line.
 # Called by e2e/controlplane/cluster.py (and so by the test command) and usable by hand.
@@ -59,4 +60,24 @@ build kube k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager
 build kube k8s.io/kubernetes/cmd/kube-scheduler kube-scheduler "$ldflags"
 build kube k8s.io/kubernetes/cmd/kubectl kubectl "$ldflags"
 build kwok sigs.k8s.io/kwok/cmd/kwok kwok
+# The agent-sandbox controller (Sandbox, SandboxTemplate, SandboxWarmPool, SandboxClaim) by version, so a
+# new pin builds next to the old one in the same cache key; the plain name links to the pinned one.
+agent_sandbox_version=$(grep -Eo "sigs.k8s.io/agent-sandbox v[^ ]+" "$here/agent-sandbox/go.mod" | head -n1 | cut -d" " -f2)
+build agent-sandbox sigs.k8s.io/agent-sandbox/cmd/agent-sandbox-controller \
+  "agent-sandbox-controller-$agent_sandbox_version" \
+  "-s -w -X sigs.k8s.io/agent-sandbox/internal/version.gitVersion=$agent_sandbox_version"
+ln -sf "agent-sandbox-controller-$agent_sandbox_version" "$bin/agent-sandbox-controller"
+crds="$bin/agent-sandbox-crds-$agent_sandbox_version"  # its CRDs, from the same pinned module
+if [ ! -d "$crds" ]; then
+  need_go
+  moddir=$(cd "$here/agent-sandbox" && go mod download -json sigs.k8s.io/agent-sandbox | awk -F'"' '$2=="Dir"{print $4}')
+  mkdir -p "$crds.tmp.$$" && cp "$moddir"/k8s/crds/*.yaml "$crds.tmp.$$/" && mv "$crds.tmp.$$" "$crds"
+fi
+ln -sfn "agent-sandbox-crds-$agent_sandbox_version" "$bin/agent-sandbox-crds"
+# Helm (the chart in charts/lockstep is linted, templated and installed with it), by version like the
+# agent-sandbox controller.
+helm_version=$(grep -Eo "helm.sh/helm/v4 v[^ ]+" "$here/helm/go.mod" | head -n1 | cut -d" " -f2)
+build helm helm.sh/helm/v4/cmd/helm "helm-$helm_version" \
+  "-s -w -X helm.sh/helm/v4/internal/version.version=$helm_version -X helm.sh/helm/v4/internal/version.gitTreeState=clean"
+ln -sf "helm-$helm_version" "$bin/helm"
 echo "$bin"

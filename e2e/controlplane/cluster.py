@@ -48,6 +48,8 @@ T = TypeVar("T")
 
 # Start order; stop goes in reverse so that clients die before the servers they talk to.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+SANDBOX_CONTROLLER = "agent-sandbox-controller"
+"""kubernetes-sigs/agent-sandbox's controller (with its extensions), started with sandboxes=True."""
 
 # Every default controller runs, as in a real cluster. node-lifecycle is the one that lifts the
 # node.kubernetes.io/not-ready taint (added at creation) once kwok reports Ready; its grace period is
@@ -134,6 +136,8 @@ class ControlPlane:
     """Also run one real worker node (kubelet, containerd, kube-proxy, CoreDNS; e2e/controlplane/
     realnode.py) next to the kwok nodes. Needs root; the apiserver then listens on the node's veth
     address (10.86.<slot>.1) instead of 127.0.0.1, so that pods reach it."""
+    sandboxes: bool = False
+    """Also install kubernetes-sigs/agent-sandbox (CRDs and controller; docs/sandbox.md)."""
 
     clock: Callable[[], float] = time.monotonic
     """Monotonic clock (seconds) for timeouts and `milestones`; injected for tests of the timings."""
@@ -256,6 +260,40 @@ class ControlPlane:
         if self.node is not None:
             self.node.start(self)
             self._mark("real node")
+        if self.sandboxes:
+            self.start_sandboxes()
+
+    def start_sandboxes(self) -> None:
+        """Install agent-sandbox's CRDs and start its controller (Sandbox, SandboxTemplate,
+        SandboxWarmPool, SandboxClaim), built by build.sh from the pinned module; no ports of its own
+        (metrics and probes off), one instance (no leader election)."""
+        crds = str(Path(self._bin("agent-sandbox-crds")).resolve())  # kubectl reads a linked dir as a file
+        self.kubectl("apply", "--server-side", "-f", crds)
+        self.kubectl("wait", "--for=condition=Established", "-f", crds, "--timeout=60s")
+        self._spawn_sandbox_controller(())
+        self._mark("sandboxes")
+
+    def restart_sandbox_controller(self, flags: Sequence[str]) -> None:
+        """Start agent-sandbox's controller again with `flags` added (a bench compares its settings in
+        one run); the objects it manages stay."""
+        pid = self.pids.pop(SANDBOX_CONTROLLER, None)
+        if pid is not None:
+            _kill_group(pid, self._procs.pop(SANDBOX_CONTROLLER, None))
+        self._spawn_sandbox_controller(flags)
+
+    def _spawn_sandbox_controller(self, flags: Sequence[str]) -> None:
+        self._spawn(
+            SANDBOX_CONTROLLER,
+            [
+                self._bin(SANDBOX_CONTROLLER),
+                f"--kubeconfig={self.kubeconfig}",
+                "--extensions",
+                "--leader-elect=false",
+                "--metrics-bind-address=0",
+                "--health-probe-bind-address=0",
+                *flags,
+            ],
+        )
 
     def _wait_components_ready(self, node_names: list[str]) -> None:
         assert self.ports is not None
@@ -293,7 +331,7 @@ class ControlPlane:
                 self.node.stop(check=check)
             except ControlPlaneError as exc:
                 node_left = str(exc)
-        for name in reversed(COMPONENTS):
+        for name in (SANDBOX_CONTROLLER, *reversed(COMPONENTS)):
             pid = self.pids.get(name)
             if pid is not None:
                 _kill_group(pid, self._procs.get(name))

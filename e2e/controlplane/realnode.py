@@ -506,14 +506,27 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         return True
 
     def runtime_image(self) -> str:
-        """Build (if its inputs changed) and import the runtime image (node/runtime_image.py); its ref."""
-        from e2e.controlplane.node.runtime_image import runtime_archive, runtime_ref
+        """The runtime image (images/runtime.Dockerfile's recipe, node/runtime_image.py); its ref."""
+        return self.image("runtime")
 
-        if "runtime" not in self.images:
-            ref = runtime_ref()
+    def operator_image(self) -> str:
+        """The operator image (images/operator.Dockerfile's recipe, node/runtime_image.py); its ref."""
+        return self.image("operator")
+
+    def image(self, name: str) -> str:
+        """Build (if its inputs changed) and import one of Lockstep's images for this node's
+        architecture; its input-digest ref (lockstep.local/<name>:<digest>). The same image is also
+        tagged with its published reference (ghcr.io/lockstep/lockstep-<name>:<version>), so the
+        operator's default images run here as they would in a cluster pulling the release."""
+        from lockstep.api.images import image_ref
+
+        from e2e.controlplane.node.runtime_image import image_archive, local_ref
+
+        if name not in self.images:
+            ref = local_ref(name)
             if ref not in self.ctr("images", "list", "--quiet").stdout.split():
                 have = frozenset(self.ctr("content", "list", "--quiet").stdout.split())
-                ref, archive = runtime_archive(self.work_dir / "images", have=have)
+                ref, archive = image_archive(name, self.work_dir / "images", have=have)
                 try:
                     self.import_image(ref, archive)
                 finally:
@@ -522,14 +535,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 old = [
                     r
                     for r in self.ctr("images", "list", "--quiet").stdout.split()
-                    if r.startswith("lockstep.local/runtime:")
+                    if r.startswith(f"lockstep.local/{name}:") and r != ref
                 ]
-                old = [r for r in old if r != ref]
                 if old:
                     self.ctr("images", "remove", "--sync", *old)
-                self._prune_image_ids()
-            self.images["runtime"] = ref
-        return self.images["runtime"]
+            self.ctr("images", "tag", "--force", ref, image_ref(name))
+            self._prune_image_ids()
+            self.images[name] = ref
+        return self.images[name]
 
     def _prune_image_ids(self) -> None:
         """Remove the CRI's `sha256:<config>` references of images no name points at any more (each

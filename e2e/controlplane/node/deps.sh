@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages a real node of the e2e cluster runs on: containerd, runc, the CNI
 # plugins (bridge, host-local, portmap, loopback), iptables and ipset (kube-router enforces
-# NetworkPolicy with them); busybox-static is only unpacked into the cache (the test image's
-# userland), never installed. Idempotent: installs only what is missing, so a
+# NetworkPolicy with them), mmdebstrap and qemu-user-static (the images, amd64 and arm64);
+# busybox-static is only unpacked into the cache (the test image's userland), never installed.
+# Idempotent: installs only what is missing, so a
 # warm machine pays nothing. Needs root (a real node needs root anyway). Called by build.sh.
 set -euo pipefail
 cache=${LOCKSTEP_CACHE:-$HOME/.cache/lockstep}/node
@@ -14,7 +15,9 @@ command -v iptables >/dev/null || packages+=(iptables)
 command -v ipset >/dev/null || packages+=(ipset)  # kube-router's NetworkPolicy sets
 command -v nsenter >/dev/null || packages+=(util-linux)
 command -v ip >/dev/null || packages+=(iproute2)
-command -v mmdebstrap >/dev/null || packages+=(mmdebstrap)  # the runtime image's Debian rootfs
+command -v mmdebstrap >/dev/null || packages+=(mmdebstrap)  # the images' Debian rootfs
+# The arm64 images' entry commands, run under user-mode emulation (e2e/test_images.py)
+command -v qemu-aarch64-static >/dev/null || packages+=(qemu-user-static)
 apt_get() { DEBIAN_FRONTEND=noninteractive apt-get -q -o=Dpkg::Use-Pty=0 "$@"; }
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
