@@ -10,10 +10,13 @@
 # kernel source. Not built or run in this
 # repository's CI (no Hopper GPU with this toolchain there); docs/true-on-policy.md says what is and
 # is not verified.
-#   docker build -f images/trainer-sglang.Dockerfile --build-arg SGLANG=v0.5.23-cu129 \
-#     --build-arg FA3_REF=<commit> -t ghcr.io/lockstep/lockstep-trainer-sglang:0.1.0 .
-ARG SGLANG=latest
-FROM lmsysorg/sglang:${SGLANG}
+# SGLANG_TAG is the engine image's (checked against the pin by operator/tests/test_images.py); lockstep
+# goes in through the one install step of every image (install.sh `onbase`: SGLang's torch, triton and
+# transformers stay, constraints.txt supplies the rest).
+#   docker build -f images/trainer-sglang.Dockerfile --build-arg FA3_REF=<commit> \
+#     -t ghcr.io/lockstep/lockstep-trainer-sglang:$(python -c 'import lockstep; print(lockstep.__version__)') .
+ARG SGLANG_TAG=v0.5.23
+FROM lmsysorg/sglang:${SGLANG_TAG}
 ARG FA3_REF
 RUN test -n "${FA3_REF}" || (echo "set --build-arg FA3_REF (see the header)" && exit 1)
 RUN git clone https://github.com/sgl-project/sgl-attn /tmp/flash-attention \
@@ -21,16 +24,11 @@ RUN git clone https://github.com/sgl-project/sgl-attn /tmp/flash-attention \
     && MAX_JOBS=8 pip install --no-cache-dir --no-build-isolation . \
     && rm -rf /tmp/flash-attention
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
+COPY images/install.sh ./images/
 COPY runtime ./runtime
 COPY operator ./operator
-# --no-deps for torch/transformers/triton: SGLang's image pins what its kernels were built for, and
-# the trainer must run that SGLang's ops on that torch and triton.
-RUN pip install --no-cache-dir --no-deps . \
-    && pip install --no-cache-dir "pydantic>=2.10,<3" "pyyaml>=6" "httpx>=0.27" "safetensors>=0.4" \
-       "zstandard>=0.23" "xxhash>=3.5" "blake3>=1.0" "tqdm>=4.66" "matplotlib>=3.9" "openai>=1.50" \
-       "datasets>=3" "mooncake-transfer-engine-non-cuda>=0.3.5" \
-    && rm -rf /src \
+RUN PIP="python3 -m pip" sh images/install.sh onbase runtime,p2p && rm -rf /src \
     && (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --create-home --shell /usr/sbin/nologin lockstep)
 USER 1000:1000
 WORKDIR /home/lockstep
