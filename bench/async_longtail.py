@@ -1,6 +1,6 @@
 """Samples/s of fully-async vs sync training on long-tail workloads, same machine, same run.
 
-Why it exists: the issue's figure (seed §5): with most trajectories short and a few about 10x longer, a
+Why it exists: the figure of §5: with most trajectories short and a few about 10x longer, a
 sync loop waits for the slowest trajectory of every batch and the engine idles while the trainer trains;
 fully-async keeps `maxInFlight` trajectories generating and trains on complete groups from the buffer.
 Goal: trained samples/s ratio >= 2x at comparable reward. Also printed: the staleness distribution of
@@ -15,7 +15,7 @@ schedule.mode, the same seed and the same number of steps:
   is the exact match of the text before the first end-of-turn token, like the short ones. This tail costs
   engine compute: on a machine where the engine and the trainer share the same few cores there is no
   idle resource for fully-async to fill, only the decode batch width it keeps up.
-- `env`: environment time, the agentic case of seed §5 (a sandbox that runs the tests). The reward
+- `env`: environment time, the agentic case of §5 (a sandbox that runs the tests). The reward
   plugin (`envtail_reward`) waits ENV_SHORT_S per trajectory, ENV_LONG_S (10x) for one in LONG_EVERY,
   before scoring exactly like the task; the wait is asyncio.sleep, i.e. a sandbox that uses none of
   this machine's cores.
@@ -148,9 +148,10 @@ def manifest(mode: str, tail: str, checkpoint: str, args: argparse.Namespace, sf
 def warm_start(args: argparse.Namespace, work: Path) -> Path:
     """SFT warm start once; returns the HF checkpoint both timed runs start from (engines == trainer)."""
     from lockstep.driver import run
+    from lockstep.driver.settings import RunOptions
 
     job = manifest("sync", "env", "builtin:tiny", args, sft_steps=args.sft_steps)
-    run(job, work / "warm", steps=1, cache_dir=work / "cache")
+    run(job, work / "warm", RunOptions(steps=1, cache_dir=work / "cache"))
     # The first publish after the warm start (version 0) is a complete HF checkpoint with the tokenizer.
     return work / "warm" / "weights" / "weight_v000000"
 
@@ -191,14 +192,18 @@ def timed_run(mode: str, tail: str, checkpoint: Path, args: argparse.Namespace, 
 def _timed(
     mode: str, job: Any, urls: list[str], run_dir: Path, args: argparse.Namespace, work: Path
 ) -> dict[str, Any]:
+    from lockstep.config.driver import run_config
     from lockstep.driver.components import build_components
     from lockstep.driver.fully_async import run_fully_async
-    from lockstep.driver.loop import run_sync
+    from lockstep.driver.settings import RunOptions
     from lockstep.driver.steps import evaluate
+    from lockstep.driver.sync import run_sync
     from lockstep.observability.metrics import read_jsonl
 
     c = build_components(
-        job, run_dir, cache_dir=work / "cache", engine_urls=urls, engine_ready_timeout_s=120.0
+        run_config(job, embedded_engines=not urls),
+        run_dir,
+        RunOptions(cache_dir=work / "cache", engine_urls=tuple(urls), engine_timeout_s=120.0),
     )
     stamps: dict[tuple[str, int], float] = {}
     sink_log = c.metrics.log

@@ -1,4 +1,4 @@
-"""Warm start time of the local e2e control plane, against the 15 s target (issue 2).
+"""Warm start time of the local e2e control plane, against the 15 s target.
 
 Why: every e2e session pays this start once; the target is apiserver ready within 15 s on a warm
 machine (binaries cached). Runs N starts (default 3) of e2e.controlplane.cluster.ControlPlane with the

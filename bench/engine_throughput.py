@@ -1,6 +1,6 @@
 """Rollout tokens/s of the reference engine vs HF transformers generate() on the same model and prompts.
 
-Why it exists: the issue's figure "rollout tokens/s of the reference engine vs HF generate()" (goal
+Why it exists: the figure "rollout tokens/s of the reference engine vs HF generate()" (goal
 >= 5x) on an H200 with a ~0.6B random-init Qwen3-shaped model (lockstep.models.tiny.bigger_config).
 Both run in the same process on the same weights, prompts, sampling settings (temperature 1, no
 top-k/top-p, ignore eos, fixed output length) and each is warmed up once before its timed run. Also

@@ -1,6 +1,6 @@
 """BF16 vs FP8 rollout of the tiny RL run, with and without TIS: logprob gap and reward, same machine.
 
-Why it exists: the issue's figure for seed §6's practical recipe (BF16 training, FP8 serving): how far
+Why it exists: the figure for §6's practical recipe (BF16 training, FP8 serving): how far
 the served policy moves from the trained one (train_rollout_logprob_abs_diff, mismatch ratio) and
 what it does to the reward, without and with TIS correcting the gap. Four runs of
 examples/tiny-local.yaml, identical except spec.rollout.precision (bf16 | fp8, FP8 block-scaled by the

@@ -1,6 +1,6 @@
 """Megatron backend on one GPU: memory and time of offload and optimizer streaming; export bandwidth.
 
-Why it exists: the figures of issue 16 (seed §7.1). On a Qwen3-0.6B-shaped model (bigger_config, random
+Why it exists: the cost and saving of each memory mode of §7.1, measured. On a Qwen3-0.6B-shaped model (bigger_config, random
 init, bf16 weights, fp32 master weights and Adam moments through megatron-core's distributed optimizer)
 it trains the same batches with each memory mode and prints, per mode:
 
@@ -71,7 +71,8 @@ def make_batch(rows: int, length: int, vocab: int, seed: int) -> TrainBatch:
 def run_mode(
     path: Path, name: str, kw: dict[str, Any], batches: list[TrainBatch], mbs: int
 ) -> dict[str, Any]:
-    from lockstep.train.megatron import MegatronBackend, MegatronConfig
+    from lockstep.train.megatron import MegatronConfig
+    from lockstep.train.megatron.backend import MegatronBackend
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -120,7 +121,8 @@ def run_mode(
 
 def export_bandwidth(path: Path, mbs: int) -> dict[str, float]:
     """export_weights GB/s vs one device-to-device copy of the same bytes."""
-    from lockstep.train.megatron import MegatronBackend, MegatronConfig
+    from lockstep.train.megatron import MegatronConfig
+    from lockstep.train.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(MegatronConfig(model_path=path, micro_batch_size=mbs))
     try:

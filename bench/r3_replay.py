@@ -1,6 +1,6 @@
 """R3 figure: how much routing replay shrinks the train-rollout logprob gap when routes flip.
 
-Why it exists: R3 (seed §4.1) fixes MoE expert membership, not gate values or the arithmetic inside
+Why it exists: R3 (§4.1) fixes MoE expert membership, not gate values or the arithmetic inside
 experts. This measures both halves on the tiny Qwen3-MoE model: a real reference engine over HTTP
 generates with its routers perturbed by Gaussian noise of a given std (standing in for a different
 kernel, dtype or weight copy), then the FSDP trainer scores the same tokens with replay off and on.

@@ -1,6 +1,6 @@
 """Time to a ready local cluster with a real node, and to a first real pod, against the kwok-only start.
 
-Why (issue 13): the real node (kubelet, containerd, kube-proxy, CoreDNS in their own namespaces)
+Why: the real node (kubelet, containerd, kube-proxy, CoreDNS in their own namespaces)
 is paid once per test session that uses it. Runs N warm starts (binaries and images cached) of
 `ControlPlane(nodes_file=None)` (the baseline, measured in the same run) and of the same with
 `real_node=True`, then applies a busybox pod that prints one line and times apply -> Succeeded.

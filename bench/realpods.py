@@ -1,7 +1,7 @@
 """The example RLJob on real pods: apply -> first step, apply -> Succeeded, and the per-step time in pods
 against the same manifest under `lockstep run` on the same machine.
 
-Why (issue 13): the cluster path adds process boundaries `lockstep run` does not have (driver ->
+Why: the cluster path adds process boundaries `lockstep run` does not have (driver ->
 trainer rank 0 over HTTP, two gloo ranks in separate pods, the engine pod over the router Service,
 progress reports to the apiserver). This says what they cost on one machine. It starts a local
 cluster with a real node (warm: binaries and the runtime image cached), the operator in-process,

@@ -1,6 +1,6 @@
 """The seed sweep: `lockstep run examples/tiny-local.yaml` once per data seed, and the spread across seeds.
 
-Why it exists: issue 18. The main job's headline must hold for any seed a user picks, not for the seed
+Why it exists: the main job's headline must hold for any seed a user picks, not for the seed
 it was tuned on. This script runs exactly the README's command in a subprocess once per seed, changing
 only spec.data.seed (model init, data, SFT items and sampling all follow it), and reads each run's
 metrics.jsonl. Per seed it reports:
@@ -52,7 +52,7 @@ EVAL_GOAL = 0.9
 EARLY = 50
 """RL steps of the 'early' diagnostic window."""
 DEFAULT_SEEDS = (7, 1234, 0, 1, 2)
-"""7 and 1234 are the issue's bad seeds, 0 the example's own; 1 and 2 are the next ones."""
+"""7 and 1234 are the seeds an earlier recipe failed on, 0 the example's own; 1 and 2 are the next ones."""
 
 
 def _mean(xs: list[float]) -> float | None:

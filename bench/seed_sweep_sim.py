@@ -1,6 +1,6 @@
 """A fast stand-in of the example's recipe (`lockstep run examples/tiny-local.yaml`) to try levers per seed.
 
-Why it exists: issue 18. A full run takes 3.5-20 minutes on the shared 2 cores, too slow to try many
+Why it exists: screening recipes across seeds (bench/seed_sweep.py). A full run takes 3.5-20 minutes on the shared 2 cores, too slow to try many
 levers on many seeds. This replays the same recipe in one process without the engine, HTTP or
 checkpoints: the same built-in model init per seed (lockstep.models.tiny.builtin_dir), the same task
 items (ReverseDigits), the same SFT items (SFT_ITEM_BASE offset, batch x samples rows per step), AdamW
@@ -19,7 +19,10 @@ prefix: 0.5 exact + 0.5 share of the correct leading characters), --dyn CAP (dyn
 --min-lr: spec.algorithm.lrSchedule, through the trainer's own learning_rate_at), --init-seed (the model init of another seed), --probe N (SFT
 eval every N steps), length curricula (--sft-min-digits with --sft-long-steps K: SFT on answers of at
 least that many digits, for the first K steps when K > 0; --rl-min-digits: RL prompts of at least that
-many digits). Greedy eval by answer length, and where 4/5-digit answers go wrong, every 50 steps.
+many digits), the built-in model (--model tiny|tiny-deep), LoRA (--lora-rank R > 0: a peft adapter on
+the frozen base through the trainer's own lockstep.train.fsdp.lora.attach, seeded as the backend seeds
+it, with --lora-alpha and --lora-targets as in spec.model.lora; the optimizer then sees the adapter
+alone). Greedy eval by answer length, and where 4/5-digit answers go wrong, every 50 steps.
 
 Run: PYTHONPATH=runtime python bench/seed_sweep_sim.py --seed 7 --sft-steps 400 --stop-at-loss 0.5
      [--batch 16] [--log sims.jsonl]   (one JSON line per run appended to --log)
@@ -39,7 +42,9 @@ import torch
 from lockstep.models.tiny import ASSISTANT_ID, CHARS, EOS_ID, USER_ID, builtin_dir, tiny_config
 from lockstep.tasks.digits import ReverseDigits
 from lockstep.train.common.lr_schedule import LRSchedule, learning_rate_at
-from lockstep.trainer.local import SFT_ITEM_BASE
+from lockstep.train.fsdp import lora
+from lockstep.train.fsdp.lora import AdapterConfig
+from lockstep.trainer.parts import SFT_ITEM_BASE
 from transformers import Qwen3ForCausalLM
 
 Row = tuple[list[int], list[int], float | None]
@@ -57,6 +62,8 @@ def parse() -> argparse.Namespace:
         ("heads", int, 4), ("kv", int, 2), ("hd", int, 16), ("inter", int, 0), ("probe", int, 0),
         ("log", str, None), ("sft-min-digits", int, 3), ("rl-min-digits", int, 3), ("sft-long-steps", int, 0),
         ("warmup", int, 0), ("decay", str, "constant"), ("min-lr", float, 0.0),
+        ("model", str, "tiny"), ("lora-rank", int, 0), ("lora-alpha", int, 32),
+        ("lora-targets", str, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"),
     ]:  # fmt: skip
         p.add_argument(f"--{name}", type=kind, default=default)
     return p.parse_args()
@@ -77,9 +84,21 @@ class Sim:
                 torch.manual_seed(init_seed)
                 self.model = Qwen3ForCausalLM(cfg)
         else:
-            self.model = Qwen3ForCausalLM.from_pretrained(str(builtin_dir("builtin:tiny", seed=init_seed)))
+            self.model = Qwen3ForCausalLM.from_pretrained(
+                str(builtin_dir(f"builtin:{a.model}", seed=init_seed))
+            )
+        if a.lora_rank:  # as the FSDP backend does it: seed, then peft's adapter on the frozen base
+            torch.manual_seed(a.seed)
+            adapter = AdapterConfig(
+                rank=a.lora_rank,
+                alpha=a.lora_alpha,
+                target_modules=tuple(a.lora_targets.split(",")),
+                name="sim",
+            )
+            self.model = lora.attach(self.model, adapter)
         self.task = ReverseDigits(a.seed)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.ref: Any = None
         self.errs: dict[str, Any] = {}
         self._idx: dict[tuple[int, int], list[int]] = {}
@@ -144,7 +163,7 @@ class Sim:
             loss = loss + a.klsft * ((torch.exp(d) - d - 1) * mask).sum() / n
         self.opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
         self.opt.step()
         self.last_loss = float(loss.detach())
         # The probability of the whole reference answer per SFT row: the expected exact-match reward at T=1.

@@ -1,11 +1,12 @@
 """Load figure: the reference engine under N concurrent clients mixing valid and hostile requests.
 
-Why it exists: issue 14 asks that one bad request never fail another and that nothing is lost under
+Why it exists: the engine promises that one bad request never fails another and that nothing is lost under
 load. This drives a real reference engine (builtin:tiny, the job's key required, queue cap 64, body
-cap 1 MiB) on loopback with N clients, each sending a bounded number of requests, one in four of
-them hostile (rotating: overflowing top_k, a 64-bit-overflowing seed, a token outside the
+cap 1 MiB, a weight root) on loopback with N clients, each sending a bounded number of requests, one
+in four of them hostile (rotating: overflowing top_k, a 64-bit-overflowing seed, a token outside the
 vocabulary, deeply nested JSON, a 2 MiB body, no key, a negative weight version, a batch beyond the
-queue). It prints requests served, errors by kind (expected status per kind), p50/p99 latency of the
+queue, temperature 1e-40 and top_p 1e-300 (zero in float32), a request beyond the context, weights
+from a FIFO and from outside the weight root). It prints requests served, errors by kind (expected status per kind), p50/p99 latency of the
 valid requests, and checks that nothing is lost: every valid request finished with its full token
 budget, every hostile one got its status, no engine step failed, weights and version unchanged.
 The baseline, measured in the same run, is the same valid requests (the hostile slots left empty);
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import collections
 import hashlib
+import os
 import statistics
 import tempfile
 import time
@@ -51,6 +53,26 @@ HOSTILE: list[tuple[str, str, Any, dict[str, str] | None, int]] = [
     ("no key", "/update_weight_version", {"new_version": "99"}, {}, 401),
     ("negative version", "/update_weight_version", {"new_version": "-5"}, None, 400),
     ("batch beyond queue", "/generate", {"input_ids": [PROMPT] * 65}, None, 400),
+    # found later: values that float32 cannot carry (they used to abort every request of their step),
+    # a request beyond the context (stock SGLang's 400), weights read from a FIFO (used to hang the
+    # engine) and from outside the weight root
+    (
+        "temperature 1e-40",
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"temperature": 1e-40}},
+        None,
+        400,
+    ),
+    ("top_p 1e-300", "/generate", {"input_ids": PROMPT, "sampling_params": {"top_p": 1e-300}}, None, 400),
+    (
+        "beyond the context",
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**6}},
+        None,
+        400,
+    ),
+    ("weights from a FIFO", "/update_weights_from_disk", {"model_path": "@FIFO"}, None, 400),
+    ("weights outside the root", "/update_weights_from_disk", {"model_path": "/etc"}, None, 400),
 ]
 
 
@@ -75,6 +97,8 @@ async def _client(
                 continue  # the baseline leaves the hostile slots empty: the same valid requests
             if i % 4 == 3:
                 kind, path, body, headers, status = HOSTILE[(index + i // 4) % len(HOSTILE)]
+                if isinstance(body, dict) and body.get("model_path") == "@FIFO":
+                    body = {"model_path": out["fifo_dir"]}
                 kw: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
                 r = await http.post(path, headers=auth if headers is None else headers, **kw)
                 key = f"{kind} -> {r.status_code}" + (
@@ -107,14 +131,22 @@ async def _client(
 
 async def _run(path: Path, clients: int, requests: int, hostile: bool, max_seconds: float) -> dict[str, Any]:
     engine = ReferenceEngine.load(path, seed=0, max_running_requests=16, max_queued_requests=64)
-    server = TestServer(create_app(engine, api_key=KEY, max_body_bytes=1 << 20), host="127.0.0.1")
+    root = Path(tempfile.mkdtemp(prefix="weights-root-"))
+    fifo_dir = root / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "model.safetensors")  # nobody writes: a read would block forever
+    app = create_app(engine, api_key=KEY, max_body_bytes=1 << 20, weights_roots=[root])
+    server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
     out: dict[str, Any] = collections.defaultdict(int)
     out["hostile"] = collections.Counter()
     out["latency"] = []
+    out["fifo_dir"] = str(fifo_dir)
     before = (_digest(engine), engine.weight_version)
-    warm: dict[str, Any] = collections.defaultdict(int, hostile=collections.Counter(), latency=[])
+    warm: dict[str, Any] = collections.defaultdict(
+        int, hostile=collections.Counter(), latency=[], fifo_dir=str(fifo_dir)
+    )
     await asyncio.gather(
         *(_client(url, c, 3, False, warm, time.monotonic() + max_seconds) for c in range(clients))
     )

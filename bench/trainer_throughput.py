@@ -1,6 +1,6 @@
 """Trainer tokens/s of the FSDP2 backend, with the ratio to a bf16 matmul peak measured in the same run.
 
-Why it exists: the issue's figure "trainer tokens/s" on an H200 with the ~0.6B Qwen3-shaped random-init
+Why it exists: the figure "trainer tokens/s" on an H200 with the ~0.6B Qwen3-shaped random-init
 model (lockstep.models.tiny.bigger_config). It times the two calls the RL loop makes per step through
 the real backend (lockstep.train.fsdp.FSDPBackend, world size 1): `compute_logprobs` (the train_old
 pass, forward only) and `train_step` (forward + backward + AdamW, the policy loss of the RL loop with

@@ -1,6 +1,6 @@
 """The learning-run figure: `lockstep run examples/tiny-local.yaml` end to end, timed and summarised.
 
-Why it exists: issue 4's "done when" is a run on 2 CPU cores that finishes in <= 10 min with the mean
+Why it exists: the main job's promise (README) is a run on 2 CPU cores that finishes in <= 10 min with the mean
 reward rising from <= 0.2 to >= 0.8, reproducibly with the same seed, reporting the train-rollout logprob
 abs diff every step. The rise must be the RL phase's own: the example's SFT warm start is short, so RL
 starts low. This script runs exactly the README's command in a subprocess (`--repeat 2` runs it twice
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 BUDGET_S = 600.0
-"""The issue's wall-time budget on 2 CPU cores."""
+"""The main job's wall-time budget on 2 CPU cores."""
 START_WINDOW = 5
 """RL steps averaged for the start figure (steps 1..START_WINDOW)."""
 END_WINDOW = 10

@@ -1,6 +1,6 @@
 """Throughput cost of true on-policy: rollout tokens/s and trainer scoring tokens/s, exact vs default.
 
-Why it exists: the issue's figure (seed §4.3): determinism and batch invariance give up throughput
+Why it exists: §4.3 says determinism and batch invariance give up throughput
 optimizations, and the cost must be measured, not guessed. Both sides are timed in the same run on
 the same machine, with the batch-invariant kernels (lockstep.numerics.exact) and with the default
 path, and the ratio exact / default is printed (below 1: the price of the guarantee). The measured
