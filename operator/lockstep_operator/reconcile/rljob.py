@@ -99,14 +99,6 @@ async def reconcile_job(
         return await _invalid(kube, body, previous, str(err), generation, now, recorder)
     spec, owner = job.spec, Owner.of(body)
     channel = await kube.get(API_VERSION, "WeightChannel", namespace, channel_name(name))
-    choice = config.transport_choice(previous_status(channel, WeightChannelStatus) if channel else None)
-    rendered = {
-        "apiVersion": API_VERSION,
-        "kind": "RLJob",
-        "metadata": {"name": name, "namespace": namespace},
-        # hub references read as the model volume's directories (resources.model)
-        "spec": spec.model_copy(update={"model": local_model(spec.model)}).wire(),
-    }
     agent = bool(spec.agent.agent_function or spec.agent.sandbox)  # its driver routes agent sessions
     rbac = [
         *config.driver_rbac(owner, job=name),
@@ -114,15 +106,6 @@ async def reconcile_job(
         *config.session_routing_rbac(owner, job=name, agent=agent),
     ]
     accounts = [m for m in rbac if m["kind"] == "ServiceAccount"]
-    manifests = [
-        config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
-        config.progress_config_map(
-            owner, job=name, pool=spec.rollout.pool_ref.name if spec.rollout.pool_ref else None
-        ),
-        *(m for m in rbac if m["kind"] != "ServiceAccount"),
-        driver_network_policy(owner, job=name),
-        *sandbox_manifests(owner, spec),  # a job with spec.agent.sandbox: template, warm pool, claim Role
-    ]
     # The pods first (what a user waits for): their ServiceAccounts, which admission requires, then
     # the children and the driver, then what the pods need only once they run (config, RBAC, policy,
     # key), all in this pass (docs/operator.md, "Reconcile order").
@@ -152,6 +135,25 @@ async def reconcile_job(
         if replaced:
             message = "the driver's pod spec changed: replacing it"
             recorder.record(body, normal(Reason.DRIVER_REPLACED, message))
+    choice = config.transport_choice(previous_status(channel, WeightChannelStatus) if channel else None)
+    rendered = {
+        "apiVersion": API_VERSION,
+        "kind": "RLJob",
+        "metadata": {"name": name, "namespace": namespace},
+        # hub references read as the model volume's directories (resources.model)
+        "spec": spec.model_copy(update={"model": local_model(spec.model)}).wire(),
+    }
+    # Rendered only now: job.yaml's first rendering of a job costs milliseconds of the loop, which a
+    # burst of new jobs would otherwise spend before any of their pods.
+    manifests = [
+        config.runtime_config_map(owner, job=name, rendered=rendered, transport=choice),
+        config.progress_config_map(
+            owner, job=name, pool=spec.rollout.pool_ref.name if spec.rollout.pool_ref else None
+        ),
+        *(m for m in rbac if m["kind"] != "ServiceAccount"),
+        driver_network_policy(owner, job=name),
+        *sandbox_manifests(owner, spec),  # a job with spec.agent.sandbox: template, warm pool, claim Role
+    ]
     await asyncio.gather(*(kube.apply(m, cache=True) for m in manifests), _ensure_api_key(kube, owner))
     shared = spec.rollout.pool_ref.name if spec.rollout.pool_ref else None
     teachers = [teacher_pool_name(name, t.name) for t in spec.algorithm.opd.teachers if t.checkpoint] if (
