@@ -92,10 +92,22 @@ async def _serve(model: Path, ip: str) -> tuple[web.AppRunner, int]:
 
 async def _turn(h: httpx.AsyncClient, srv: str, sid: str, msgs: list[dict[str, Any]]) -> None:
     msgs.append({"role": "user", "content": "bye" if msgs else "hi"})
+    msgs.append(await _reply(h, srv, sid, msgs))
+
+
+async def _retry(h: httpx.AsyncClient, srv: str, sid: str, msgs: list[dict[str, Any]]) -> None:
+    """Ask again for the newest reply (a linear session's retry: a turn of the session). Only the two
+    taught turns are ever asked for: an untaught reply may run to max_tokens on some machines' float
+    rounding, and a turn that ended on the budget cannot be extended (409)."""
+    msgs[-1] = await _reply(h, srv, sid, msgs[:-1])
+
+
+async def _reply(h: httpx.AsyncClient, srv: str, sid: str, msgs: list[dict[str, Any]]) -> dict[str, Any]:
     body = {"messages": msgs, "max_tokens": 16, "temperature": 0.0}
     r = await h.post(f"{srv}/sessions/{sid}/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    msgs.append(r.json()["choices"][0]["message"])
+    reply: dict[str, Any] = r.json()["choices"][0]["message"]
+    return reply
 
 
 async def _served(h: httpx.AsyncClient, urls: list[str]) -> dict[str, int]:
@@ -115,7 +127,7 @@ async def _engines(cluster: ControlPlane, ns: str, model: Path, ip: str) -> tupl
 async def _sticky_sessions(
     h: httpx.AsyncClient, srv: str, urls: list[str], history: dict[str, Any]
 ) -> dict[str, str]:
-    """Sessions one at a time, 3 turns each, until both engines own one (at least 6, at most 24: the
+    """Sessions one at a time, 2 turns each, until both engines own one (at least 6, at most 24: the
     ring places random session ids, so 6 land on one engine about 3% of the time): every session's
     turns on one engine, both engines used."""
     owner: dict[str, str] = {}
@@ -123,11 +135,11 @@ async def _sticky_sessions(
         sid = (await h.post(f"{srv}/sessions", json={})).json()["session_id"]
         history[sid] = []
         before = await _served(h, urls)
-        for _ in range(3):
+        for _ in range(2):
             await _turn(h, srv, sid, history[sid])
         after = await _served(h, urls)
         served = {u: after[u] - before[u] for u in urls}
-        assert sorted(served.values()) == [0, 3], served
+        assert sorted(served.values()) == [0, 2], served
         owner[sid] = next(u for u in urls if served[u])
     assert set(owner.values()) == set(urls)
     return owner
@@ -149,7 +161,7 @@ async def _scenario(cluster: ControlPlane, ns: str, model: Path, ip: str) -> Non
             assert members.urls() == [urls[1]]
             before = await _served(h, urls)
             for sid in owner:
-                await _turn(h, srv.url, sid, history[sid])
+                await _retry(h, srv.url, sid, history[sid])
             after = await _served(h, urls)
             assert after[urls[0]] == before[urls[0]] and after[urls[1]] - before[urls[1]] == len(owner)
             assert pool.moved == sum(1 for u in owner.values() if u == urls[0])
