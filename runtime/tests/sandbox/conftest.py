@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from memorized import memorized_tiny
 
 WRITE_CALL = '<call>{"name":"sh","arguments":{"cmd":"echo 7 > ab"}}</call>'
 SHOW_CALL = '<call>{"name":"sh","arguments":{"cmd":"cat ab"}}</call>'
@@ -31,33 +32,9 @@ def episodes() -> tuple[str, ...]:
 @pytest.fixture(scope="session")
 def shell_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint that greedily reproduces EPISODES (trained once per test run)."""
-    import torch
-    from lockstep.models.tiny import chat_tokenizer, materialize_builtin, save_tokenizer
-    from transformers import Qwen3ForCausalLM
-
-    base = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny-base"), seed=0)
-    tok = chat_tokenizer()
-    model = Qwen3ForCausalLM.from_pretrained(base)
-    enc = [tok.encode(c) for c in EPISODES]
-    width = max(map(len, enc))
-    ids = torch.tensor([e + [0] * (width - len(e)) for e in enc])  # [2, T]
-    labels = torch.tensor([e + [-100] * (width - len(e)) for e in enc])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        opt = torch.optim.Adam(model.parameters(), lr=2e-2)
-        for _ in range(80):  # enough to memorize both (the tests' asserts check the decode)
-            loss = model(input_ids=ids, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    out = tmp_path_factory.mktemp("tiny-shell")
-    model.save_pretrained(out)
-    save_tokenizer(out)
-    return out
+    return memorized_tiny(
+        EPISODES, tmp_path_factory.mktemp("tiny-base"), tmp_path_factory.mktemp("tiny-shell"), steps=80
+    )
 
 
 @pytest_asyncio.fixture

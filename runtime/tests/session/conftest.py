@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from memorized import memorized_tiny
 
 TOOL_CALL = '<call>{"name":"calc","arguments":{"a":2,"b":3}}</call>'
 TRAINED_CONVERSATIONS = (
@@ -32,33 +33,12 @@ def conversations() -> tuple[str, ...]:
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint that greedily reproduces TRAINED_CONVERSATIONS (trained once per test run)."""
-    import torch
-    from lockstep.models.tiny import chat_tokenizer, materialize_builtin, save_tokenizer
-    from transformers import Qwen3ForCausalLM
-
-    base = materialize_builtin("builtin:tiny", tmp_path_factory.mktemp("tiny-base"), seed=0)
-    tok = chat_tokenizer()
-    model = Qwen3ForCausalLM.from_pretrained(base)
-    enc = [tok.encode(c) for c in TRAINED_CONVERSATIONS]
-    width = max(map(len, enc))
-    ids = torch.tensor([e + [0] * (width - len(e)) for e in enc])  # [3, T]
-    labels = torch.tensor([e + [-100] * (width - len(e)) for e in enc])  # padding is not learned
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine has 2 shared cores; one thread is as fast and fairer
-    try:
-        torch.manual_seed(0)
-        opt = torch.optim.Adam(model.parameters(), lr=2e-2)
-        for _ in range(60):  # enough to memorize both conversations (checked by the tests' asserts)
-            loss = model(input_ids=ids, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    out = tmp_path_factory.mktemp("tiny-tools")
-    model.save_pretrained(out)
-    save_tokenizer(out)
-    return out
+    return memorized_tiny(
+        TRAINED_CONVERSATIONS,
+        tmp_path_factory.mktemp("tiny-base"),
+        tmp_path_factory.mktemp("tiny-tools"),
+        steps=60,
+    )
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
