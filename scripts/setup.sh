@@ -21,12 +21,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # SGLang as the contract tests' oracle (runtime/tests/sglang): its own ServerArgs parser, routes and
-# request structs. Never imported by the runtime (an import-linter contract). It cannot run here, so the
-# wheel goes in without its dependencies, plus the few small modules its argument parser and request
-# structs import. The version is read from its one pin, SGLANG_VERSION in runtime/lockstep/api/profiles.py.
+# request structs, and its /metrics server (uvicorn, e2e/test_sglang_metrics_relay.py). Never imported by
+# the runtime (an import-linter contract). It cannot run here, so the wheel goes in without its
+# dependencies, plus the few small modules its argument parser, request structs and /metrics server
+# import. The version is read from its one pin, SGLANG_VERSION in runtime/lockstep/api/profiles.py.
 sglang_version=$(sed -n 's/^SGLANG_VERSION: Final = "\(.*\)"$/\1/p' runtime/lockstep/api/profiles.py)
 [ -n "$sglang_version" ] || { echo "setup: no SGLANG_VERSION in runtime/lockstep/api/profiles.py" >&2; exit 2; }
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$sglang_version')" 2>/dev/null; then
   .venv/bin/python -m pip install -q --no-deps "sglang==$sglang_version"
-  .venv/bin/python -m pip install -q -c constraints.txt orjson psutil pybase64 starlette msgspec pyzmq IPython
+fi
+if ! .venv/bin/python -c "import orjson, psutil, pybase64, starlette, msgspec, zmq, IPython, uvicorn" 2>/dev/null; then
+  .venv/bin/python -m pip install -q -c constraints.txt orjson psutil pybase64 starlette msgspec pyzmq IPython uvicorn
 fi
