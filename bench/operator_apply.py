@@ -20,7 +20,10 @@ a real process (`python -m lockstep_operator`, standalone). Jobs use gang schedu
   and mean CPU over STEADY_S (`--jobs 200`: the footprint at 200 RLJobs that sizes its Deployment).
 
 Run from the repository root:  .venv/bin/python bench/operator_apply.py [--runs 5] [--jobs 50] [--bursts 3]
-(--profile PATH: the operator runs under cProfile, its stats written to PATH when it stops).
+(--profile PATH: the operator runs under cProfile, its stats written to PATH when it stops;
+LOCKSTEP_PROFILE_APISERVER=1: kube-apiserver serves /debug/pprof, e.g. `kubectl --kubeconfig
+/tmp/lockstep-cp-*/kubeconfig get --raw '/debug/pprof/profile?seconds=12' > cpu.prof` during a burst,
+then `go tool pprof -top -cum cpu.prof`).
 """
 
 from __future__ import annotations

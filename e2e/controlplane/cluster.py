@@ -422,7 +422,8 @@ class ControlPlane:
             f"--service-account-signing-key-file={self._dir / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
-            "--profiling=false",
+            # on for a CPU profile of a bench (`kubectl get --raw /debug/pprof/profile?seconds=N`)
+            f"--profiling={'true' if os.environ.get('LOCKSTEP_PROFILE_APISERVER') == '1' else 'false'}",
         ]
 
     def _controller_manager_args(self) -> list[str]:

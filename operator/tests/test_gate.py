@@ -1,5 +1,6 @@
 """The client's request gate on a fake clock: at most `limit` requests in flight, the urgent ones go
-first, each class in arrival order, an overdue one goes next whatever its class, a cancelled waiter
+first, each class in arrival order, the others get fewer slots while urgent ones are in flight, an
+overdue one goes next whatever its class, a cancelled waiter
 neither blocks nor leaks its slot, and with nothing waiting a request goes at once. Nothing sleeps."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Requests:
 
 
 async def test_at_most_limit_in_flight_and_urgent_ones_first() -> None:
-    gate = RequestGate(4, max_wait_s=5.0, clock=Clock(), other_limit=2)
+    gate = RequestGate(4, max_wait_s=5.0, clock=Clock(), other_limit=2, busy_other_limit=2)
     r = Requests(gate)
     sent = [
         ("a", False),
@@ -76,7 +77,7 @@ async def test_at_most_limit_in_flight_and_urgent_ones_first() -> None:
 
 
 async def test_others_never_take_the_slots_kept_for_urgent_requests() -> None:
-    gate = RequestGate(4, clock=Clock(), other_limit=2)
+    gate = RequestGate(4, clock=Clock(), other_limit=2, busy_other_limit=2)
     r = Requests(gate)
     for name in ("a", "b", "c"):
         r.send(name, False)
@@ -87,6 +88,31 @@ async def test_others_never_take_the_slots_kept_for_urgent_requests() -> None:
     assert r.order == ["a", "b", "pod"]
     await r.finish("a")
     assert r.order[-1] == "c"
+
+
+async def test_while_urgent_requests_are_in_flight_the_others_get_fewer_slots() -> None:
+    gate = RequestGate(8, clock=Clock(), other_limit=4, busy_other_limit=1)
+    r = Requests(gate)
+    for name in ("a", "b", "c", "d", "e"):
+        r.send(name, False)
+    await settle()
+    assert r.order == ["a", "b", "c", "d"]  # nothing urgent: the others take their half
+    r.send("pod", True)
+    await settle()
+    assert r.order[-1] == "pod"
+    for name in ("a", "b", "c"):
+        await r.finish(name)
+    assert r.order == ["a", "b", "c", "d", "pod"]  # e waits: d is the one other allowed beside a pod
+    await r.finish("d")
+    assert r.order[-1] == "e"  # one other at a time while the pod is on the wire
+    r.send("f", False)
+    await settle()
+    assert gate.waiting == 1
+    await r.finish("pod")
+    assert r.order[-1] == "f"  # the urgent request is done: the others get their half again
+    for name in ("e", "f"):
+        await r.finish(name)
+    assert (gate.in_flight, gate.other_in_flight, gate.waiting) == (0, 0, 0)
 
 
 async def test_an_overdue_request_goes_next_whatever_its_class() -> None:
@@ -132,7 +158,9 @@ async def test_a_request_that_raises_gives_its_slot_back() -> None:
         assert gate.in_flight == 1
 
 
-def test_a_limit_below_one_is_refused_and_others_get_half() -> None:
+def test_a_limit_below_one_is_refused_and_others_get_half_or_one_slot_while_busy() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         RequestGate(0)
-    assert RequestGate(32).other_limit == 16 and RequestGate(1).other_limit == 1
+    assert (RequestGate(32).other_limit, RequestGate(32).busy_other_limit) == (16, 1)
+    assert (RequestGate(64).other_limit, RequestGate(64).busy_other_limit) == (32, 2)
+    assert (RequestGate(1).other_limit, RequestGate(1).busy_other_limit) == (1, 1)

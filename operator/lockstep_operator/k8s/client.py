@@ -244,7 +244,7 @@ class KubeClient:
         self.requests += 1
         resource = _resource_of(path)
         metrics.API_REQUESTS.labels(method, resource).inc()
-        first = urgent(method, resource)
+        first = urgent(method, resource, content_type)
         attempt = 1
         while True:
             try:

@@ -4,7 +4,10 @@ Why it exists: without it every pass of a burst sends its requests at once and t
 them in no useful order, so the last job's pods wait behind every other job's supporting objects
 (policy.request_priority says which requests are urgent). With a bound on requests in flight the
 waiting ones queue here: the urgent ones first, each class oldest first; the others take at most half
-of the slots, so an urgent request shares the API server with fewer of them; an other request that
+of the slots, and while urgent requests are in flight or waiting a thirty-second (one of the default
+32), so that an urgent request shares the API server's CPU with few of them (on a loaded API server
+each request in flight gets about an equal share, so the others' slots are what they take from the
+pods; bench/results/operator_apply_2026-12-06_cpu.md); an other request that
 has waited `max_wait_s` goes before the urgent ones, so a steady stream of those cannot starve the
 rest (a job's ConfigMaps, RBAC and statuses follow within that bound). A request holds its slot only
 while it is on the wire (KubeClient takes one per attempt, never across a retry's pause). With nothing
@@ -27,8 +30,9 @@ _Waiter = tuple[float, "asyncio.Future[None]"]
 
 
 class RequestGate:
-    """At most `limit` requests in flight, at most half of them not urgent; the waiting ones go urgent
-    first, each class oldest first, and one that waited `max_wait_s` goes next whatever its class."""
+    """At most `limit` requests in flight, at most half of them not urgent (a thirty-second while urgent
+    ones are in flight or waiting); the waiting ones go urgent first, each class oldest first, and one
+    that waited `max_wait_s` goes next whatever its class."""
 
     def __init__(
         self,
@@ -37,6 +41,7 @@ class RequestGate:
         clock: Callable[[], float] = time.monotonic,
         *,
         other_limit: int | None = None,
+        busy_other_limit: int | None = None,
     ) -> None:
         if limit < 1:
             raise ValueError(f"the gate's limit must be at least 1, not {limit}")
@@ -44,6 +49,8 @@ class RequestGate:
         self.other_limit = other_limit or max(1, limit // 2)
         """At most this many of the other (not urgent) requests in flight: the rest of the slots stay
         free for urgent ones, which then share the API server with fewer others."""
+        self.busy_other_limit = min(self.other_limit, busy_other_limit or max(1, limit // 32))
+        """At most this many others in flight while an urgent request is in flight or waiting."""
         self.in_flight = 0
         """Requests holding a slot now."""
         self.other_in_flight = 0
@@ -66,7 +73,13 @@ class RequestGate:
             self._release(urgent)
 
     def _free(self, urgent: bool) -> bool:
-        return self.in_flight < self.limit and (urgent or self.other_in_flight < self.other_limit)
+        if self.in_flight >= self.limit:
+            return False
+        return urgent or self.other_in_flight < self._other_cap()
+
+    def _other_cap(self) -> int:
+        busy = bool(self._urgent) or self.in_flight > self.other_in_flight
+        return self.busy_other_limit if busy else self.other_limit
 
     async def _acquire(self, urgent: bool) -> None:
         label = "urgent" if urgent else "other"

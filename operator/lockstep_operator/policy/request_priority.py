@@ -6,10 +6,13 @@ behind every other job's ConfigMaps, RBAC, Services, statuses and Events: on two
 pods go first, as each reconcile already orders them within one pass (docs/operator.md, "Reconcile
 order"): the pods, the ServiceAccounts admission requires before them, the children whose passes
 create them (RolloutPool, TrainerGroup), a gang's PodGroup, the pods' NetworkPolicies (kept next to
-the pods, as before), the Role and RoleBinding a pod needs from its first second, and reads (cheap;
-a pass waiting on one holds its work-queue slot). The rest
-(ConfigMaps, the Secret, Services, the WeightChannel, every status, Events) follows in arrival
-order; the gate serves a request that waited too long next whatever its priority (nothing starves).
+the pods, as before), and reads (cheap; a pass waiting on one holds its work-queue slot). Only
+creates and server-side applies of those count: a merge patch (a status, the gang-complete
+annotation, spec.replicas) comes after the pods exist. The rest follows in arrival order: the
+ConfigMaps, the Secret, Services, the WeightChannel, every status, Events, and the Roles and
+RoleBindings (they grant only the progress ConfigMap, itself not urgent, and a driver's first report
+comes after its model is loaded; a refused report is retried, then dropped, never fatal). The gate
+serves a request that waited too long next whatever its priority (nothing starves).
 """
 
 from __future__ import annotations
@@ -18,21 +21,25 @@ URGENT_RESOURCES = frozenset(
     {
         "pods",
         "serviceaccounts",
-        "roles",
-        "rolebindings",
         "rolloutpools",
         "trainergroups",
         "podgroups",
         "networkpolicies",
     }
 )
-"""Resources (plural, no subresource) whose writes go first."""
+"""Resources (plural, no subresource) whose creates, applies and deletes go first."""
+
+MERGE_PATCH = "application/merge-patch+json"
 
 
-def urgent(method: str, resource: str) -> bool:
-    """Whether a request goes before the others: a read, or a write of URGENT_RESOURCES (their
-    subresources, such as pods/status, are not: what waits for them is not pod creation).
+def urgent(method: str, resource: str, content_type: str = "application/json") -> bool:
+    """Whether a request goes before the others: a read, or a write of URGENT_RESOURCES other than a
+    merge patch (their subresources, such as pods/status, are not: what waits for them is not pod
+    creation; nor is a merge patch, which changes an object that already exists).
 
-    `resource`: the plural with its subresource, e.g. `pods` or `pods/status` (k8s.client's metric label).
+    `resource`: the plural with its subresource, e.g. `pods` or `pods/status` (k8s.client's metric label);
+    `content_type`: the request body's.
     """
-    return method == "GET" or resource in URGENT_RESOURCES
+    if method == "GET":
+        return True
+    return resource in URGENT_RESOURCES and not (method == "PATCH" and content_type == MERGE_PATCH)
