@@ -76,6 +76,8 @@ st.save_checkpoint(backend, run_dir, state)  # a re-save of the step `latest` na
 st.save_checkpoint(backend, run_dir, state)  # rank 1 starts it while rank 0 finishes the re-save
 (box / f"touched{rank}.json").write_text(json.dumps(touched))
 backend.close()
+from lockstep.cli.trainer import end_worker
+end_worker(0, {"TORCHELASTIC_RUN_ID": "test"})  # as a rank ends: no C++ teardown (it can abort, SIGABRT)
 """
 
 
@@ -164,6 +166,8 @@ if int(os.environ["RANK"]) == 0:
 else:
     follow(backend, group)
 backend.close()
+from lockstep.cli.trainer import end_worker
+end_worker(0, {"TORCHELASTIC_RUN_ID": "test"})  # as a rank ends: no C++ teardown (it can abort, SIGABRT)
 """
 
 
