@@ -89,12 +89,15 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """SGLang's HTTP server as far as /metrics goes: its own middleware from the pinned wheel."""
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0) -> None:
+def _wait_http(
+    url: str, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float = 120.0
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise AssertionError(f"{what} exited {proc.returncode}: {out[-2000:]}")
+            raise AssertionError(
+                f"{what} exited {proc.returncode}: {log.read_text(errors='replace')[-2000:]}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -106,7 +109,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
 
 
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for p in procs:
@@ -122,8 +125,9 @@ def _relay_argv(source_port: int, relay_port: int) -> list[str]:
     """The operator's relay command with the pod's IP and ports replaced by loopback ones."""
     argv = [a.replace(f"$({POD_IP_ENV})", "127.0.0.1") for a in relay_command()]
     argv = [a.replace(f":{ENGINE_PORT}/", f":{source_port}/") for a in argv]
+    assert argv[argv.index("--port") + 1] == str(METRICS_PORT)
     argv[argv.index("--port") + 1] = str(relay_port)
-    assert str(METRICS_PORT) not in " ".join(argv) and argv[0] == "lockstep"
+    assert argv[0] == "lockstep" and argv[argv.index("--source") + 1].endswith(f":{source_port}/metrics")
     return [str(VENV_BIN / "lockstep"), *argv[1:]]
 
 
@@ -136,18 +140,19 @@ def test_prometheus_stores_sglangs_own_metrics_through_the_relay(
     spec = json.dumps([LABELS, GAUGES, _gauge_modes(), COUNTERS, HISTOGRAM])
     subprocess.run([sys.executable, "-c", WRITER, spec], env=env, check=True, timeout=60)
     source_port, relay_port = free_ports(2)
-    sglang = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SERVER), str(source_port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    sglang_log, relay_log = tmp_path / "sglang.log", tmp_path / "relay.log"
+    with sglang_log.open("wb") as out:
+        sglang = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(SERVER), str(source_port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     processes.append(sglang)
-    _wait_http(f"http://127.0.0.1:{source_port}/metrics", sglang, "SGLang's metrics server")
-    relay = subprocess.Popen(
-        _relay_argv(source_port, relay_port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    _wait_http(f"http://127.0.0.1:{source_port}/metrics", sglang, sglang_log, "SGLang's metrics server")
+    with relay_log.open("wb") as out:
+        relay = subprocess.Popen(_relay_argv(source_port, relay_port), stdout=out, stderr=subprocess.STDOUT)
     processes.append(relay)
     relay_url = f"http://127.0.0.1:{relay_port}/metrics"
-    _wait_http(relay_url, relay, "the metrics relay")
+    _wait_http(relay_url, relay, relay_log, "the metrics relay")
 
     # what Prometheus 3 asks for: OpenMetrics first, gzip; the relay keeps SGLang's negotiated format
     ask = urllib.request.Request(relay_url, headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})  # fmt: skip
