@@ -98,6 +98,29 @@ async def test_apply_create_status_patch_on_the_real_apiserver(cluster: ControlP
         assert await kube.get("v1", "ConfigMap", namespace, "made") is None
 
 
+async def test_concurrent_identical_applies_make_one_request(cluster: ControlPlane, namespace: str) -> None:
+    """A burst's passes all applying one shared object (the namespace's baseline NetworkPolicy) wait
+    for the one request in flight; a refused one gives every waiter the API's error, and nothing is
+    remembered, so the next apply is sent again."""
+    shared = {**CM, "metadata": {"name": "shared", "namespace": namespace}, "data": {"a": "1"}}
+    bad = {**CM, "metadata": {"name": "Not_A_Name", "namespace": namespace}}
+    async with KubeClient(await load_credentials(str(cluster.kubeconfig))) as kube:
+        before = kube.requests
+        answers = await asyncio.gather(*(kube.apply(shared, cache=True, first=True) for _ in range(20)))
+        assert kube.requests - before == 1
+        assert sum(1 for a in answers if a) == 1  # the one that sent it has the object; the rest {}
+        assert await kube.apply(shared, cache=True) == {}  # within the TTL: no request
+        assert kube.requests - before == 1
+        refused = await asyncio.gather(
+            *(kube.apply(bad, cache=True) for _ in range(5)), return_exceptions=True
+        )
+        assert all(isinstance(e, ApiError) and e.status == 422 for e in refused), refused
+        assert kube.requests - before == 2
+        with pytest.raises(ApiError):
+            await kube.apply(bad, cache=True)
+        assert kube.requests - before == 3
+
+
 async def test_in_cluster_token_is_read_again_after_rotation(
     cluster: ControlPlane, namespace: str, sa_dir: Path
 ) -> None:

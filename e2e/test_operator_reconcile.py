@@ -247,6 +247,12 @@ def test_h100_example_children_nodes_gpus_and_columns(
     assert cluster.get("networkpolicy", f"{job}-rollout", "-n", namespace)["spec"]["podSelector"]
     driver_ingress = cluster.get("networkpolicy", f"{job}-driver", "-n", namespace)["spec"].get("ingress")
     assert driver_ingress == [{"ports": [{"protocol": "TCP", "port": 9400}]}]  # the metrics port only
+    # The namespace's baseline came before any pod (the job's own policies may follow them).
+    baseline = cluster.get("networkpolicy", "lockstep-job-pods", "-n", namespace)
+    assert baseline["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9400}]}]
+    assert not baseline["metadata"].get("ownerReferences")  # it serves every job of the namespace
+    first_pod = min(p["metadata"]["creationTimestamp"] for p in [driver, *ranks, *engines])
+    assert baseline["metadata"]["creationTimestamp"] <= first_pod
     for kind in ("rolloutpool", "trainergroup", "weightchannel"):
         owners = cluster.get(kind, "-n", namespace)["items"][0]["metadata"]["ownerReferences"]
         assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == job

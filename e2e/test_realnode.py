@@ -319,16 +319,20 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
     the driver alone reaches rank 0's control port; ranks and the pool's engines reach the other rank
     ports; the engine port from the driver and the ranks; nothing reaches the driver; a pod of the
     job without a role, and a pod in another namespace carrying the driver's labels, reach nothing.
-    Fails where nothing enforces NetworkPolicy (the intruders connect) and where a policy is too tight."""
+    An engine of a job whose own policies do not exist yet (pods come before them) answers only on its
+    metrics port: the namespace's baseline closes it. Fails where nothing enforces NetworkPolicy (the
+    intruders connect) and where a policy is too tight."""
     from lockstep_operator.resources.common import (
         CONTROL_PORT,
         ENGINE_PORT,
+        METRICS_PORT,
         RENDEZVOUS_PORT,
         Owner,
         pool_name,
         trainer_name,
     )
     from lockstep_operator.resources.network import (
+        baseline_network_policy,
         driver_network_policy,
         engine_network_policy,
         trainer_network_policy,
@@ -349,6 +353,7 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             trainer_network_policy(owner, job=job, trainer=trainer, pool=pool),
             engine_network_policy(owner, job=job, pool=pool, trainer=trainer),
             driver_network_policy(owner, job=job),
+            baseline_network_policy(ns),
         ]
     )
     rank_labels = selector_labels(job, trainer=trainer)
@@ -359,6 +364,12 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             _np_server("rank0", image, rank_labels, [RENDEZVOUS_PORT, CONTROL_PORT, NP_OTHER_PORT]),
             _np_server("engine", image, engine_labels, [ENGINE_PORT, NP_OTHER_PORT]),
             _np_server("driver", image, driver_labels, [8080]),
+            _np_server(
+                "early",
+                image,
+                selector_labels("np-early", pool="np-early-rollout"),
+                [ENGINE_PORT, METRICS_PORT],
+            ),
         ],
         namespace=ns,
     )
@@ -370,9 +381,9 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             for p in items
             if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
         }
-        return ips if {"rank0", "engine", "driver"} <= ips.keys() else None
+        return ips if {"rank0", "engine", "driver", "early"} <= ips.keys() else None
 
-    ips = real_cluster.wait_for(ready_ips, timeout=120, what="the three servers Ready (kubelet probes pass)")
+    ips = real_cluster.wait_for(ready_ips, timeout=120, what="the four servers Ready (kubelet probes pass)")
     node = real_cluster.node
     real_cluster.wait_for(
         lambda: all(
@@ -380,9 +391,9 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             for ip in ips.values()
         ),
         timeout=60,
-        what="kube-router's firewall chains for the three servers",
+        what="kube-router's firewall chains for the four servers",
     )
-    rank0, engine, driver = ips["rank0"], ips["engine"], ips["driver"]
+    rank0, engine, driver, early = ips["rank0"], ips["engine"], ips["driver"], ips["early"]
     expected = {
         "as-driver": [
             ("rank0", rank0, CONTROL_PORT, True), ("engine", engine, ENGINE_PORT, True),
@@ -392,6 +403,7 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             ("rank0", rank0, RENDEZVOUS_PORT, True), ("rank0", rank0, NP_OTHER_PORT, True),
             ("engine", engine, ENGINE_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
             ("rank0", rank0, CONTROL_PORT, False), ("driver", driver, 8080, False),
+            ("early", early, METRICS_PORT, True), ("early", early, ENGINE_PORT, False),
         ],
         "as-engine": [
             ("rank0", rank0, NP_OTHER_PORT, True), ("engine", engine, NP_OTHER_PORT, True),
@@ -401,6 +413,7 @@ def test_network_policy_lets_only_the_allowed_peers_connect(
             ("rank0", rank0, CONTROL_PORT, False), ("rank0", rank0, RENDEZVOUS_PORT, False),
             ("engine", engine, ENGINE_PORT, False), ("engine", engine, NP_OTHER_PORT, False),
             ("driver", driver, 8080, False),
+            ("early", early, METRICS_PORT, True), ("early", early, ENGINE_PORT, False),
         ],
     }  # fmt: skip
     labels = {

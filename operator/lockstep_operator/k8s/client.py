@@ -201,6 +201,7 @@ class KubeClient:
         self._api: ApiClient | None = None
         self._retry, self._sleep, self._timeout = retry, sleep, aiohttp.ClientTimeout(total=timeout_s)
         self._applied: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+        self._applying: dict[tuple[str, str, str, str], tuple[str, asyncio.Future[None]]] = {}
         self._ttl = apply_cache_ttl_s
         self.requests = 0
         """API requests made (the bench reports requests per job)."""
@@ -239,12 +240,17 @@ class KubeClient:
         body: object = None,
         content_type: str = "application/json",
         params: Mapping[str, str] | None = None,
+        first: bool | None = None,
     ) -> Manifest:
-        """One API call, retried per the policy; the decoded JSON body; ApiError on a non-2xx answer."""
+        """One API call, retried per the policy; the decoded JSON body; ApiError on a non-2xx answer.
+
+        `first`: whether the gate serves it before the others; None: as policy.request_priority.urgent
+        says (a caller names it only for a request the pods' path awaits that the policy cannot tell by
+        its resource, such as the namespace's baseline NetworkPolicy)."""
         self.requests += 1
         resource = _resource_of(path)
         metrics.API_REQUESTS.labels(method, resource).inc()
-        first = urgent(method, resource, content_type)
+        first = urgent(method, resource, content_type) if first is None else first
         attempt = 1
         while True:
             try:
@@ -306,13 +312,20 @@ class KubeClient:
             self.written[key] = str(meta.get("resourceVersion", ""))
 
     async def apply(
-        self, manifest: Mapping[str, Any], *, subresource: str | None = None, cache: bool = False
+        self,
+        manifest: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+        cache: bool = False,
+        first: bool | None = None,
     ) -> Manifest:
         """Server-side apply with our field manager (force: the operator owns these fields).
 
         cache=True skips the request when the identical manifest was applied by this client less than
         the cache TTL ago (re-applying an unchanged object is a no-op on the server; the periodic
-        re-check still re-applies after the TTL, so a deleted child comes back). Returns {} then.
+        re-check still re-applies after the TTL, so a deleted child comes back), or waits for the
+        identical apply already in flight (a burst's passes all wanting one shared object make one
+        request). Returns {} then. `first`: as for `request`.
         """
         meta = manifest["metadata"]
         key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
@@ -320,13 +333,40 @@ class KubeClient:
         hit = self._applied.get(key)
         if cache and hit is not None and hit[0] == digest and time.monotonic() - hit[1] < self._ttl:
             return {}
+        pending = self._applying.get(key)
+        if cache and pending is not None and pending[0] == digest:
+            await asyncio.wait([pending[1]])  # raises only when this caller is cancelled
+            if not pending[1].cancelled():  # else the first caller was cancelled: apply it here
+                if (err := pending[1].exception()) is not None:
+                    raise err  # the same answer as the first caller's
+                return {}
         path = manifest_path(manifest) + (f"/{subresource}" if subresource else "")
         params = {"fieldManager": FIELD_MANAGER, "force": "true"}
-        answer = await self.request(
-            "PATCH", path, body=manifest, content_type="application/apply-patch+yaml", params=params
-        )
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if cache:
+            self._applying[key] = (digest, done)
+        try:
+            answer = await self.request(
+                "PATCH",
+                path,
+                body=manifest,
+                content_type="application/apply-patch+yaml",
+                params=params,
+                first=first,
+            )
+        except Exception as err:
+            done.set_exception(err)
+            done.exception()  # retrieved: no "never retrieved" warning when nobody else waits
+            raise
+        except BaseException:
+            done.cancel()
+            raise
+        finally:
+            if self._applying.get(key, (None, None))[1] is done:
+                del self._applying[key]
         if cache:  # remembered only once the server accepted it
             self.remember(manifest)
+        done.set_result(None)
         return answer
 
     def remember(self, manifest: Mapping[str, Any]) -> None:

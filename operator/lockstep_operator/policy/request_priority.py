@@ -5,13 +5,15 @@ behind every other job's ConfigMaps, RBAC, Services, statuses and Events: on two
 8x as long as creating their pods directly. The requests on the path from an applied RLJob to its
 pods go first, as each reconcile already orders them within one pass (docs/operator.md, "Reconcile
 order"): the pods, the ServiceAccounts admission requires before them, the children whose passes
-create them (RolloutPool, TrainerGroup), a gang's PodGroup, the pods' NetworkPolicies (kept next to
-the pods, as before), and reads (cheap; a pass waiting on one holds its work-queue slot). Only
+create them (RolloutPool, TrainerGroup), a gang's PodGroup, and reads (cheap; a pass waiting on one
+holds its work-queue slot). Only
 creates and server-side applies of those count: a merge patch (a status, the gang-complete
 annotation, spec.replicas) comes after the pods exist. The rest follows in arrival order: the
-ConfigMaps, the Secret, Services, the WeightChannel, every status, Events, and the Roles and
+ConfigMaps, the Secret, Services, the WeightChannel, every status, Events, the Roles and
 RoleBindings (they grant only the progress ConfigMap, itself not urgent, and a driver's first report
-comes after its model is loaded; a refused report is retried, then dropped, never fatal). The gate
+comes after its model is loaded; a refused report is retried, then dropped, never fatal), and the
+pods' NetworkPolicies: the namespace's baseline policy (resources.network), applied before any pod
+and marked urgent by its caller, keeps a pod closed until its own policy comes. The gate
 serves a request that waited too long next whatever its priority (nothing starves).
 """
 
@@ -24,7 +26,6 @@ URGENT_RESOURCES = frozenset(
         "rolloutpools",
         "trainergroups",
         "podgroups",
-        "networkpolicies",
     }
 )
 """Resources (plural, no subresource) whose creates, applies and deletes go first."""

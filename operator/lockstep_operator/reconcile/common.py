@@ -15,8 +15,9 @@ from lockstep_operator.k8s.client import ApiError, KubeClient
 from lockstep_operator.resources import secrets
 from lockstep_operator.resources.annotations import annotations_of
 from lockstep_operator.resources.common import API_VERSION, Owner
+from lockstep_operator.resources.network import baseline_network_policy
 
-__all__ = ["Wire", "annotations_of", "previous_status", "write_status"]
+__all__ = ["Wire", "annotations_of", "ensure_baseline", "previous_status", "write_status"]
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -54,6 +55,14 @@ async def write_status(kube: KubeClient, body: Mapping[str, Any], previous: Wire
         API_VERSION, body["kind"], meta["namespace"], meta["name"], patch, subresource="status"
     )
     return True
+
+
+async def ensure_baseline(kube: KubeClient, namespace: str) -> None:
+    """Apply the namespace's baseline NetworkPolicy before a pass creates pods (resources.network): a
+    job's pods are then closed, not open, until their own policies follow them. Ahead of the other
+    requests (the pods wait for it), once per namespace and cache TTL: a burst's passes share one
+    request, and a deleted baseline comes back within the TTL."""
+    await kube.apply(baseline_network_policy(namespace), cache=True, first=True)
 
 
 _KEYED: set[str] = set()

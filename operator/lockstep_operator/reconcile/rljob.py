@@ -43,7 +43,13 @@ from lockstep_operator.policy.events import Reason, job_events, normal
 from lockstep_operator.policy.job_observed import init_failure, main_restarts
 from lockstep_operator.policy.pool_ref import PoolRefProblem, PoolUser, pool_ref_problem
 from lockstep_operator.policy.teacher_pools import teacher_pool_problem
-from lockstep_operator.reconcile.common import annotations_of, ensure_api_key, previous_status, write_status
+from lockstep_operator.reconcile.common import (
+    annotations_of,
+    ensure_api_key,
+    ensure_baseline,
+    previous_status,
+    write_status,
+)
 from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import read_progress, read_rank_reports
 from lockstep_operator.reconcile.status import JobObserved, job_status
@@ -109,7 +115,7 @@ async def reconcile_job(
     # The pods first (what a user waits for): their ServiceAccounts, which admission requires, then
     # the children and the driver, then what the pods need only once they run (config, RBAC, policy,
     # key), all in this pass (docs/operator.md, "Reconcile order").
-    await asyncio.gather(*(kube.apply(m, cache=True) for m in accounts))
+    await asyncio.gather(*(kube.apply(m, cache=True) for m in accounts), ensure_baseline(kube, namespace))
     colocation = colocation_problem(spec)  # GPU colocation cannot be rendered: refused with the reason
     if colocation is not None:
         return await _invalid(kube, body, previous, colocation, generation, now, recorder)

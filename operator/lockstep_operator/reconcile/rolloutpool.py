@@ -35,7 +35,13 @@ from lockstep_operator.policy.events import Event, Reason, normal, pool_events, 
 from lockstep_operator.policy.job_observed import init_failure
 from lockstep_operator.policy.roll import EngineState, engines_to_roll
 from lockstep_operator.reconcile.adapter_gc import unload_ended_adapters
-from lockstep_operator.reconcile.common import annotations_of, ensure_api_key, previous_status, write_status
+from lockstep_operator.reconcile.common import (
+    annotations_of,
+    ensure_api_key,
+    ensure_baseline,
+    previous_status,
+    write_status,
+)
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
 from lockstep_operator.reconcile.status import (
     engine_ready,
@@ -109,6 +115,7 @@ async def reconcile_pool(
     version = progress.weight_version if progress else None
     versions = progress.engine_versions if progress else {}
     addresses = (progress.engine_address_versions if progress else None) or {}
+    await ensure_baseline(kube, namespace)  # before any engine: closed until its policy follows
     live = await _converge_pods(
         kube,
         owner,

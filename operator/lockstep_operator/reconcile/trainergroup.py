@@ -32,7 +32,7 @@ from lockstep_operator.k8s.events import Recorder
 from lockstep_operator.policy.condition import condition, is_true
 from lockstep_operator.policy.events import trainer_events
 from lockstep_operator.policy.gang_restart import GangDecision, RankPod, gang_restart
-from lockstep_operator.reconcile.common import annotations_of, previous_status, write_status
+from lockstep_operator.reconcile.common import annotations_of, ensure_baseline, previous_status, write_status
 from lockstep_operator.reconcile.placement import plan_cliques
 from lockstep_operator.reconcile.progress import ProgressReport, read_progress
 from lockstep_operator.reconcile.status import trainer_status
@@ -134,6 +134,7 @@ async def reconcile_trainer(
         await kube.delete("v1", "Pod", namespace, pod_name)
     keep = [p for p in pods if p["metadata"]["name"] in decision.keep]
     if decision.start_missing:
+        await ensure_baseline(kube, namespace)  # before any rank: closed until its policy follows
         await _create_missing(kube, owner, spec, body, keep, decision.restarts, settings)
         if annotations_of(body).get(Annotation.GANG_COMPLETE) != str(decision.restarts):
             await _mark_complete(kube, body, str(decision.restarts))  # every rank exists now

@@ -241,6 +241,11 @@ def engine_network_policy_name(pool: str) -> str:
     return pool
 
 
+BASELINE_NETWORK_POLICY = "lockstep-job-pods"
+"""The namespace's baseline NetworkPolicy (resources.network.baseline_network_policy): one per namespace
+with jobs, owned by nothing, so a job's pods are never open before their own policies exist."""
+
+
 def driver_network_policy_name(job: str) -> str:
     """The NetworkPolicy of the driver pod, where the session server runs (named like the driver)."""
     return driver_name(job)

@@ -11,16 +11,26 @@ Every policy admits the `metrics` port (9400) from any source: Prometheus runs w
 runs it, and that port serves only read-only /metrics text (no route that acts, no secret).
 RDMA (InfiniBand verbs, EFA) does not go through the pod network and is not governed by it.
 
-Who calls it: the TrainerGroup reconcile, next to the headless Service. The label selectors are the
-ones the pods carry (resources.pods.selector_labels).
+A pod no policy selects takes any traffic, and a job's pods are created before their own policies
+(the pods are what a user waits for). So every namespace with jobs holds a baseline policy selecting
+every driver, engine and trainer pod and admitting only the metrics port: a pod created before its
+own policy is closed, not open, until it comes. Policies add up (a pod takes what any of them
+admits), and each job policy admits the metrics port too, so the baseline never widens or narrows
+what a job's policies allow once they exist (docs/operator.md, "Reconcile order").
+
+Who calls it: the TrainerGroup, RolloutPool and RLJob reconciles, after their pods; the baseline before
+any pod. The label selectors are the ones the pods carry (resources.pods.selector_labels).
 """
 
 from __future__ import annotations
 
 from lockstep_operator.resources.common import (
+    BASELINE_NETWORK_POLICY,
     CONTROL_PORT,
     ENGINE_PORT,
+    LABEL_JOB,
     LABEL_POOL_CLIENT,
+    LABEL_ROLE,
     METRICS_PORT,
     Manifest,
     Owner,
@@ -47,6 +57,40 @@ def _all_but_control() -> list[Manifest]:
         {"protocol": "TCP", "port": 1, "endPort": CONTROL_PORT - 1},
         {"protocol": "TCP", "port": CONTROL_PORT + 1, "endPort": MAX_PORT},
     ]
+
+
+BASELINE_ROLES = ("driver", "engine", "trainer")
+"""The pod roles the baseline selects: those whose own policies a pass applies after their pods. Other
+pods of a job (a sandbox, an adapter unload) get their policy or their closed shape with them."""
+
+
+def baseline_network_policy(namespace: str) -> Manifest:
+    """The namespace's baseline: every driver, engine and trainer pod of any job or standalone pool
+    takes ingress on the metrics port only, until its own policy admits more. Owned by nothing (it
+    serves every job of the namespace, and outlives them; deleting it is safe once no job is left)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": BASELINE_NETWORK_POLICY,
+            "namespace": namespace,
+            "labels": {
+                "app.kubernetes.io/name": "lockstep",
+                "app.kubernetes.io/part-of": "lockstep",
+                "app.kubernetes.io/managed-by": "lockstep-operator",
+            },
+        },
+        "spec": {
+            "podSelector": {
+                "matchExpressions": [
+                    {"key": LABEL_JOB, "operator": "Exists"},
+                    {"key": LABEL_ROLE, "operator": "In", "values": list(BASELINE_ROLES)},
+                ]
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": [_scrape()],
+        },
+    }
 
 
 def trainer_network_policy(

@@ -18,7 +18,6 @@ JSON = "application/json"
         ("POST", "rolloutpools", JSON, True),  # the children whose passes create the pods
         ("PATCH", "trainergroups", APPLY, True),
         ("PATCH", "podgroups", APPLY, True),  # a gang scheduler holds pods without theirs
-        ("PATCH", "networkpolicies", APPLY, True),  # kept next to the pods
         ("GET", "nodes", JSON, True),  # reads: cheap, and a pass waiting on one holds its slot
         ("GET", "discovery", JSON, True),
         ("PATCH", "pods/status", APPLY, False),  # a readiness gate: nothing waits for it to create a pod
@@ -28,6 +27,7 @@ JSON = "application/json"
         ("POST", "secrets", JSON, False),
         ("PATCH", "roles", APPLY, False),  # they grant only the progress ConfigMap, itself not urgent
         ("PATCH", "rolebindings", APPLY, False),
+        ("PATCH", "networkpolicies", APPLY, False),  # the namespace's baseline closes the pods until then
         ("PATCH", "services", APPLY, False),
         ("PATCH", "weightchannels", APPLY, False),
         ("POST", "events", JSON, False),
