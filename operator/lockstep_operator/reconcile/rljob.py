@@ -115,7 +115,9 @@ async def reconcile_job(
     # The pods first (what a user waits for): their ServiceAccounts, which admission requires, then
     # the children and the driver, then what the pods need only once they run (config, RBAC, policy,
     # key), all in this pass (docs/operator.md, "Reconcile order").
-    await asyncio.gather(*(kube.apply(m, cache=True) for m in accounts), ensure_baseline(kube, namespace))
+    await asyncio.gather(
+        *(kube.create_or_apply(m, cache=True) for m in accounts), ensure_baseline(kube, namespace)
+    )
     colocation = colocation_problem(spec)  # GPU colocation cannot be rendered: refused with the reason
     if colocation is not None:
         return await _invalid(kube, body, previous, colocation, generation, now, recorder)
@@ -331,7 +333,7 @@ async def _ensure_driver(
     pod = driver_manifest(owner, spec, image=settings.runtime_image, facts=settings.node_facts())
     existing = await kube.get("v1", "Pod", owner.namespace, driver_name(job))
     if existing is None:
-        await kube.apply(pod)
+        await kube.create_or_apply(pod)
     elif template_hash_of(existing) != template_hash_of(pod) and not existing["metadata"].get(
         "deletionTimestamp"
     ):

@@ -250,7 +250,7 @@ async def _converge_pods(
         events.append(normal(Reason.ENGINE_ROLLED, f"engine {name} runs an old pod template: replacing it"))
     live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
     live = [p for p in live if p["metadata"]["name"] not in roll]
-    await asyncio.gather(*(kube.apply(rendered[i]) for i in range(desired) if i not in by_index))
+    await asyncio.gather(*(kube.create_or_apply(rendered[i]) for i in range(desired) if i not in by_index))
     return live
 
 

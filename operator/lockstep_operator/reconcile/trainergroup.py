@@ -244,7 +244,7 @@ async def _create_missing(
             {"metadata": {"annotations": {Annotation.CLIQUE.value: clique}}},
         )
     rendered = _rendered(owner, spec, {**ann, Annotation.CLIQUE.value: clique}, restarts, settings)
-    await asyncio.gather(*(kube.apply(rendered[rank]) for rank in missing))
+    await asyncio.gather(*(kube.create_or_apply(rendered[rank]) for rank in missing))
 
 
 async def _choose_clique(kube: KubeClient, spec: TrainerGroupSpec, settings: OperatorSettings) -> str | None:
