@@ -21,7 +21,7 @@ import kopf
 from lockstep_operator.k8s.client import ApiError, KubeClient, load_credentials
 from lockstep_operator.k8s.events import EventSink
 from lockstep_operator.k8s.gate import RequestGate
-from lockstep_operator.k8s.relist import POD_SELECTOR, PROGRESS_SELECTOR, Relister
+from lockstep_operator.k8s.relist import POD_SELECTOR, PROGRESS_SELECTOR, Relister, initial_list
 from lockstep_operator.k8s.store import Store
 from lockstep_operator.policy.adapter_gc import adapter_of
 from lockstep_operator.reconcile import Key, dispatch
@@ -73,7 +73,7 @@ async def _client(memo: Any) -> KubeClient:
 
 
 class EventOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
-    """kopf's diff base for an operator with event and index handlers only: no essence.
+    """kopf's diff base for an operator with event handlers only: no essence.
 
     For every watch event kopf builds the object's "essence" (two deep copies of the body) to diff it
     for change handlers (on.create/update/...). This operator registers none (test_handlers checks),
@@ -123,10 +123,12 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     kube = await _client(memo)
     if SETTINGS.ha_mode == "peering" and not settings.peering.standalone:  # `kopf run --standalone`: none
         await ensure_peering(kube, SETTINGS.peering_name, SETTINGS.namespaces)
-    # The reconciles read from the watch-fed cache (k8s/store.py), filled by the index handlers below.
-    memo["store"] = kube.store = Store(
-        {"Pod": {LABEL_JOB: None}, "ConfigMap": {LABEL_JOB: None, LABEL_ROLE: "driver"}}
-    )
+    # The reconciles read from the watch-fed cache (k8s/store.py): listed here, before kopf starts its
+    # watches, then kept by the event handlers below (one handler per event: kopf's index handlers,
+    # which used to fill it, cost a second handler call per event, a tenth of the operator's CPU).
+    store = Store({"Pod": {LABEL_JOB: None}, "ConfigMap": {LABEL_JOB: None, LABEL_ROLE: "driver"}})
+    await initial_list(kube, store, SETTINGS.namespaces)
+    memo["store"] = kube.store = store
     sink = EventSink(kube, instance=os.environ.get("POD_NAME", ""))
     memo["queue"] = WorkQueue(
         dispatch(kube, SETTINGS, sink),
@@ -200,25 +202,17 @@ def _echo(memo: Any, kind: str, body: kopf.Body) -> bool:
 
 
 def _kick(memo: kopf.Memo, keys: list[Key], *, urgent: bool = False) -> None:
-    # kopf runs these handlers only once every watched kind's initial listing went through the index
-    # handlers: the store holds everything from here on.
-    memo["store"].synced = True
     queue: WorkQueue = memo["queue"]
     for key in keys:
         queue.kick(key, urgent=urgent)
 
 
-async def _cache(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """Index handler: every event's object into the store (kopf starts the other handlers only once
-    every kind's initial listing went through here). Indexes nothing in kopf's own index. A coroutine:
-    kopf runs a plain function in a worker thread, which cost a thread hop per event and let the
-    store change under a pass reading it."""
-    memo["store"].observe(dict(body))
-
-
-def _listed(memo: Any, type: str | None) -> None:
-    """An object of a watch's listing (event type None: at start, or after a gap, when kopf lists the
-    kind again): the cache re-lists soon, dropping what was deleted in the gap (k8s/relist.py)."""
+def _listed(memo: Any, type: str | None, body: kopf.Body) -> None:
+    """Every event's object into the store first (the DELETED ones leave it through _forget). An
+    object of a watch's listing (event type None: at start, or after a gap, when kopf lists the kind
+    again): the cache re-lists soon, dropping what was deleted in the gap (k8s/relist.py)."""
+    if type != "DELETED":
+        memo["store"].observe(dict(body))
     if type is None and "relist" in memo:
         memo["relist"].soon()
 
@@ -247,18 +241,6 @@ def _forget(memo: Any, body: kopf.Body) -> None:
     )
 
 
-_WATCHED: tuple[tuple[str, str, str, Any], ...] = (  # labels: kopf filters
-    (GROUP, VERSION, "rljobs", None),
-    (GROUP, VERSION, "rolloutpools", None),
-    (GROUP, VERSION, "trainergroups", None),
-    (GROUP, VERSION, "weightchannels", None),
-    ("", "v1", "pods", {LABEL_JOB: kopf.PRESENT}),
-    ("", "v1", "configmaps", {LABEL_JOB: kopf.PRESENT, LABEL_ROLE: "driver"}),
-)
-for _group, _version, _plural, _labels in _WATCHED:
-    kopf.index(_group, _version, _plural, id=f"cache_{_plural}", labels=_labels)(_cache)
-
-
 @kopf.on.event(GROUP, VERSION, "rljobs")
 async def rljob_event(
     type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
@@ -268,7 +250,7 @@ async def rljob_event(
     A MODIFIED event whose generation the status already observed is the echo of our own status
     write (or kopf's finalizer): skipped. Children's events and the periodic re-check cover the rest.
     """
-    _listed(memo, type)
+    _listed(memo, type, body)
     ref = ((body.get("spec") or {}).get("rollout") or {}).get("poolRef") or {}
     if type == "DELETED":
         _forget(memo, body)
@@ -291,7 +273,7 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
     async def handler(
         type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
     ) -> None:
-        _listed(memo, type)
+        _listed(memo, type, body)
         if type == "DELETED":
             _forget(memo, body)
             return
@@ -322,7 +304,7 @@ async def pod_event(
     type: str, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: Any, **_: Any
 ) -> None:
     """A pod of a job changed: reconcile its owner, and the weight channel once placement is known."""
-    _listed(memo, type)
+    _listed(memo, type, body)
     if type == "DELETED":
         _forget(memo, body)
     job, role, namespace = labels[LABEL_JOB], labels.get(LABEL_ROLE), namespace or ""
@@ -353,7 +335,7 @@ async def progress_event(
 ) -> None:
     """The driver reported progress: every object of the job folds it in, and the standalone pool it
     samples on (its engines' readiness follows the job's adapter version)."""
-    _listed(memo, type)
+    _listed(memo, type, body)
     if type == "DELETED":
         _forget(memo, body)
     shared = (

@@ -83,6 +83,26 @@ async def relist(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> l
     return dropped
 
 
+async def initial_list(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> None:
+    """Every watched kind listed into `store` before any handler runs (the operator's start-up), then the
+    store is synced: what it lacks from here on does not exist (or its event is on the way), as with an
+    informer's first list. A LIST that fails raises (after the client's retries): a store missing a
+    kind would make passes create what exists, so the operator does not start on one."""
+    for watched in WATCHED:
+        for namespace in namespaces or (None,):
+            params = {"labelSelector": watched.selector} if watched.selector else None
+            answer = await kube.request(
+                "GET", resource_path(watched.api_version, watched.kind, namespace), params=params
+            )
+            version = str((answer.get("metadata") or {}).get("resourceVersion") or "")
+            items = [
+                {"apiVersion": watched.api_version, "kind": watched.kind, **item}
+                for item in answer.get("items") or []
+            ]
+            store.relisted(watched.kind, namespace, items, version)
+    store.synced = True
+
+
 class Relister:
     """The loop: a re-list every `period_s`, and SETTLE_S after `soon()` (a listed object was seen)."""
 
@@ -117,7 +137,7 @@ class Relister:
             self._task = None
 
     async def round(self) -> None:
-        """One re-list now, when the store is synced (before, kopf's own listing is still filling it)."""
+        """One re-list now, when the store is synced (before, the initial list is still filling it)."""
         if not self.store.synced:
             return
         for body in await relist(self.kube, self.store, self.namespaces):
