@@ -202,6 +202,9 @@ def _echo(memo: Any, kind: str, body: kopf.Body) -> bool:
 
 
 def _kick(memo: kopf.Memo, keys: list[Key], *, urgent: bool = False) -> None:
+    # The store was listed at start-up, before kopf's watches; an event reaching a handler means this
+    # replica is active (kopf runs no handler on a paused peer), so its reads and re-lists go on.
+    memo["store"].synced = True
     queue: WorkQueue = memo["queue"]
     for key in keys:
         queue.kick(key, urgent=urgent)

@@ -84,10 +84,12 @@ async def relist(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> l
 
 
 async def initial_list(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> None:
-    """Every watched kind listed into `store` before any handler runs (the operator's start-up), then the
-    store is synced: what it lacks from here on does not exist (or its event is on the way), as with an
-    informer's first list. A LIST that fails raises (after the client's retries): a store missing a
-    kind would make passes create what exists, so the operator does not start on one."""
+    """Every watched kind listed into `store` before any handler runs (the operator's start-up): from the
+    first event on, what it lacks does not exist (or its event is on the way), as with an informer's
+    first list. The caller marks it synced when its watches deliver (a standby replica of a peering
+    pair holds it unsynced, its re-lists off, until it is active). A LIST that fails raises (after the
+    client's retries): a store missing a kind would make passes create what exists, so the operator
+    does not start on one."""
     for watched in WATCHED:
         for namespace in namespaces or (None,):
             params = {"labelSelector": watched.selector} if watched.selector else None
@@ -100,7 +102,6 @@ async def initial_list(kube: KubeClient, store: Store, namespaces: Sequence[str]
                 for item in answer.get("items") or []
             ]
             store.relisted(watched.kind, namespace, items, version)
-    store.synced = True
 
 
 class Relister:
@@ -137,7 +138,8 @@ class Relister:
             self._task = None
 
     async def round(self) -> None:
-        """One re-list now, when the store is synced (before, the initial list is still filling it)."""
+        """One re-list now, when the store is synced (before, no watch has delivered: at start, or on a
+        standby replica, whose passes must not run)."""
         if not self.store.synced:
             return
         for body in await relist(self.kube, self.store, self.namespaces):

@@ -3,9 +3,9 @@
 Why it exists: a pass used to GET its object, its children, the progress ConfigMap and LIST its pods
 on every run: about 120 API requests per job, most of the operator's cost under a burst of jobs.
 controller-runtime reads from the watch-fed cache instead; so does this. It is listed at the
-operator's start, before kopf starts its watches (k8s/relist.initial_list: synced before the first
-pass, like an informer's first list), then kopf's watch streams keep it (each event handler puts its
-object in first), the DELETED events empty it, and every answer of our own writes (apply, create, patch, a
+operator's start, before kopf starts its watches (k8s/relist.initial_list: complete before the first
+pass, like an informer's first list; marked synced by the first event a handler gets), then kopf's
+watch streams keep it (each event handler puts its object in first), the DELETED events empty it, and every answer of our own writes (apply, create, patch, a
 status write, a delete) goes in too, so a pass never reads older state than its own last write (a
 gang restart counted in status is never counted again from a stale copy). An object is replaced
 only by a copy with a resourceVersion at least as new. A deleted object's uid is remembered (a
