@@ -121,6 +121,28 @@ async def test_concurrent_identical_applies_make_one_request(cluster: ControlPla
         assert kube.requests - before == 3
 
 
+async def test_create_or_apply_creates_a_new_object_and_applies_an_existing_one(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    """A new object goes by POST (an Update by our manager: no YAML, no managed-field merge); one that
+    exists gets the apply (409, then apply, whose changes land); with cache=True an object this
+    client made goes straight to the apply, or to nothing within the TTL."""
+    made = {**CM, "metadata": {"name": "made-once", "namespace": namespace}, "data": {"a": "1"}}
+    async with KubeClient(await load_credentials(str(cluster.kubeconfig))) as kube:
+        first = await kube.create_or_apply(made)
+        assert {(m["manager"], m["operation"]) for m in first["metadata"]["managedFields"]} == {
+            (FIELD_MANAGER, "Update")
+        }
+        before = kube.requests
+        again = await kube.create_or_apply({**made, "data": {"a": "2"}})
+        assert kube.requests - before == 2 and again["data"] == {"a": "2"}  # refused create, then apply
+        cached = {**made, "metadata": {**made["metadata"], "name": "made-cached"}}
+        await kube.create_or_apply(cached, cache=True)
+        before = kube.requests
+        assert await kube.create_or_apply(cached, cache=True) == {}  # within the TTL: nothing sent
+        assert kube.requests == before
+
+
 async def test_in_cluster_token_is_read_again_after_rotation(
     cluster: ControlPlane, namespace: str, sa_dir: Path
 ) -> None:
