@@ -67,20 +67,27 @@ async def relist(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> l
     dropped: list[Manifest] = []
     for watched in WATCHED:
         for namespace in namespaces or (None,):
-            params = {"labelSelector": watched.selector} if watched.selector else None
-            path = resource_path(watched.api_version, watched.kind, namespace)
             try:
-                answer = await kube.request("GET", path, params=params)
+                items, version = await _list(kube, watched, namespace)
             except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as err:
                 log.warning("re-list of %s failed (%s): the next round lists it again", watched.kind, err)
                 continue
-            version = str((answer.get("metadata") or {}).get("resourceVersion") or "")
-            items = [
-                {"apiVersion": watched.api_version, "kind": watched.kind, **item}
-                for item in answer.get("items") or []
-            ]
             dropped += store.relisted(watched.kind, namespace, items, version)
     return dropped
+
+
+async def _list(kube: KubeClient, watched: Watched, namespace: str | None) -> tuple[list[Manifest], str]:
+    """One LIST of a watched kind, label-filtered like its watch: its objects (kind and apiVersion set,
+    which a list's items lack) and the list's resourceVersion."""
+    params = {"labelSelector": watched.selector} if watched.selector else None
+    answer = await kube.request(
+        "GET", resource_path(watched.api_version, watched.kind, namespace), params=params
+    )
+    items = [
+        {"apiVersion": watched.api_version, "kind": watched.kind, **item}
+        for item in answer.get("items") or []
+    ]
+    return items, str((answer.get("metadata") or {}).get("resourceVersion") or "")
 
 
 async def initial_list(kube: KubeClient, store: Store, namespaces: Sequence[str]) -> None:
@@ -92,16 +99,7 @@ async def initial_list(kube: KubeClient, store: Store, namespaces: Sequence[str]
     does not start on one."""
     for watched in WATCHED:
         for namespace in namespaces or (None,):
-            params = {"labelSelector": watched.selector} if watched.selector else None
-            answer = await kube.request(
-                "GET", resource_path(watched.api_version, watched.kind, namespace), params=params
-            )
-            version = str((answer.get("metadata") or {}).get("resourceVersion") or "")
-            items = [
-                {"apiVersion": watched.api_version, "kind": watched.kind, **item}
-                for item in answer.get("items") or []
-            ]
-            store.relisted(watched.kind, namespace, items, version)
+            store.relisted(watched.kind, namespace, *await _list(kube, watched, namespace))
 
 
 class Relister:
