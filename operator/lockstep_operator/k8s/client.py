@@ -342,18 +342,20 @@ class KubeClient:
                 return {}
         path = manifest_path(manifest) + (f"/{subresource}" if subresource else "")
         params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        send = self.request(
+            "PATCH",
+            path,
+            body=manifest,
+            content_type="application/apply-patch+yaml",
+            params=params,
+            first=first,
+        )
+        if not cache:
+            return await send
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if cache:
-            self._applying[key] = (digest, done)
+        self._applying[key] = (digest, done)
         try:
-            answer = await self.request(
-                "PATCH",
-                path,
-                body=manifest,
-                content_type="application/apply-patch+yaml",
-                params=params,
-                first=first,
-            )
+            answer = await send
         except Exception as err:
             done.set_exception(err)
             done.exception()  # retrieved: no "never retrieved" warning when nobody else waits
@@ -364,8 +366,7 @@ class KubeClient:
         finally:
             if self._applying.get(key, (None, None))[1] is done:
                 del self._applying[key]
-        if cache:  # remembered only once the server accepted it
-            self.remember(manifest)
+        self.remember(manifest)  # remembered only once the server accepted it
         done.set_result(None)
         return answer
 

@@ -115,7 +115,6 @@ async def reconcile_pool(
     version = progress.weight_version if progress else None
     versions = progress.engine_versions if progress else {}
     addresses = (progress.engine_address_versions if progress else None) or {}
-    await ensure_baseline(kube, namespace)  # before any engine: closed until its policy follows
     live = await _converge_pods(
         kube,
         owner,
@@ -250,7 +249,10 @@ async def _converge_pods(
         events.append(normal(Reason.ENGINE_ROLLED, f"engine {name} runs an old pod template: replacing it"))
     live = [p for i, p in by_index.items() if 0 <= i < desired and not _dying(p)]
     live = [p for p in live if p["metadata"]["name"] not in roll]
-    await asyncio.gather(*(kube.create_or_apply(rendered[i]) for i in range(desired) if i not in by_index))
+    missing = [i for i in range(desired) if i not in by_index]
+    if missing:
+        await ensure_baseline(kube, owner.namespace)  # before any engine: closed until its policy follows
+    await asyncio.gather(*(kube.create_or_apply(rendered[i]) for i in missing))
     return live
 
 
