@@ -5,8 +5,9 @@ them; the operator's own overhead (watch latency, reconcile passes, status write
 The baseline, measured in the same run on the same control plane, is the same pods created directly
 by server-side apply from one client (sequentially for the one job, 50 at a time for the 50 jobs),
 and for the 50 jobs also by plain create (POST, what the operator sends for a new pod, cheaper for
-the API server); the ratio operator / the faster of the two is the figure. Also the operator's resident memory when idle (after
-start-up and again after the load), the number that sizes its Deployment's memory request.
+the API server); the ratio operator / the faster of the two is the figure. Also the operator's
+resident memory when idle (after start-up and again after the load), the number that sizes its
+Deployment's memory request.
 
 Setup: a fresh local control plane (e2e/controlplane, kwok GPU nodes), the CRDs, and the operator as
 a real process (`python -m lockstep_operator`, standalone). Jobs use gang scheduler none.
