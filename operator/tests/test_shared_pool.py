@@ -22,6 +22,7 @@ from lockstep_operator.resources.engines import engine_manifest
 from lockstep_operator.resources.network import shared_engine_network_policy, trainer_network_policy
 from lockstep_operator.resources.podgroups import gang_min_member
 from lockstep_operator.resources.ranks import rank_manifest
+from lockstep_operator.topology import NETWORK_LABEL, ZONE_LABEL
 
 JOB = Owner("rl.lockstep.dev/v1alpha1", "RLJob", "job-a", "uid-a", "ns")
 POOL = Owner("rl.lockstep.dev/v1alpha1", "RolloutPool", "shared", "uid-p", "ns")
@@ -101,3 +102,45 @@ def test_a_standalone_pools_engines_serve_lora_under_the_pools_own_name() -> Non
     tp = trainer_network_policy(JOB, job="job-a", trainer="job-a-trainer", pool="shared", pool_job="shared")
     engines = tp["spec"]["ingress"][1]["from"][1]["podSelector"]["matchLabels"]
     assert engines["rl.lockstep.dev/job"] == "shared" and engines["rl.lockstep.dev/pool"] == "shared"
+
+
+def _near(pod: dict[str, Any]) -> set[tuple[tuple[tuple[str, str], ...], str]]:
+    """The pod's preferred pod-affinity terms as (selected labels, topology key)."""
+    terms = pod["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    return {
+        (tuple(sorted(t["podAffinityTerm"]["labelSelector"]["matchLabels"].items())), t["podAffinityTerm"]["topologyKey"])
+        for t in terms
+    }  # fmt: skip
+
+
+def test_engines_and_ranks_prefer_the_network_domain_of_the_pods_they_sync_with() -> None:
+    """A job's ranks prefer the network domain (the network label, else the zone: what the transport
+    choice compares) of the engines they update and of each other; a job's own engines that of its
+    ranks and their pool; a standalone pool's engines that of their pool only (its jobs' ranks follow)."""
+    keys = (NETWORK_LABEL, ZONE_LABEL)
+    engines = (("rl.lockstep.dev/pool", "job-a-rollout"), ("rl.lockstep.dev/role", "engine"))
+    shared = (("rl.lockstep.dev/pool", "shared"), ("rl.lockstep.dev/role", "engine"))
+    ranks = (("rl.lockstep.dev/job", "job-a"), ("rl.lockstep.dev/role", "trainer"))
+    group = TrainerGroupSpec.model_validate(
+        {"job": "job-a", "model": _job().spec.model.wire(), "trainer": _job().spec.trainer.wire()}
+    )
+    owner = Owner("rl.lockstep.dev/v1alpha1", "TrainerGroup", "job-a-trainer", "uid-t", "ns")
+    own = rank_manifest(owner, group, 0, generation=0, gang_min=2, clique=None, image="img")
+    assert _near(own) == {(s, k) for s in (engines, ranks) for k in keys}
+    on_shared = rank_manifest(
+        owner, group, 1, generation=0, gang_min=2, clique=None, image="img", shared_pool="shared"
+    )
+    assert _near(on_shared) == {(s, k) for s in (shared, ranks) for k in keys}
+    pool, _trainer, _channel = child_manifests(JOB, _job(pool_ref=False).spec, suspended=False, stopped="")
+    pool_owner = Owner("rl.lockstep.dev/v1alpha1", "RolloutPool", "job-a-rollout", "uid-r", "ns")
+    engine = engine_manifest(
+        pool_owner, RolloutPoolSpec.model_validate(pool["spec"]), 0, gang_min=1, image="img"
+    )
+    assert _near(engine) == {(s, k) for s in (engines, ranks) for k in keys}
+    standalone = RolloutPoolSpec.model_validate(
+        {
+            "model": {"checkpoint": "builtin:tiny", "family": "tiny"},
+            "engine": {"engine": "reference", "gpusPerEngine": 0},
+        }
+    )
+    assert _near(engine_manifest(POOL, standalone, 0, gang_min=0, image="img")) == {(shared, k) for k in keys}

@@ -20,6 +20,9 @@ from lockstep_operator.resources.commands import engine_command
 from lockstep_operator.resources.common import (
     API_KEY_ENV,
     API_KEY_ITEM,
+    LABEL_JOB,
+    LABEL_POOL,
+    LABEL_ROLE,
     WEIGHTS_CURRENT,
     Manifest,
     Owner,
@@ -78,9 +81,10 @@ def engine_container(
 
 
 def engine_placement(
-    spec: RolloutPoolSpec, avoid_clique: str | None = None, facts: NodeFacts | None = None
+    spec: RolloutPoolSpec, pool: str, avoid_clique: str | None = None, facts: NodeFacts | None = None
 ) -> Placement:
-    """GPU requests and node selection of one engine replica (before its images' architectures)."""
+    """GPU requests and node selection of one engine replica of pool `pool` (before its images'
+    architectures)."""
     place = spec.placement
     return Placement(
         gpus=spec.engine.gpus_per_engine,
@@ -88,6 +92,11 @@ def engine_placement(
         node_selector=dict(place.node_selector),
         tolerations=[t.wire() for t in place.tolerations],
         avoid_clique=avoid_clique or None,
+        # The pool's other engines, and its job's ranks (a standalone pool has none: its jobs' ranks follow it).
+        near=(
+            {LABEL_POOL: pool, LABEL_ROLE: "engine"},
+            *([{LABEL_JOB: spec.job, LABEL_ROLE: "trainer"}] if spec.job else []),
+        ),
     )
 
 
@@ -133,7 +142,9 @@ def engine_manifest(
         pool=owner.name,
         replica=replica,
         container=container,
-        placement=with_architectures(engine_placement(spec, avoid_clique, facts), container, facts, sidecars),
+        placement=with_architectures(
+            engine_placement(spec, owner.name, avoid_clique, facts), container, facts, sidecars
+        ),
         gang=keys,
     )
     if agent and delta_agent:

@@ -61,6 +61,7 @@ from lockstep_operator.resources.model import (
     pull_command,
 )
 from lockstep_operator.resources.platforms import ARCH_LABEL, ImageArchitectureError, NodeFacts
+from lockstep_operator.topology import NETWORK_LABEL, ZONE_LABEL
 
 GPU = "nvidia.com/gpu"
 POD_SECURITY: Manifest = {
@@ -105,6 +106,8 @@ class Placement:
     """Additional tolerations from the spec."""
     architectures: Sequence[str] = ()
     """kubernetes.io/arch values the pod's images exist for (resources.platforms); () = no rule."""
+    near: Sequence[Mapping[str, str]] = ()
+    """Labels of the pods this pod is to share a network domain with (network_affinity)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,15 +250,43 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
         rules.append({"key": ARCH_LABEL, "operator": "In", "values": list(p.architectures)})
     if p.avoid_clique:
         rules.append({"key": CLIQUE_LABEL, "operator": "NotIn", "values": [p.avoid_clique]})
+    affinity: Manifest = {}
     if rules:
-        spec["affinity"] = {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    "nodeSelectorTerms": [{"matchExpressions": rules}]
-                }
+        affinity["nodeAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": rules}]
             }
         }
+    if p.near:
+        affinity["podAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": network_affinity(p.near)
+        }
+    if affinity:
+        spec["affinity"] = affinity
     return spec
+
+
+NETWORK_KEYS = (NETWORK_LABEL, ZONE_LABEL)
+"""The node labels that bound a network domain, as lockstep_operator.topology reads them."""
+
+
+def network_affinity(near: Sequence[Mapping[str, str]]) -> list[Manifest]:
+    """Preferred pod-affinity terms: the network domain (topology.NETWORK_LABEL, else the zone) of the
+    pods `near` selects, for each.
+
+    Why: weight sync needs a network both sides share (broadcast, p2p); left to the resource scores,
+    the scheduler put a CPU job's rank and its engine in different zones, and no transport was ever
+    feasible. Preferred, not required: a required term on a label the nodes lack would leave every
+    pod after the first unschedulable, and a full domain spills over (the WeightChannel then says no
+    transport is feasible and why). The first pod of a job lands anywhere; the rest follow it."""
+    return [
+        {
+            "weight": 100,
+            "podAffinityTerm": {"labelSelector": {"matchLabels": dict(labels)}, "topologyKey": key},
+        }
+        for labels in near
+        for key in NETWORK_KEYS
+    ]
 
 
 def pod_images(c: Container) -> list[str]:

@@ -12,6 +12,9 @@ from lockstep.api.trainergroup import TrainerGroupSpec
 from lockstep_operator.resources import podgroups
 from lockstep_operator.resources.commands import trainer_command
 from lockstep_operator.resources.common import (
+    LABEL_JOB,
+    LABEL_POOL,
+    LABEL_ROLE,
     Manifest,
     Owner,
     engines_service_name,
@@ -71,6 +74,11 @@ def rank_manifest(
         node_selector=dict(place.node_selector),
         tolerations=[t.wire() for t in place.tolerations],
         extra_resources={p2p_rdma: "1"} if p2p_rdma else {},
+        # The engines it updates and its other ranks (resources.pods.network_affinity).
+        near=(
+            {LABEL_POOL: used_pool(spec.job, shared_pool), LABEL_ROLE: "engine"},
+            {LABEL_JOB: spec.job, LABEL_ROLE: "trainer"},
+        ),
     )
     keys = podgroups.member_keys(
         job=spec.job,
