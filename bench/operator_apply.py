@@ -85,8 +85,9 @@ finally:
     profile.dump_stats({path!r})
 """
 """The operator's command with --profile: `python -m lockstep_operator` under cProfile (CPU time)."""
-STEADY_S = 60.0
-"""Seconds the operator's CPU is measured over with the burst's jobs present."""
+STEADY_S = 75.0
+"""Seconds the operator's CPU and requests are measured over with the burst's jobs present: longer
+than one resync period (60 s), so every job's periodic re-check falls in it."""
 
 
 def rljob(name: str, *, big: bool) -> dict[str, Any]:
@@ -343,9 +344,16 @@ async def burst(
     # Steady state with the jobs present (their pods never run on kwok: the operator keeps watching
     # and resyncing them): what sizes the Deployment's requests.
     if steady:
-        cpu0, t0 = cpu_s(op_pid), time.monotonic()
+        cpu0, t0, series0 = cpu_s(op_pid), time.monotonic(), scrape()
         await asyncio.sleep(STEADY_S)
         out["steady_mcpu"] = 1000 * (cpu_s(op_pid) - cpu0) / (time.monotonic() - t0)
+        series1 = scrape()
+        out["steady_calls"] = _calls(series1) - _calls(series0)
+        out["steady_by"] = {
+            k.split("{", 1)[1].rstrip("}"): int(v - series0.get(k, 0.0))
+            for k, v in series1.items()
+            if k.startswith("lockstep_operator_api_requests_total{") and v - series0.get(k, 0.0)
+        }
         out["loaded_rss"] = rss_mib(op_pid)
     created = [
         p
@@ -442,12 +450,21 @@ async def _scenarios(
     )
     print(
         f"with the {jobs} jobs present: operator RSS {results[0]['loaded_rss']:.0f} MiB, CPU "
-        f"{results[0]['steady_mcpu']:.0f} millicores (mean over {STEADY_S:.0f} s after the first burst)"
+        f"{results[0]['steady_mcpu']:.0f} millicores (mean over {STEADY_S:.0f} s after the first burst), "
+        f"{results[0]['steady_calls']:.0f} API requests in those {STEADY_S:.0f} s "
+        f"({results[0]['steady_calls'] / jobs / (STEADY_S / 60):.1f} per job per minute; every job passes "
+        f"at least once in any resync period): "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(results[0]["steady_by"].items()))
     )
     print(
         f"operator idle RSS: {idle_before:.0f} MiB after start-up, {idle_after:.0f} MiB after the load "
         f"(ratio to the Deployment's {REQUEST_MIB:.0f} MiB request: {idle_after / REQUEST_MIB:.2f})"
     )
+
+
+def _calls(series: dict[str, float]) -> float:
+    """The operator's API requests so far (its reconciles', not its watches')."""
+    return sum(v for k, v in series.items() if k.startswith("lockstep_operator_api_requests_total{"))
 
 
 def _passes(series: dict[str, float]) -> float:

@@ -143,6 +143,30 @@ async def test_create_or_apply_creates_a_new_object_and_applies_an_existing_one(
         assert kube.requests == before
 
 
+async def test_the_apply_cache_sends_an_unchanged_object_again_only_after_its_refresh_or_when_forgotten(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    """An identical apply within the refresh period sends nothing; a changed one is sent at once; after
+    the period (spread by a tenth either way) or `forget_applied` (the object's DELETED event) it is
+    sent again, and a deleted object comes back."""
+    cm = {**CM, "metadata": {"name": "refreshed", "namespace": namespace}, "data": {"a": "1"}}
+    async with KubeClient(await load_credentials(str(cluster.kubeconfig)), apply_cache_ttl_s=1.0) as kube:
+        await kube.apply(cm, cache=True)
+        before = kube.requests
+        assert await kube.apply(cm, cache=True) == {} and kube.requests == before
+        await kube.apply({**cm, "data": {"a": "2"}}, cache=True)  # changed: sent
+        assert kube.requests == before + 1
+        await asyncio.sleep(1.2)  # past the refresh, whatever its spread
+        await kube.apply({**cm, "data": {"a": "2"}}, cache=True)
+        assert kube.requests == before + 2
+        cluster.kubectl("delete", "configmap", "refreshed", "-n", namespace)
+        assert await kube.apply({**cm, "data": {"a": "2"}}, cache=True) == {}  # trusted: not sent
+        kube.forget_applied("v1", "ConfigMap", namespace, "refreshed")
+        await kube.apply({**cm, "data": {"a": "2"}}, cache=True)
+        assert kube.requests == before + 3
+    assert cluster.get("configmap", "refreshed", "-n", namespace)["data"] == {"a": "2"}
+
+
 async def test_in_cluster_token_is_read_again_after_rotation(
     cluster: ControlPlane, namespace: str, sa_dir: Path
 ) -> None:

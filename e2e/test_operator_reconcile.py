@@ -832,6 +832,26 @@ def test_scale_subresource_is_honoured(cluster: ControlPlane, operator: Operator
     assert pool["selector"] and f"{JOB}={job}" in pool["selector"]
 
 
+def test_a_child_deleted_by_hand_comes_back_at_once(
+    cluster: ControlPlane, operator: Operator, namespace: str
+) -> None:
+    """The apply cache trusts an unchanged child for apply_refresh_seconds (600 s here too), so the
+    re-check (every 3 s here) alone would not send it again: a child's DELETED event drops its cache
+    entry and kicks its job, whose next pass applies it again, and its ranks follow."""
+    job = "deleted-child"
+    cluster.apply(tiny(job), namespace=namespace)
+    running(cluster, namespace, job, "trainer", 1)
+    uid = cluster.get("trainergroup", f"{job}-trainer", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "trainergroup", f"{job}-trainer", "-n", namespace)
+
+    def again() -> bool:
+        found = cluster.get("trainergroup", "-n", namespace, "-l", f"{JOB}={job}")["items"]
+        return any(o["metadata"]["uid"] != uid for o in found)
+
+    cluster.wait_for(again, timeout=WAIT, what="the TrainerGroup applied again")
+    running(cluster, namespace, job, "trainer", 1)
+
+
 def test_operator_restarted_mid_reconcile_leaves_no_duplicates(
     cluster: ControlPlane, operator: Operator, namespace: str
 ) -> None:

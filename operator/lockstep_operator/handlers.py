@@ -67,7 +67,11 @@ def _recheck(memo: Any, key: Key) -> list[Key]:
 async def _client(memo: Any) -> KubeClient:
     """The operator's API client, created once (startup or the first login, whichever runs first)."""
     if "kube" not in memo:
-        kube = KubeClient(await load_credentials(), gate=RequestGate(SETTINGS.max_in_flight_requests))
+        kube = KubeClient(
+            await load_credentials(),
+            gate=RequestGate(SETTINGS.max_in_flight_requests),
+            apply_cache_ttl_s=SETTINGS.apply_refresh_seconds,
+        )
         memo["kube"] = await kube.__aenter__()
     return memo["kube"]  # type: ignore[no-any-return]
 
@@ -277,14 +281,19 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
         type: str, name: str, namespace: str | None, body: kopf.Body, memo: Any, **_: Any
     ) -> None:
         _listed(memo, type, body)
+        job = (body.get("spec") or {}).get("job")
         if type == "DELETED":
             _forget(memo, body)
+            # Deleted by hand (or by its job's deletion): its job's next pass applies it again at once,
+            # not only once the apply cache's entry expires (settings.apply_refresh_seconds).
+            memo["kube"].forget_applied(f"{GROUP}/{VERSION}", kind, namespace, name)
+            if job:
+                _kick(memo, [("RLJob", namespace or "", str(job))])
             return
         # The echo of our own status write needs no pass of the child itself; the job still folds it.
         keys: list[Key] = (
             [] if type == "MODIFIED" and _echo(memo, kind, body) else [(kind, namespace or "", name)]
         )
-        job = (body.get("spec") or {}).get("job")
         if job:
             keys.append(("RLJob", namespace or "", str(job)))  # the job folds its children's status
         _kick(memo, keys)

@@ -48,6 +48,13 @@ class OperatorSettings(BaseModel):
     resync_seconds: float = Field(default=60.0, gt=0)
     """Period of the level-triggered re-check of each job and its children (a work-queue timer that
     the job's passes never postpone: docs/operator.md)."""
+    apply_refresh_seconds: float = Field(default=600.0, gt=0)
+    """How long an unchanged child's apply is trusted (the client's apply cache, k8s/client.py): a pass
+    that wants the same manifest again within it sends nothing. A changed manifest is sent at once; a
+    child of a watched kind deleted by hand comes back at once (its DELETED event); one of another kind
+    (a Service, a NetworkPolicy, RBAC, a ConfigMap) or edited by hand comes back with the first pass
+    after this period (docs/operator.md, "The Kubernetes client"). At the resync period, as before,
+    every job re-sent its unchanged children each minute (18 requests per job per minute at rest)."""
     cache_relist_seconds: float = Field(default=300.0, gt=0)
     """Period of the read cache's re-list (k8s/relist.py): one LIST per watched kind and namespace drops
     what was deleted while a watch was broken. It also runs about a second after every watch listing."""

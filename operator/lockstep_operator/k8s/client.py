@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -201,6 +202,8 @@ class KubeClient:
         self._api: ApiClient | None = None
         self._retry, self._sleep, self._timeout = retry, sleep, aiohttp.ClientTimeout(total=timeout_s)
         self._applied: dict[tuple[str, str, str, str], tuple[str, float]] = {}
+        """Apply cache: key -> (digest of the manifest applied, when it expires)."""
+        self._prune_at = 4096
         self._applying: dict[tuple[str, str, str, str], tuple[str, asyncio.Future[None]]] = {}
         self._ttl = apply_cache_ttl_s
         self.requests = 0
@@ -322,8 +325,9 @@ class KubeClient:
         """Server-side apply with our field manager (force: the operator owns these fields).
 
         cache=True skips the request when the identical manifest was applied by this client less than
-        the cache TTL ago (re-applying an unchanged object is a no-op on the server; the periodic
-        re-check still re-applies after the TTL, so a deleted child comes back), or waits for the
+        the cache TTL ago (re-applying an unchanged object is a no-op on the server; a pass after the
+        TTL re-applies it, so a child deleted or edited by hand comes back: docs/operator.md, "The
+        Kubernetes client"; `forget_applied` ends an entry early), or waits for the
         identical apply already in flight (a burst's passes all wanting one shared object make one
         request). Returns {} then. `first`: as for `request`.
         """
@@ -331,7 +335,7 @@ class KubeClient:
         key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() if cache else ""
         hit = self._applied.get(key)
-        if cache and hit is not None and hit[0] == digest and time.monotonic() - hit[1] < self._ttl:
+        if cache and hit is not None and hit[0] == digest and time.monotonic() < hit[1]:
             return {}
         pending = self._applying.get(key)
         if cache and pending is not None and pending[0] == digest:
@@ -372,14 +376,20 @@ class KubeClient:
 
     def remember(self, manifest: Mapping[str, Any]) -> None:
         """Record `manifest` as applied now (apply's cache: an identical apply within the TTL is skipped);
-        also for an object made by a create with the same content."""
+        also for an object made by a create with the same content. Each entry's TTL is spread by up to
+        a tenth either way, so the objects of jobs applied in one burst are not all sent again at once."""
         meta = manifest["metadata"]
         key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
         now = time.monotonic()
-        if len(self._applied) > 4096:  # forget expired entries (objects of deleted jobs)
-            self._applied = {k: v for k, v in self._applied.items() if now - v[1] < self._ttl}
-        self._applied[key] = (digest, now)
+        if len(self._applied) > self._prune_at:  # forget expired entries (objects of deleted jobs)
+            self._applied = {k: v for k, v in self._applied.items() if now < v[1]}
+            self._prune_at = max(4096, 2 * len(self._applied))  # amortized: not on every call at scale
+        self._applied[key] = (digest, now + self._ttl * random.uniform(0.9, 1.1))
+
+    def forget_applied(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
+        """The object is gone (its DELETED event): the next apply of it is sent, whatever the cache says."""
+        self._applied.pop((api_version, kind, namespace or "", name), None)
 
     async def create(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> Manifest:
         """Create `manifest` (POST to its collection); ApiError 409 AlreadyExists when it exists.

@@ -60,8 +60,8 @@ async def write_status(kube: KubeClient, body: Mapping[str, Any], previous: Wire
 async def ensure_baseline(kube: KubeClient, namespace: str) -> None:
     """Apply the namespace's baseline NetworkPolicy before a pass creates pods (resources.network): a
     job's pods are then closed, not open, until their own policies follow them. Ahead of the other
-    requests (the pods wait for it), once per namespace and cache TTL: a burst's passes share one
-    request, and a deleted baseline comes back within the TTL."""
+    requests (the pods wait for it), once per namespace and apply refresh period: a burst's passes
+    share one request, and a deleted baseline comes back with the first pass creating pods after it."""
     await kube.apply(baseline_network_policy(namespace), cache=True, first=True)
 
 
