@@ -30,6 +30,9 @@ NETWORK_LABEL = "rl.lockstep.dev/network"
 """Node label naming the GPU network a node is on; nodes with equal values can run NCCL together."""
 ZONE_LABEL = "topology.kubernetes.io/zone"
 """Fallback network domain when NETWORK_LABEL is absent."""
+NETWORK_KEYS = (NETWORK_LABEL, ZONE_LABEL)
+"""The node labels that name a node's network domain, the first present wins (NodeFacts.network);
+the pods' network-domain affinity uses the same keys (resources.pods.network_affinity)."""
 CLIQUE_LABEL = "nvidia.com/gpu.clique"
 """GPU feature discovery label: equal values are one multi-node NVLink domain."""
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -60,7 +63,7 @@ class NodeFacts:
     @property
     def network(self) -> str:
         """The network domain: NETWORK_LABEL, else the zone, else one cluster-wide domain."""
-        return self.labels.get(NETWORK_LABEL) or self.labels.get(ZONE_LABEL) or "cluster"
+        return next((self.labels[key] for key in NETWORK_KEYS if self.labels.get(key)), "cluster")
 
     @property
     def gpus(self) -> int:

@@ -61,7 +61,7 @@ from lockstep_operator.resources.model import (
     pull_command,
 )
 from lockstep_operator.resources.platforms import ARCH_LABEL, ImageArchitectureError, NodeFacts
-from lockstep_operator.topology import NETWORK_LABEL, ZONE_LABEL
+from lockstep_operator.topology import NETWORK_KEYS
 
 GPU = "nvidia.com/gpu"
 POD_SECURITY: Manifest = {
@@ -266,13 +266,9 @@ def _pod_spec(c: Container, p: Placement, gang: Gang, *, env: Mapping[str, str],
     return spec
 
 
-NETWORK_KEYS = (NETWORK_LABEL, ZONE_LABEL)
-"""The node labels that bound a network domain, as lockstep_operator.topology reads them."""
-
-
 def network_affinity(near: Sequence[Mapping[str, str]]) -> list[Manifest]:
-    """Preferred pod-affinity terms: the network domain (topology.NETWORK_LABEL, else the zone) of the
-    pods `near` selects, for each.
+    """Preferred pod-affinity terms: the network domain (topology.NETWORK_KEYS: the network label, else
+    the zone) of the pods `near` selects, for each.
 
     Why: weight sync needs a network both sides share (broadcast, p2p); left to the resource scores,
     the scheduler put a CPU job's rank and its engine in different zones, and no transport was ever
