@@ -436,7 +436,7 @@ async def _scenarios(
     print_burst_details(results[0], jobs, want)
     series = scrape()
     passes = sum(v for k, v in series.items() if k.startswith("lockstep_operator_reconciles_total{"))
-    calls = sum(v for k, v in series.items() if k.startswith("lockstep_operator_api_requests_total{"))
+    calls = _calls(series)
     n = runs + jobs * bursts + 1
     by_kind = {
         k.split("{", 1)[1].rstrip("}"): int(v)

@@ -28,6 +28,7 @@ from lockstep_operator.reconcile import Key, dispatch
 from lockstep_operator.resources.adapter_gc import ROLE as UNLOAD_ROLE
 from lockstep_operator.resources.annotations import Annotation
 from lockstep_operator.resources.common import (
+    API_VERSION,
     GROUP,
     LABEL_JOB,
     LABEL_POOL,
@@ -286,7 +287,7 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
             _forget(memo, body)
             # Deleted by hand (or by its job's deletion): its job's next pass applies it again at once,
             # not only once the apply cache's entry expires (settings.apply_refresh_seconds).
-            memo["kube"].forget_applied(f"{GROUP}/{VERSION}", kind, namespace, name)
+            memo["kube"].forget_applied(API_VERSION, kind, namespace, name)
             if job:
                 _kick(memo, [("RLJob", namespace or "", str(job))])
             return

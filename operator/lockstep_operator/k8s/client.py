@@ -184,6 +184,17 @@ def manifest_path(manifest: Mapping[str, Any], *, named: bool = True) -> str:
     return resource_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), name)
 
 
+def _cache_key(manifest: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """The apply cache's key of an object: apiVersion, kind, namespace ("" when cluster-scoped), name."""
+    meta = manifest["metadata"]
+    return (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
+
+
+def _digest(manifest: Mapping[str, Any]) -> str:
+    """What the apply cache compares: a hash of the manifest's canonical JSON."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
 class KubeClient:
     """Async client; use `async with KubeClient(await load_credentials()) as kube:`."""
 
@@ -331,9 +342,8 @@ class KubeClient:
         identical apply already in flight (a burst's passes all wanting one shared object make one
         request). Returns {} then. `first`: as for `request`.
         """
-        meta = manifest["metadata"]
-        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
-        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() if cache else ""
+        key = _cache_key(manifest)
+        digest = _digest(manifest) if cache else ""
         hit = self._applied.get(key)
         if cache and hit is not None and hit[0] == digest and time.monotonic() < hit[1]:
             return {}
@@ -370,17 +380,16 @@ class KubeClient:
         finally:
             if self._applying.get(key, (None, None))[1] is done:
                 del self._applying[key]
-        self.remember(manifest)  # remembered only once the server accepted it
+        self.remember(manifest, digest=digest)  # remembered only once the server accepted it
         done.set_result(None)
         return answer
 
-    def remember(self, manifest: Mapping[str, Any]) -> None:
+    def remember(self, manifest: Mapping[str, Any], *, digest: str | None = None) -> None:
         """Record `manifest` as applied now (apply's cache: an identical apply within the TTL is skipped);
         also for an object made by a create with the same content. Each entry's TTL is spread by up to
-        a tenth either way, so the objects of jobs applied in one burst are not all sent again at once."""
-        meta = manifest["metadata"]
-        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
-        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        a tenth either way, so the objects of jobs applied in one burst are not all sent again at once.
+        `digest`: the manifest's, when the caller has it (apply: not hashed twice)."""
+        key, digest = _cache_key(manifest), digest or _digest(manifest)
         now = time.monotonic()
         if len(self._applied) > self._prune_at:  # forget expired entries (objects of deleted jobs)
             self._applied = {k: v for k, v in self._applied.items() if now < v[1]}
@@ -389,7 +398,7 @@ class KubeClient:
 
     def forget_applied(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
         """The object is gone (its DELETED event): the next apply of it is sent, whatever the cache says."""
-        self._applied.pop((api_version, kind, namespace or "", name), None)
+        self._applied.pop((api_version, kind, namespace or "", name), None)  # as _cache_key
 
     async def create(self, manifest: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER) -> Manifest:
         """Create `manifest` (POST to its collection); ApiError 409 AlreadyExists when it exists.
@@ -408,9 +417,7 @@ class KubeClient:
         cannot change anyway. An object that exists (the store's copy lags; a deleted pod still
         terminating) gets the apply it got before. cache=True: as for `apply`, and an object this
         client made or applied before goes straight to the apply (no create refused first)."""
-        meta = manifest["metadata"]
-        key = (manifest["apiVersion"], manifest["kind"], meta.get("namespace") or "", meta["name"])
-        if cache and key in self._applied:
+        if cache and _cache_key(manifest) in self._applied:
             return await self.apply(manifest, cache=True)
         try:
             answer = await self.create(manifest)
