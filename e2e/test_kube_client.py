@@ -30,6 +30,7 @@ import yaml
 from lockstep.api.progress import ProgressReport
 from lockstep.progress import ConfigMapReporter
 from lockstep_operator.k8s.client import ApiError, KubeClient, load_credentials
+from lockstep_operator.k8s.store import Store
 from lockstep_operator.settings import FIELD_MANAGER
 
 from e2e.controlplane.cluster import ControlPlane
@@ -49,6 +50,12 @@ def _sa_token(cluster: ControlPlane, ns: str, name: str, *, may_read: bool) -> s
     return cluster.kubectl("create", "token", name, "-n", ns, "--duration=10m").stdout.strip()
 
 
+def _install_crds(cluster: ControlPlane) -> None:
+    for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
+        cluster.apply(crd.read_text())
+    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rl.lockstep.dev", "--timeout=60s")
+
+
 @pytest.fixture
 def sa_dir(cluster: ControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A mounted-ServiceAccount stand-in: ca.crt of the real cluster, the env of a pod, no KUBECONFIG."""
@@ -61,9 +68,7 @@ def sa_dir(cluster: ControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 async def test_apply_create_status_patch_on_the_real_apiserver(cluster: ControlPlane, namespace: str) -> None:
-    for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
-        cluster.apply(crd.read_text())
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rl.lockstep.dev", "--timeout=60s")
+    _install_crds(cluster)
     async with KubeClient(await load_credentials(str(cluster.kubeconfig))) as kube:
         made = await kube.create(
             {**CM, "metadata": {"name": "made", "namespace": namespace}, "data": {"a": "1"}}
@@ -165,6 +170,32 @@ async def test_the_apply_cache_sends_an_unchanged_object_again_only_after_its_re
         await kube.apply({**cm, "data": {"a": "2"}}, cache=True)
         assert kube.requests == before + 3
     assert cluster.get("configmap", "refreshed", "-n", namespace)["data"] == {"a": "2"}
+
+
+async def test_a_write_that_changed_a_held_object_is_reported_once(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    """`on_write` (the operator kicks the object's pass with it) is called for a create and for an
+    apply that changed the object, not for an apply the server found unchanged nor for a /status
+    write; every write's version is in `written` (its watch event is then an echo)."""
+    _install_crds(cluster)
+    job = yaml.safe_load((ROOT / "examples" / "tiny-local.yaml").read_text())
+    job["metadata"] = {"name": "told", "namespace": namespace}
+    key = ("RLJob", namespace, "told")
+    async with KubeClient(await load_credentials(str(cluster.kubeconfig))) as kube:
+        kube.store, calls = Store(), []
+        kube.on_write = calls.append
+        made = await kube.create(job)
+        assert calls == [key] and kube.written[key] == made["metadata"]["resourceVersion"]
+        await kube.apply(job)  # the first apply after a create: the server records its managed fields
+        assert calls == [key, key]
+        await kube.apply(job)  # the same again: the server changes nothing, the version stays
+        assert calls == [key, key]
+        await kube.merge_patch(job["apiVersion"], "RLJob", namespace, "told", {"status": {"phase": "Pending"}},
+                               subresource="status")  # fmt: skip
+        assert calls == [key, key]
+        changed = await kube.apply({**job, "metadata": {**job["metadata"], "labels": {"a": "b"}}})
+        assert calls == [key] * 3 and kube.written[key] == changed["metadata"]["resourceVersion"]
 
 
 async def test_in_cluster_token_is_read_again_after_rotation(
@@ -327,9 +358,7 @@ def test_operator_watches_and_reconciles_through_an_exec_plugin(
     """kopf's watches and the reconciles both log in through the exec plugin (one credential loader)."""
     from kopf.testing import KopfRunner
 
-    for crd in sorted((ROOT / "crds").glob("rl.lockstep.dev_*.yaml")):
-        cluster.apply(crd.read_text())
-    cluster.kubectl("wait", "--for=condition=Established", "crd/rljobs.rl.lockstep.dev", "--timeout=60s")
+    _install_crds(cluster)
     path, runs = _exec_kubeconfig(cluster, tmp_path, expires=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1))
     monkeypatch.setenv("KUBECONFIG", str(path))
     job = yaml.safe_load((ROOT / "examples" / "tiny-local.yaml").read_text())

@@ -1,8 +1,9 @@
 """kopf registrations only: which events kick which reconciles. No logic lives here.
 
 The operator is level-triggered: every watch event of our four kinds, of the jobs' pods and progress
-ConfigMaps, and a periodic timer per RLJob only kick keys of the work queue (workqueue.WorkQueue),
-which runs the reconcile of each key (reconcile.run). kopf's bookkeeping stays out of user-facing
+ConfigMaps, a periodic timer per RLJob, and the operator's own writes that changed one of the four
+kinds (KubeClient.on_write) only kick keys of the work queue (workqueue.WorkQueue), which runs the
+reconcile of each key (reconcile.run). kopf's bookkeeping stays out of user-facing
 status: handlers keep no state and return None; its finalizer and annotations use rl.lockstep.dev.
 kopf's watches log in with the operator's own credentials (k8s.client: kubeconfig with exec plugins,
 or the in-cluster ServiceAccount). Used by `python -m lockstep_operator` and the e2e tests
@@ -44,6 +45,10 @@ from lockstep_operator.workqueue import Backoff, RateLimit, WorkQueue
 
 VERSION = "v1alpha1"
 SETTINGS = load_settings()
+
+
+_FAMILY_KINDS = frozenset({"RLJob", "RolloutPool", "TrainerGroup", "WeightChannel"})
+"""The kinds of the work queue's keys."""
 
 
 def _family(job: str, namespace: str) -> list[Key]:
@@ -134,6 +139,9 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     store = Store({"Pod": {LABEL_JOB: None}, "ConfigMap": {LABEL_JOB: None, LABEL_ROLE: "driver"}})
     await initial_list(kube, store, SETTINGS.namespaces)
     memo["store"] = kube.store = store
+    # A child the operator's own pass created or changed passes at once, one watch hop sooner (its
+    # event, which may queue behind a burst's others, is then an echo: _child_event skips it).
+    kube.on_write = lambda key: _written(memo, key)
     sink = EventSink(kube, instance=os.environ.get("POD_NAME", ""))
     memo["queue"] = WorkQueue(
         dispatch(kube, SETTINGS, sink),
@@ -215,6 +223,12 @@ def _kick(memo: kopf.Memo, keys: list[Key], *, urgent: bool = False) -> None:
         queue.kick(key, urgent=urgent)
 
 
+def _written(memo: Any, key: Key) -> None:
+    """The operator's own write changed an object (KubeClient.on_write): pass it if it is a key."""
+    if key[0] in _FAMILY_KINDS:
+        memo["queue"].kick(key)
+
+
 def _listed(memo: Any, type: str | None, body: kopf.Body) -> None:
     """Every event's object into the store first (the DELETED ones leave it through _forget). An
     object of a watch's listing (event type None: at start, or after a gap, when kopf lists the kind
@@ -291,10 +305,10 @@ def _child_event(kind: str) -> Callable[..., Awaitable[None]]:
             if job:
                 _kick(memo, [("RLJob", namespace or "", str(job))])
             return
-        # The echo of our own status write needs no pass of the child itself; the job still folds it.
-        keys: list[Key] = (
-            [] if type == "MODIFIED" and _echo(memo, kind, body) else [(kind, namespace or "", name)]
-        )
+        # The echo of our own write needs no pass of the child itself (a status write needs none, any
+        # other write kicked it already: KubeClient.on_write); the job still folds it.
+        echo = type in ("ADDED", "MODIFIED") and _echo(memo, kind, body)
+        keys: list[Key] = [] if echo else [(kind, namespace or "", name)]
         if job:
             keys.append(("RLJob", namespace or "", str(job)))  # the job folds its children's status
         _kick(memo, keys)

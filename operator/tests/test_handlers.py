@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import types
 
 import kopf
 import lockstep_operator.handlers as handlers
@@ -90,4 +91,37 @@ async def test_a_pod_a_relist_found_gone_is_handled_as_its_deleted_event() -> No
         await asyncio.sleep(0.01)
     assert sorted(ran) == [("TrainerGroup", "ns", "j-trainer"), ("WeightChannel", "ns", "j-weights")]
     assert store.get("Pod", "ns", "j-trainer-0") is None
+    await memo["queue"].close()
+
+
+async def test_a_childs_event_echoing_the_operators_own_write_passes_only_its_job() -> None:
+    """A child the operator created or changed was kicked by the write itself (KubeClient.on_write):
+    its ADDED or MODIFIED event of that version passes only its job (which folds the child's status);
+    an event of any other version (a user's edit) passes the child too."""
+    ran: list[Key] = []
+
+    async def run(key: Key) -> None:
+        ran.append(key)
+
+    async def kicked(event: str, version: str) -> list[Key]:
+        ran.clear()
+        meta = {"name": "j-rollout", "namespace": "ns", "uid": "u", "resourceVersion": version}
+        body = {"apiVersion": "rl.lockstep.dev/v1alpha1", "kind": "RolloutPool", "metadata": meta,
+                "spec": {"job": "j"}}  # fmt: skip
+        await handlers._CHILDREN["RolloutPool"](
+            type=event, name="j-rollout", namespace="ns", body=kopf.Body(body), memo=memo
+        )
+        for _ in range(500):  # the queue runs the kicked keys on its own tasks
+            if memo["queue"].in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        return sorted(ran)
+
+    kube = types.SimpleNamespace(written={("RolloutPool", "ns", "j-rollout"): "5"})
+    memo = kopf.Memo(store=Store(), queue=WorkQueue(run), kube=kube)
+    job, pool = ("RLJob", "ns", "j"), ("RolloutPool", "ns", "j-rollout")
+    assert await kicked("ADDED", "5") == [job]
+    assert await kicked("MODIFIED", "5") == [job]
+    assert await kicked("MODIFIED", "6") == [job, pool]
+    assert await kicked(None, "5") == [job, pool]  # a listing: not taken for an echo
     await memo["queue"].close()

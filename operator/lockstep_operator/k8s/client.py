@@ -229,9 +229,14 @@ class KubeClient:
         """Bounds this client's requests in flight and serves the urgent ones first (k8s/gate.py);
         None: every request goes at once (tests, benches)."""
         self.written: dict[tuple[str, str, str], str] = {}
-        """(kind, namespace, name) -> resourceVersion of this client's last /status write of that object,
-        so a watch event that is only the echo of a reconcile's own status write can be skipped. Only
-        status writes: a parent's apply to a child (suspend, stop annotations) must wake the child."""
+        """(kind, namespace, name) -> resourceVersion of this client's last write of that object, so a
+        watch event that only echoes it can be skipped: a /status write needs no pass of its object,
+        and any other write that changed an object the store holds already called `on_write`."""
+        self.on_write: Callable[[tuple[str, str, str]], None] | None = None
+        """Called with (kind, namespace, name) when a write other than to /status changed an object the
+        store holds. The operator kicks that object's pass at once (a job's new RolloutPool and
+        TrainerGroup make their pods without waiting for their watch events: docs/operator.md,
+        "Reconcile order"). None: nothing is called."""
 
     async def __aenter__(self) -> KubeClient:
         self._api = ApiClient(self.credentials.configuration)
@@ -282,9 +287,8 @@ class KubeClient:
                     raise
                 log.info("%s %s: %s; retry %d in %.1fs", method, path, type(err).__name__, attempt, delay)
             else:
-                self._remember_status_write(method, path, answer)
-                if self.store is not None and method != "GET" and "kind" in answer:
-                    self.store.observe(answer)  # our own writes: never read older state than them
+                if method != "GET":
+                    self._remember_write(path, answer)
                 return answer
             await self._sleep(delay)
             attempt += 1
@@ -317,13 +321,19 @@ class KubeClient:
             )
         return cast(Manifest, json.loads(data)) if data else {}
 
-    def _remember_status_write(self, method: str, path: str, answer: Manifest) -> None:
-        if method == "PATCH" and path.endswith("/status") and isinstance(answer.get("metadata"), dict):
-            meta = answer["metadata"]
-            key = (str(answer.get("kind", "")), str(meta.get("namespace", "")), str(meta.get("name", "")))
-            if len(self.written) > 16384:
-                self.written.clear()
-            self.written[key] = str(meta.get("resourceVersion", ""))
+    def _remember_write(self, path: str, answer: Manifest) -> None:
+        """A write's answer: into the store (a pass never reads older state than its own last write),
+        its version into `written`, and `on_write` when it changed a held object's spec or metadata."""
+        meta = answer.get("metadata")
+        if "kind" not in answer or not isinstance(meta, dict):
+            return  # a DELETE's Status, an empty answer
+        key = (str(answer["kind"]), str(meta.get("namespace", "")), str(meta.get("name", "")))
+        if len(self.written) > 16384:
+            self.written.clear()
+        self.written[key] = str(meta.get("resourceVersion", ""))
+        changed = self.store is not None and self.store.observe(answer)
+        if changed and self.on_write is not None and not path.endswith("/status"):
+            self.on_write(key)
 
     async def apply(
         self,

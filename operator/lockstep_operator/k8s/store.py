@@ -95,12 +95,13 @@ class Store:
         """Whether reads of `kind` may come from here."""
         return self.synced and kind in CACHED_KINDS
 
-    def observe(self, body: Mapping[str, Any]) -> None:
+    def observe(self, body: Mapping[str, Any]) -> bool:
         """Record `body` (a watch event's object or a write's answer) unless a copy at least as new is
-        held (the watch echo of our own write, already held from its answer, is not copied again)."""
+        held (the watch echo of our own write, already held from its answer, is not copied again).
+        True when it was recorded: the store had no copy of this version or a newer one."""
         kind, meta = body.get("kind"), body.get("metadata") or {}
         if kind not in CACHED_KINDS or not meta.get("name"):
-            return
+            return False
         if meta.get("uid") in self._deleted:
             log.info(
                 "a copy of deleted %s %s/%s read after its deletion: not held",
@@ -108,20 +109,21 @@ class Store:
                 meta.get("namespace"),
                 meta["name"],
             )
-            return
+            return False
         labels = meta.get("labels") or {}
         required = self.required_labels.get(str(kind), {})
         if any(k not in labels or (v is not None and labels[k] != v) for k, v in required.items()):
-            return
+            return False
         bucket = self._objects.setdefault((str(kind), str(meta.get("namespace") or "")), {})
         held = bucket.get(meta["name"])
         new, old = _version(body), _version(held) if held is not None else None
         if held is not None and new is not None and old is not None and new <= old:  # older, or the echo
-            return
+            return False
         if held is not None:
             self._unindex(str(kind), held)
         bucket[meta["name"]] = stored = _stripped(body)
         self._index(str(kind), stored)
+        return True
 
     def _keys(self, kind: str, body: Manifest) -> list[tuple[str, str, str, str]]:
         meta = body["metadata"]
