@@ -5,7 +5,12 @@ them; the operator's own overhead (watch latency, reconcile passes, status write
 The baseline, measured in the same run on the same control plane, is the same pods created directly
 by server-side apply from one client (sequentially for the one job, 50 at a time for the 50 jobs),
 and for the 50 jobs also by plain create (POST, what the operator sends for a new pod, cheaper for
-the API server); the ratio operator / the faster of the two is the figure. Also the operator's
+the API server); the ratio operator / the faster of the two is the figure. Each burst also times its floor: the
+writes on the operator's path to the pods (per job two ServiceAccounts, then the RolloutPool, the
+TrainerGroup and the driver pod, then the engine and trainer pods, as the operator made them),
+made directly by one client with the operator stopped; floor / direct is what those writes cost the
+API server, operator / floor what the operator adds (its passes, watch hops and other requests).
+Also the operator's
 resident memory when idle (after start-up and again after the load), the number that sizes its
 Deployment's memory request.
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -301,6 +307,92 @@ async def direct(
     return time.perf_counter() - started
 
 
+FLOOR_PREFIX = "floor-"
+SUSPENDED = "rl.lockstep.dev/suspended"
+
+
+def _floor_meta(meta: dict[str, Any], ns: str) -> dict[str, Any]:
+    """A captured object's name, labels and annotations under the floor's prefix, without the job
+    label (the operator's pod selector: its stopped watches then carry none of the floor's pods)."""
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != JOB_LABEL}
+    out = {"name": FLOOR_PREFIX + meta["name"], "namespace": ns, "labels": labels}
+    return {**out, "annotations": meta["annotations"]} if meta.get("annotations") else out
+
+
+def floor_chains(captured: dict[str, list[dict[str, Any]]], ns: str) -> list[list[list[dict[str, Any]]]]:
+    """Per job, the writes on the operator's path to its pods, as the operator made them and in its
+    order (docs/operator.md, "Reconcile order"): the two ServiceAccounts; then the RolloutPool, the
+    TrainerGroup and the driver pod; then the engine and the trainer pod (each made by its pool's or
+    trainer group's pass). Names prefixed, owners and server fields dropped."""
+    chains: dict[str, list[list[dict[str, Any]]]] = {}
+    accounts = {a["metadata"]["name"] for a in captured.get("ServiceAccount", [])}
+    for kind, objs in captured.items():
+        for obj in objs:
+            meta = obj["metadata"]
+            m: dict[str, Any] = {
+                "apiVersion": obj["apiVersion"],
+                "kind": kind,
+                "metadata": _floor_meta(meta, ns),
+            }
+            if kind == "Pod":
+                m["spec"] = {k: v for k, v in obj["spec"].items() if k not in ("nodeName", "serviceAccount")}
+                if m["spec"].get("serviceAccountName") in accounts:  # one of the job's own
+                    m["spec"]["serviceAccountName"] = FLOOR_PREFIX + m["spec"]["serviceAccountName"]
+            elif "spec" in obj:
+                m["spec"] = obj["spec"]
+                # Suspended (the same bytes but one value): the operator, once resumed, sees these
+                # objects' events before their deletions and makes no pods for them.
+                m["metadata"]["annotations"] = {**m["metadata"].get("annotations", {}), SUSPENDED: "true"}
+            if "automountServiceAccountToken" in obj:
+                m["automountServiceAccountToken"] = obj["automountServiceAccountToken"]
+            chains.setdefault(meta["labels"][JOB_LABEL], [[], [], []])[_floor_step(kind, meta)].append(m)
+    return list(chains.values())
+
+
+def _floor_step(kind: str, meta: dict[str, Any]) -> int:
+    """0: ServiceAccounts; 1: the pool, the trainer group, the driver pod; 2: engine and trainer pods."""
+    if kind == "ServiceAccount":
+        return 0
+    return 2 if kind == "Pod" and meta["labels"].get("rl.lockstep.dev/role") in ("engine", "trainer") else 1
+
+
+async def floor(kube: KubeClient, chains: list[list[list[dict[str, Any]]]], concurrency: int) -> float:
+    """Seconds to make every chain's writes directly (POST), all chains at once, each step after the
+    one before, at most `concurrency` requests in flight: the API server's share of the operator's
+    path, with no operator in it (no watch hops, no passes, no supporting objects)."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(m: dict[str, Any]) -> None:
+        async with sem:
+            await kube.create(m)
+
+    async def chain(steps: list[list[dict[str, Any]]]) -> None:
+        for step in steps:
+            await asyncio.gather(*(one(m) for m in step))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(chain(c) for c in chains))
+    return time.perf_counter() - started
+
+
+async def clear_floor(kube: KubeClient, chains: list[list[list[dict[str, Any]]]]) -> None:
+    """Delete the floor's objects and wait until they are gone."""
+    made = [m for c in chains for step in c for m in step]
+    for m in made:
+        await kube.delete(m["apiVersion"], m["kind"], m["metadata"]["namespace"], m["metadata"]["name"])
+    for m in made:
+        while await kube.get(m["apiVersion"], m["kind"], m["metadata"]["namespace"], m["metadata"]["name"]):
+            await asyncio.sleep(0.2)
+
+
+CAPTURED = (
+    ("v1", "ServiceAccount"),
+    ("rl.lockstep.dev/v1alpha1", "RolloutPool"),
+    ("rl.lockstep.dev/v1alpha1", "TrainerGroup"),
+)
+"""Besides the pods: the objects the floor makes (what the operator writes on its path to them)."""
+
+
 async def scenarios(cp: ControlPlane, op_pid: int, runs: int, jobs: int, bursts: int) -> None:
     ns = "bench"
     async with KubeClient(await load_credentials(str(cp.kubeconfig))) as kube:
@@ -361,12 +453,29 @@ async def burst(
         if p["metadata"]["labels"].get("rl.lockstep.dev/role") in ("engine", "trainer", "driver")
     ]
     out["pods"] = len(created)
+    captured = {"Pod": [{**p, "apiVersion": "v1"} for p in created]}  # a list's items name neither
+    for api_version, kind in CAPTURED:
+        captured[kind] = [
+            {**o, "apiVersion": api_version}
+            for o in await kube.list(api_version, kind, ns)
+            if JOB_LABEL in (o["metadata"].get("labels") or {})
+        ]
     await clear(kube, ns)
     out["direct_apply"] = await direct(kube, [bare(p, ns) for p in created], jobs)
     await clear(kube, ns)
     out["direct_create"] = await direct(kube, [bare(p, ns) for p in created], jobs, create=True)
     await clear(kube, ns)
     out["direct"] = min(out["direct_apply"], out["direct_create"])  # the faster: the stricter baseline
+    # The floor, with the operator stopped (SIGSTOP): it must not reconcile the floor's RolloutPools
+    # and TrainerGroups; it resumes once they are gone and sees only their events.
+    chains = floor_chains(captured, ns)
+    os.kill(op_pid, signal.SIGSTOP)
+    try:
+        out["floor"] = await floor(kube, chains, jobs)
+        await clear_floor(kube, chains)
+    finally:
+        os.kill(op_pid, signal.SIGCONT)
+    await quiet()
     return out
 
 
@@ -426,13 +535,24 @@ async def _scenarios(
             f"a time: server-side apply {r['direct_apply']:.2f} s, create {r['direct_create']:.2f} s; ratio "
             f"to the faster {total / r['direct']:.1f}x; CPU s operator "
             f"{r['cpu']['operator']:.1f}, kube-apiserver {r['cpu']['kube-apiserver']:.1f}; "
-            f"{_passes(r['during']):.0f} passes; every supporting object {r['support_s']:.1f} s"
+            f"{_passes(r['during']):.0f} passes; every supporting object {r['support_s']:.1f} s; "
+            f"floor {r['floor']:.2f} s"
         )
     ratios = sorted(max(r["times"]) / r["direct"] for r in results)
     print(
         f"  ratio operator all / direct over {bursts} bursts: median {statistics.median(ratios):.1f}x "
         f"(min {ratios[0]:.1f}x, max {ratios[-1]:.1f}x)"
     )
+    shares = {
+        "floor / direct (the path's writes alone)": [r["floor"] / r["direct"] for r in results],
+        "operator all / floor (the operator's own share)": [max(r["times"]) / r["floor"] for r in results],
+    }
+    for name, values in shares.items():
+        values = sorted(values)
+        print(
+            f"  ratio {name} over {bursts} bursts: median {statistics.median(values):.1f}x "
+            f"(min {values[0]:.1f}x, max {values[-1]:.1f}x)"
+        )
     print_burst_details(results[0], jobs, want)
     series = scrape()
     passes = sum(v for k, v in series.items() if k.startswith("lockstep_operator_reconciles_total{"))
